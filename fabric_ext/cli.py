@@ -1,0 +1,125 @@
+"""`fabricc`: the command-line compiler.
+
+Exit status: 0 clean, 1 errors in the input, 2 bad usage (unknown flag,
+missing file).  User errors never print a Python traceback; an internal error
+prints one line asking for a bug report (its traceback only with --debug).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+from . import __version__
+from .diagnostics import Diagnostics
+
+EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+class UsageError(Exception):
+    """A bad command line: printed as one line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _existing(path: str) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"fabricc: no such file: {path}")
+    return p
+
+
+def _analyze(path: Path):
+    from .frontend import analyze
+    a = analyze(path)
+    a.diags.print(sys.stderr)
+    return a
+
+
+def cmd_check(args) -> int:
+    status = EXIT_OK
+    for f in args.files:
+        a = _analyze(_existing(f))
+        n = len(a.diags.errors)
+        if n:
+            status = EXIT_INPUT
+            print(f"{f}: {n} error{'s' * (n != 1)}", file=sys.stderr)
+        elif not args.quiet:
+            print(f"{f}: ok ({len(a.placements)} placements on {len({p.island for p in a.placements})} islands)")
+    return status
+
+
+def cmd_graph(args) -> int:
+    from .graph_export import to_dot, to_json
+    a = _analyze(_existing(args.file))
+    if not a.ok:
+        return EXIT_INPUT
+    text = json.dumps(to_json(a), indent=2) + "\n" if args.format == "json" else to_dot(a)
+    if args.output:
+        from .fsutil import atomic_write_text
+        atomic_write_text(Path(args.output), text)
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
+
+
+def cmd_compile(args) -> int:
+    from .codegen.driver import compile_policy
+    return compile_policy(_existing(args.file), Path(args.output), opt=args.O, mcpu=args.mcpu,
+                          emit=args.emit or [], kernel_verify=args.kernel_verify)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="fabricc", description="Compile .fx data-movement policies to per-island eBPF.")
+    p.add_argument("--version", action="version", version=f"fabricc {__version__}")
+    p.add_argument("--debug", action="store_true", help="print tracebacks of internal errors")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
+    c = sub.add_parser("check", help="parse and check policies, report every error")
+    c.add_argument("files", nargs="+", metavar="FILE")
+    c.add_argument("-q", "--quiet", action="store_true", help="print nothing when a file is clean")
+    c.set_defaults(func=cmd_check)
+    g = sub.add_parser("graph", help="print the semantic movement graph")
+    g.add_argument("file", metavar="FILE")
+    g.add_argument("--format", choices=("json", "dot"), default="json")
+    g.add_argument("-o", "--output", metavar="OUT", help="write to OUT instead of standard output")
+    g.set_defaults(func=cmd_graph)
+    k = sub.add_parser("compile", help="compile a policy to eBPF objects and runtime artifacts")
+    k.add_argument("file", metavar="FILE")
+    k.add_argument("-o", "--output", metavar="DIR", required=True, help="output folder")
+    k.add_argument("-O", type=int, choices=(0, 1, 2), default=2, help="optimisation level (default 2)")
+    k.add_argument("--mcpu", choices=("v1", "v2", "v3", "v4"), default="v3", help="BPF cpu version (default v3)")
+    k.add_argument("--emit", action="append", choices=("llvm", "asm"), help="also write LLVM IR or disassembly")
+    k.add_argument("--kernel-verify", action="store_true", help="also load each program into the running kernel")
+    k.set_defaults(func=cmd_compile)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        if args.cmd is None:
+            build_parser().print_help(sys.stderr)
+            return EXIT_USAGE
+        return args.func(args)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - the one place that turns bugs into a message
+        if debug:
+            traceback.print_exc()
+        print(f"fabricc: internal error: {type(e).__name__}: {e} -- please report this bug "
+              f"(rerun with --debug for the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Pass 4: the semantic movement graph (`build_graph`).
+
+The physical graph is a networkx DiGraph of devices and directed links (with
+bandwidth and latency).  Each movement is expanded over its patterns into
+concrete flows (source, destination), each routed along a path (shortest by
+latency unless ``via`` is given) and mapped to the ordered list of islands it
+crosses, with each island's role on the path (src, transit, dst).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from . import ast as A
+from .checker import Symbols
+from .diagnostics import Diagnostics
+from .hooks import DEVICE_ISLAND_KIND, ISLAND_RUNTIME
+
+
+def prop_value(props: list[A.Prop], name: str, default=None):
+    """The value of a property (number, string or name), or ``default``."""
+    for p in props:
+        if p.name.name == name and p.value is not None:
+            v = p.value
+            return v.value if isinstance(v, (A.Num, A.Str)) else getattr(v, "id", default)
+    return default
+
+
+def has_flag(props: list[A.Prop], name: str) -> bool:
+    return any(p.name.name == name for p in props)
+
+
+@dataclass
+class Island:
+    name: str
+    kind: str          # gpu | cxl_switch | dpu | host
+    devices: list[str]  # the devices it governs (a switch governs its cxl_mem)
+
+    @property
+    def runtime(self) -> str:
+        return ISLAND_RUNTIME[self.kind]
+
+
+@dataclass
+class Flow:
+    """One concrete (source, destination) pair of a movement, routed."""
+    movement: str
+    src: str
+    dst: str
+    path: list[str]                        # devices, src first
+    islands: list[tuple[str, str]]         # (island, role) in path order
+
+
+@dataclass
+class MovementGraph:
+    g: nx.DiGraph
+    islands: dict[str, Island]
+    device_island: dict[str, str]
+    flows: dict[str, list[Flow]] = field(default_factory=dict)  # movement -> flows
+
+    def islands_of(self, movement: str) -> list[str]:
+        """Islands a movement crosses, in first-crossed order over all its flows."""
+        seen: list[str] = []
+        for f in self.flows.get(movement, []):
+            for isl, _ in f.islands:
+                if isl not in seen:
+                    seen.append(isl)
+        return seen
+
+    def ports(self, device: str) -> list[str]:
+        """The device's neighbours in a fixed order; port i leads to ports()[i]."""
+        return sorted(self.g.successors(device))
+
+
+def _islands(sym: Symbols) -> tuple[dict[str, Island], dict[str, str]]:
+    islands, dev_island = {}, {}
+    for name, d in sym.devices.items():
+        kind = DEVICE_ISLAND_KIND[d.kind]
+        if kind is not None:
+            islands[name] = Island(name, kind, [name])
+            dev_island[name] = name
+    for name, d in sym.devices.items():
+        if d.kind == "cxl_mem" and d.at is not None and d.at.name in islands:
+            islands[d.at.name].devices.append(name)
+            dev_island[name] = d.at.name
+    return islands, dev_island
+
+
+def _physical(sym: Symbols) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for name, d in sym.devices.items():
+        g.add_node(name, kind=d.kind)
+    fab = sym.fabric
+    for link in fab.links if fab else []:
+        a, b = link.a.name, link.b.name
+        if a not in sym.devices or b not in sym.devices or a == b:
+            continue
+        attrs = {"bw": prop_value(link.props, "bw"), "latency": prop_value(link.props, "latency"),
+                 "kind": prop_value(link.props, "kind"), "span": link.span}
+        g.add_edge(a, b, **attrs)
+        if link.bidir:
+            g.add_edge(b, a, **attrs)
+    for name, d in sym.devices.items():
+        if d.kind == "cxl_mem" and d.at is not None and d.at.name in sym.devices \
+                and not g.has_edge(name, d.at.name):
+            attrs = {"bw": prop_value(d.props, "bw"), "latency": prop_value(d.props, "latency"),
+                     "kind": "internal", "span": d.span}
+            g.add_edge(name, d.at.name, **attrs)
+            g.add_edge(d.at.name, name, **attrs)
+    return g
+
+
+def _weight(u, v, attrs) -> float:
+    # shortest by latency; each hop also costs 1 ns so equal-latency routes prefer fewer hops
+    return (attrs.get("latency") or 0) + 1
+
+
+def _route(g: nx.DiGraph, src: str, dst: str, via: list[str]) -> list[str] | None:
+    stops = [src, *via, dst]
+    path = [src]
+    try:
+        for a, b in zip(stops, stops[1:]):
+            path += nx.shortest_path(g, a, b, weight=_weight)[1:]
+    except (nx.NetworkXNoPath, nx.NodeNotFound):
+        return None
+    return path
+
+
+def _island_roles(path: list[str], dev_island: dict[str, str]) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    for i, dev in enumerate(path):
+        isl = dev_island.get(dev)
+        if isl is None:
+            continue
+        role = "src" if i == 0 else "dst" if i == len(path) - 1 else "transit"
+        if out and out[-1][0] == isl:
+            # a switch and its memory are one island; an endpoint role wins over transit
+            if role != "transit":
+                out[-1] = (isl, role)
+            continue
+        out.append((isl, role))
+    return out
+
+
+def build_graph(sym: Symbols, diags: Diagnostics) -> MovementGraph:
+    """Build the movement graph; a movement with no path is an error at its declaration."""
+    g = _physical(sym)
+    islands, dev_island = _islands(sym)
+    mg = MovementGraph(g, islands, dev_island)
+    devices = list(sym.devices)
+    for name, m in sym.movements.items():
+        srcs = [d for d in devices if m.src.matches(d)]
+        dsts = [d for d in devices if m.dst.matches(d)]
+        pairs = [(s, d) for s in srcs for d in dsts if s != d]
+        if m.bidir:
+            pairs += [(d, s) for s, d in pairs]
+        via = [d for p in m.via for d in devices if p.matches(d)]
+        flows = []
+        for s, d in pairs:
+            path = _route(g, s, d, via)
+            if path is None:
+                hint = f"add a link on the way from '{s}' to '{d}'" if not via else \
+                    f"check that every device in 'via' is linked on the way from '{s}' to '{d}'"
+                diags.error(m.span, f"movement '{name}' cannot reach '{d}' from '{s}': no path", hint)
+                continue
+            flows.append(Flow(name, s, d, path, _island_roles(path, dev_island)))
+        if not pairs:
+            diags.error(m.span, f"movement '{name}' has no source/destination pair",
+                        "source and destination patterns match the same single device")
+        mg.flows[name] = flows
+    return mg

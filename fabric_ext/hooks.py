@@ -1,0 +1,195 @@
+"""The hook catalogue: the one source of truth for every hook.
+
+For each island kind it defines the hooks a program may attach to, the layout
+of each hook's context struct (input fields read-only, decision fields
+writable), each decision's default when no program runs, and what the runtime
+does with it.  The checker, the code generator, the verifier, the runtime's
+struct packing and the generated ``fabric.h`` all read this module; nothing
+restates an offset by hand.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from .units import BANDWIDTH, COUNT, DEVICE, FLOPS, PERCENT, SIZE, TIME
+
+CTYPE_SIZE = {"u32": 4, "u64": 8}
+
+#: island kinds and the runtime shim that hosts them
+ISLAND_RUNTIME = {"gpu": "bpftime", "host": "bpftime", "cxl_switch": "dputime", "dpu": "dputime"}
+
+#: device kinds of the language -> island kind (None: part of another island)
+DEVICE_ISLAND_KIND = {"gpu": "gpu", "host": "host", "cxl_switch": "cxl_switch",
+                      "dpu": "dpu", "nic": "dpu", "cxl_mem": None}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One member of a context struct."""
+    name: str
+    ctype: str                 # "u32" | "u64"
+    dim: str | None            # dimension of the value (units.py)
+    doc: str
+    decision: bool = False     # writable by the program
+    default: int = 0           # value before the program runs (decisions)
+    effect: str = ""           # what the runtime does with a decision
+
+    @property
+    def size(self) -> int:
+        return CTYPE_SIZE[self.ctype]
+
+
+def _f(name, ctype, dim, doc):
+    return Field(name, ctype, dim, doc)
+
+
+def _d(name, ctype, dim, default, effect):
+    return Field(name, ctype, dim, effect, decision=True, default=default, effect=effect)
+
+
+# ---- fields shared between hooks ------------------------------------------------
+NOW = _f("now", "u64", TIME, "simulated time of the event (ns)")
+CHUNK_INPUTS = (
+    NOW,
+    _f("movement", "u32", COUNT, "movement id (manifest id table)"),
+    _f("class", "u32", COUNT, "data class id: weights, kv, activations"),
+    _f("operator", "u32", COUNT, "operator id: attention, ffn, embedding, lm_head, collective"),
+    _f("src", "u32", DEVICE, "source device id"),
+    _f("dst", "u32", DEVICE, "destination device id"),
+    _f("layer", "u32", COUNT, "model layer the chunk belongs to"),
+    _f("chunk", "u32", COUNT, "index of the chunk within its transfer"),
+    _f("in_port", "u32", COUNT, "ingress port index at this island"),
+    _f("out_port", "u32", COUNT, "egress port index at this island"),
+    _f("bytes", "u64", SIZE, "bytes in this chunk"),
+    _f("queue_bytes", "u64", SIZE, "bytes queued ahead of the chunk at the egress"),
+    _f("critical", "u32", COUNT, "1 if the movement is marked critical"),
+    _f("hop", "u32", COUNT, "index of this island on the movement's path"),
+)
+TICK_INPUTS = (
+    NOW,
+    _f("port", "u32", COUNT, "port (link) index the sample is for"),
+    _f("peer", "u32", DEVICE, "device at the other end of the port"),
+    _f("util_pct", "u32", PERCENT, "link utilisation over the last period (0-100)"),
+    _f("bytes", "u64", SIZE, "bytes sent on the port during the last period"),
+    _f("queue_bytes", "u64", SIZE, "bytes queued at the port now"),
+    _f("period", "u64", TIME, "period of this tick (ns)"),
+)
+
+PRIORITY = _d("priority", "u32", COUNT, 3, "strict-priority class 0-7 on every egress queue it meets (7 first)")
+RATE = _d("rate", "u64", BANDWIDTH, 0, "token-bucket rate limit at this island (0: unlimited)")
+DEFER = _d("defer", "u64", TIME, 0, "hold the chunk this long before it moves on")
+PREFETCH = _d("prefetch", "u32", COUNT, 0, "issue weights this many layers ahead (0: workload default)")
+COALESCE = _d("coalesce", "u64", SIZE, 0, "merge chunks up to this size before sending (0: off)")
+STREAM = _d("stream", "u32", COUNT, 0, "copy-engine stream to issue on")
+ROUTE = _d("route", "u32", DEVICE, 0, "next-hop device for the chunk (0: shortest path)")
+TIER = _d("tier", "u32", DEVICE, 0, "memory device to place or keep the data in (0: workload default)")
+QUEUE = _d("queue", "u32", COUNT, 0, "transmit queue index on the NIC")
+
+
+@dataclass(frozen=True)
+class Hook:
+    """A hook of one island kind: where it fires and what its context holds."""
+    island_kind: str
+    name: str
+    doc: str
+    fields: tuple[Field, ...]
+    scope: str              # "chunk": per chunk of a movement; "tick": periodic; "island": per island event
+    roles: tuple[str, ...] = ()   # where on a movement's path a chunk hook fires: src, dst, transit
+
+    @cached_property
+    def layout(self) -> dict[str, tuple[int, Field]]:
+        """field name -> (offset, field), naturally aligned, in declaration order."""
+        out, off = {}, 0
+        for f in self.fields:
+            off = (off + f.size - 1) // f.size * f.size
+            out[f.name] = (off, f)
+            off += f.size
+        return out
+
+    @cached_property
+    def ctx_size(self) -> int:
+        end = max(o + f.size for o, f in self.layout.values())
+        return (end + 7) // 8 * 8
+
+    @property
+    def struct_name(self) -> str:
+        return f"fx_{self.island_kind}_{self.name}_ctx"
+
+    @property
+    def decisions(self) -> list[Field]:
+        return [f for f in self.fields if f.decision]
+
+    def field(self, name: str) -> Field | None:
+        hit = self.layout.get(name)
+        return hit[1] if hit else None
+
+    def offset(self, name: str) -> int:
+        return self.layout[name][0]
+
+    def defaults(self) -> dict[str, int]:
+        return {f.name: f.default for f in self.decisions}
+
+
+def _hook(kind, name, doc, fields, scope, roles=()):
+    return Hook(kind, name, doc, tuple(fields), scope, tuple(roles))
+
+
+_ALL = [
+    _hook("gpu", "issue", "a chunk of a movement is about to be issued by a copy engine",
+          CHUNK_INPUTS + (PRIORITY, RATE, DEFER, PREFETCH, COALESCE, STREAM), "chunk", ("src", "dst")),
+    _hook("gpu", "complete", "a chunk of a movement has arrived or left",
+          CHUNK_INPUTS + (_f("latency", "u64", TIME, "time from issue to completion (ns)"), PREFETCH),
+          "chunk", ("src", "dst")),
+    _hook("gpu", "launch", "an operator kernel starts",
+          (NOW, _f("layer", "u32", COUNT, "model layer"),
+           _f("operator", "u32", COUNT, "operator id"),
+           _f("flops", "u64", FLOPS, "floating-point operations of the kernel"),
+           _f("bytes", "u64", SIZE, "bytes the kernel reads from HBM"),
+           _f("stall", "u64", TIME, "time the kernel waited for its inputs (ns)"),
+           PREFETCH), "island"),
+    _hook("gpu", "tick", "periodic telemetry, once per port of the GPU", TICK_INPUTS, "tick"),
+    _hook("cxl_switch", "forward", "a chunk is at a switch port, about to be forwarded",
+          CHUNK_INPUTS + (PRIORITY, RATE, ROUTE, DEFER), "chunk", ("transit", "src", "dst")),
+    _hook("cxl_switch", "mem_access", "a chunk reads or writes switch-attached memory",
+          CHUNK_INPUTS + (_f("write", "u32", COUNT, "1 for a write, 0 for a read"),
+                          PRIORITY, RATE, DEFER, TIER), "chunk", ("src", "dst")),
+    _hook("cxl_switch", "tick", "per-port telemetry, once per port each period", TICK_INPUTS, "tick"),
+    _hook("dpu", "tx", "a chunk is about to be transmitted onto the network",
+          CHUNK_INPUTS + (RATE, COALESCE, QUEUE, PRIORITY), "chunk", ("dst", "transit")),
+    _hook("dpu", "rx", "a chunk was received from the network",
+          CHUNK_INPUTS + (RATE, COALESCE, QUEUE, PRIORITY), "chunk", ("src",)),
+    _hook("dpu", "tick", "per-port telemetry of the DPU/NIC", TICK_INPUTS, "tick"),
+    _hook("host", "alloc", "a tensor is about to be placed in memory",
+          (NOW, _f("movement", "u32", COUNT, "movement id whose data the tensor holds"),
+           _f("class", "u32", COUNT, "data class id"),
+           _f("layer", "u32", COUNT, "model layer"),
+           _f("bytes", "u64", SIZE, "size of the tensor"), TIER), "chunk", ("src", "dst", "transit")),
+    _hook("host", "tick", "periodic host telemetry, once per port", TICK_INPUTS, "tick"),
+]
+HOOKS: dict[tuple[str, str], Hook] = {(h.island_kind, h.name): h for h in _ALL}
+
+#: every hook name any island has, for "did you mean"
+HOOK_NAMES = sorted({h.name for h in _ALL})
+
+#: ids written to the manifest for data classes and operators
+CLASSES = ("weights", "kv", "activations")
+OPERATORS = ("attention", "ffn", "embedding", "lm_head", "collective")
+
+
+def hooks_of(island_kind: str) -> dict[str, Hook]:
+    return {name: h for (kind, name), h in HOOKS.items() if kind == island_kind}
+
+
+def hook(island_kind: str, name: str) -> Hook | None:
+    return HOOKS.get((island_kind, name))
+
+
+def ctx_struct_c(h: Hook) -> str:
+    """The C declaration of a hook's context struct (used by fabric.h)."""
+    lines = [f"/* {h.island_kind}.{h.name}: {h.doc} */", f"struct {h.struct_name} {{"]
+    for name, (off, f) in h.layout.items():
+        kind = "decision" if f.decision else "input"
+        lines.append(f"\t__{f.ctype} {name};\t/* +{off} {kind}: {f.doc} */")
+    lines.append("};")
+    return "\n".join(lines)

@@ -1,0 +1,312 @@
+"""Pass 1: parse .fx source text into an AST (`parse`).
+
+Syntax errors become diagnostics saying what was expected; bad unit suffixes
+are reported at the literal and parsing goes on.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import lark
+from lark import Token, Transformer, v_args
+
+from . import ast as A
+from .diagnostics import Diagnostics, Span
+from .units import UnitError, parse_quantity
+
+# human names for the terminals lark reports as expected
+_TOKEN_NAMES = {
+    "NAME": "a name", "QUANTITY": "a number", "HEXNUM": "a number", "STRING": "a string",
+    "LBRACE": "'{'", "RBRACE": "'}'", "LPAR": "'('", "RPAR": "')'", "LSQB": "'['", "RSQB": "']'",
+    "SEMICOLON": "';'", "COLON": "':'", "COMMA": "','", "DOT": "'.'", "EQUAL": "'='",
+    "ARROW": "'->' or '<->'", "DEVKIND": "a device kind (gpu, cxl_switch, cxl_mem, dpu, nic, host)",
+    "LESSTHAN": "'<'", "MORETHAN": "'>'", "STAR": "'*'", "UPDATE_OP": "an assignment",
+    "CMP_OP": "a comparison", "SUM_OP": "'+' or '-'", "MUL_OP": "an operator", "MINUS": "'-'",
+    "BANG": "'!'", "__ANON_0": "'..'",
+}
+
+
+@lru_cache(maxsize=1)
+def _lark() -> lark.Lark:
+    grammar = (Path(__file__).with_name("grammar.lark")).read_text()
+    return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+
+
+def _expected_names(expected) -> list[str]:
+    names = []
+    for t in sorted(expected):
+        name = _TOKEN_NAMES.get(t)
+        if name is None:
+            p = _lark().get_terminal(t).pattern
+            name = f"'{p.value}'" if p.type == "str" else t.lower()
+        if name not in names:
+            names.append(name)
+    return names
+
+
+class _Build(Transformer):
+    """Builds AST nodes from the parse tree; every node gets its span."""
+
+    def __init__(self, file: str, diags: Diagnostics):
+        super().__init__()
+        self.file, self.diags = file, diags
+
+    # -- helpers
+    def _span(self, meta) -> Span:
+        if isinstance(meta, Token):
+            return Span(self.file, meta.line, meta.column, meta.end_line, meta.end_column)
+        if getattr(meta, "empty", False):
+            return Span(self.file, 0, 0, 0, 0)
+        return Span(self.file, meta.line, meta.column, meta.end_line, meta.end_column)
+
+    def _id(self, tok: Token) -> A.Ident:
+        return A.Ident(str(tok), span=self._span(tok))
+
+    def _num(self, tok: Token) -> A.Num:
+        text = str(tok)
+        try:
+            value, dim = parse_quantity(text)
+        except UnitError as e:
+            self.diags.error(self._span(tok), f"unknown unit '{e.unit}' in '{text}'",
+                             f"did you mean '{e.suggestion}'?" if e.suggestion else
+                             "units are B KiB MiB GiB TiB KB MB GB TB, B/s .. TB/s, bps .. Tbps, "
+                             "ns us ms s, FLOPs .. TFLOPs and %")
+            value, dim = 0, None
+        return A.Num(value, dim, text, span=self._span(tok))
+
+    # -- values and expressions
+    def quantity(self, items):
+        return self._num(items[0])
+
+    def hexnum(self, items):
+        t = items[0]
+        return A.Num(int(str(t), 16), None, str(t), span=self._span(t))
+
+    def string(self, items):
+        t = items[0]
+        return A.Str(str(t)[1:-1], span=self._span(t))
+
+    def ident(self, items):
+        return A.Name(str(items[0]), span=self._span(items[0]))
+
+    name = ident
+
+    @v_args(meta=True)
+    def true(self, meta, items):
+        return A.Bool(True, span=self._span(meta))
+
+    @v_args(meta=True)
+    def false(self, meta, items):
+        return A.Bool(False, span=self._span(meta))
+
+    @v_args(meta=True)
+    def field(self, meta, items):
+        obj, name = items
+        return A.FieldRef(str(obj), self._id(name), span=self._span(meta))
+
+    @v_args(meta=True)
+    def map_get(self, meta, items):
+        return A.MapGet(self._id(items[0]), items[1], items[2], span=self._span(meta))
+
+    @v_args(meta=True)
+    def call(self, meta, items):
+        args = [a for a in items[1:] if a is not None]
+        return A.Call(self._id(items[0]), args, span=self._span(meta))
+
+    @v_args(meta=True)
+    def arith(self, meta, items):
+        left, op, right = items
+        return A.BinOp(str(op), left, right, span=self._span(meta))
+
+    cmp = arith
+
+    @v_args(meta=True)
+    def or_(self, meta, items):
+        return A.BinOp("||", items[0], items[2], span=self._span(meta))
+
+    @v_args(meta=True)
+    def and_(self, meta, items):
+        return A.BinOp("&&", items[0], items[2], span=self._span(meta))
+
+    @v_args(meta=True)
+    def not_(self, meta, items):
+        return A.UnOp("!", items[0], span=self._span(meta))
+
+    @v_args(meta=True)
+    def neg(self, meta, items):
+        return A.UnOp("-", items[0], span=self._span(meta))
+
+    # -- statements
+    @v_args(meta=True)
+    def assign(self, meta, items):
+        target, value = items
+        if isinstance(target, A.FieldRef):
+            return A.Assign(target.name, value, via_ev=True, span=self._span(meta))
+        return A.Assign(A.Ident(target.id, span=target.span), value, span=self._span(meta))
+
+    @v_args(meta=True)
+    def let_stmt(self, meta, items):
+        return A.Let(self._id(items[0]), items[1], span=self._span(meta))
+
+    @v_args(meta=True)
+    def if_stmt(self, meta, items):
+        orelse = items[2] if len(items) > 2 and items[2] is not None else []
+        return A.If(items[0], items[1], orelse, span=self._span(meta))
+
+    def else_clause(self, items):
+        return items[0] if isinstance(items[0], list) else [items[0]]
+
+    def block(self, items):
+        return list(items)
+
+    @v_args(meta=True)
+    def map_update(self, meta, items):
+        m, key, op, value = items
+        return A.MapUpdate(self._id(m), key, str(op), value, span=self._span(meta))
+
+    @v_args(meta=True)
+    def delete_stmt(self, meta, items):
+        return A.Delete(self._id(items[0]), items[1], span=self._span(meta))
+
+    @v_args(meta=True)
+    def emit_stmt(self, meta, items):
+        return A.Emit(self._id(items[0]), [a for a in items[1:] if a is not None],
+                      span=self._span(meta))
+
+    @v_args(meta=True)
+    def for_stmt(self, meta, items):
+        var, lo, hi, body = items
+        return A.For(self._id(var), lo, hi, body, span=self._span(meta))
+
+    # -- declarations
+    @v_args(meta=True)
+    def import_decl(self, meta, items):
+        return A.Import(str(items[0])[1:-1], span=self._span(meta))
+
+    @v_args(meta=True)
+    def prop(self, meta, items):
+        return A.Prop(self._id(items[0]), items[1], span=self._span(meta))
+
+    def props(self, items):
+        return [p for p in items if p is not None]
+
+    @v_args(meta=True)
+    def pattern(self, meta, items):
+        return A.Pattern(str(items[0]), items[1] is not None, span=self._span(meta))
+
+    def name_list(self, items):
+        return [self._id(t) for t in items]
+
+    def at_clause(self, items):
+        return self._id(items[0])
+
+    @v_args(meta=True)
+    def device_decl(self, meta, items):
+        kind, names, at, props = items
+        return [A.Device(str(kind), n, at, props or [], span=n.span) for n in names]
+
+    @v_args(meta=True)
+    def link_decl(self, meta, items):
+        a, arrow, b, props = items
+        return A.Link(self._id(a), self._id(b), str(arrow) == "<->", props or [],
+                      span=self._span(meta))
+
+    @v_args(meta=True)
+    def fabric(self, meta, items):
+        devices, links = [], []
+        for it in items[1:]:
+            if isinstance(it, list):
+                devices.extend(it)
+            else:
+                links.append(it)
+        return A.Fabric(self._id(items[0]), devices, links, span=self._span(meta))
+
+    @v_args(meta=True)
+    def workload(self, meta, items):
+        return A.Workload(self._id(items[0]), items[1], span=self._span(meta))
+
+    def operator(self, items):
+        return self._id(items[0])
+
+    def via(self, items):
+        return list(items)
+
+    @v_args(meta=True)
+    def movement(self, meta, items):
+        name, cls, op, src, arrow, dst, via, props = items
+        return A.Movement(self._id(name), self._id(cls), op, src, dst, str(arrow) == "<->",
+                          via or [], props or [], span=self._span(meta))
+
+    def type_args(self, items):
+        return [self._id(t) for t in items]
+
+    def size(self, items):
+        t = items[0]
+        return self.hexnum([t]) if str(t).startswith("0x") else self._num(t)
+
+    @v_args(meta=True)
+    def map_decl(self, meta, items):
+        name, kind, targs, size = items
+        key, value = targs if targs else (None, None)
+        return A.MapDecl(self._id(name), self._id(kind), key, value, size, span=self._span(meta))
+
+    def event_arg(self, items):
+        return items[0]
+
+    def at_list(self, items):
+        return list(items)
+
+    def when(self, items):
+        return items[0]
+
+    @v_args(meta=True)
+    def event(self, meta, items):
+        return items  # [pattern, hook token, arg]
+
+    @v_args(meta=True)
+    def handler(self, meta, items):
+        (target, hook, arg), at, when, body = items
+        return A.Handler(target, self._id(hook), arg, at or [], when, body, span=self._span(meta))
+
+    @v_args(meta=True)
+    def policy(self, meta, items):
+        return A.Policy(self._id(items[0]), list(items[1:]), span=self._span(meta))
+
+    def start(self, items):
+        return list(items)
+
+
+def parse(text: str, file: str, diags: Diagnostics) -> A.Module | None:
+    """Parse one file; on a syntax error, report it and return None."""
+    diags.sources[file] = text
+    try:
+        tree = _lark().parse(text)
+    except lark.exceptions.UnexpectedCharacters as e:
+        span = Span(file, e.line, e.column, e.line, e.column + 1)
+        ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else "end of file"
+        diags.error(span, f"unexpected character '{ch}'",
+                    "expected " + ", ".join(_expected_names(e.allowed)) if e.allowed else None)
+        return None
+    except lark.exceptions.UnexpectedEOF as e:
+        lines = text.splitlines() or [""]
+        span = Span(file, len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 2)
+        diags.error(span, "unexpected end of file",
+                    "expected " + ", ".join(_expected_names(e.expected)) if e.expected else None)
+        return None
+    except lark.exceptions.UnexpectedToken as e:
+        tok = e.token
+        if tok.type == "$END":
+            lines = text.splitlines() or [""]
+            span = Span(file, len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 2)
+            what = "end of file"
+        else:
+            span = Span(file, tok.line, tok.column, tok.end_line or tok.line,
+                        tok.end_column or tok.column + 1)
+            what = f"'{tok}'"
+        expected = _expected_names(e.expected)
+        diags.error(span, f"unexpected {what}",
+                    "expected " + ", ".join(expected[:8]) + (", ..." if len(expected) > 8 else ""))
+        return None
+    items = _Build(file, diags).transform(tree)
+    return A.Module(file, items, span=Span(file, 1, 1, 1, 1))

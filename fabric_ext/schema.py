@@ -1,0 +1,48 @@
+"""What each declaration may say: device, link, workload and movement properties,
+map kinds and value types.  The checker validates against these tables and the
+runtime's fabric model reads the same names."""
+from __future__ import annotations
+
+from .units import BANDWIDTH, COUNT, DEVICE, FLOPS, PERCENT, SIZE, TIME
+
+STRING, NAME, FLAG = "string", "name", "flag"
+
+DEVICE_PROPS: dict[str, dict[str, str]] = {
+    "gpu": {"hbm": SIZE, "hbm_bw": BANDWIDTH, "bf16": FLOPS, "copy_engines": COUNT,
+            "model": STRING},
+    "cxl_switch": {"ports": COUNT, "hop": TIME, "bw": BANDWIDTH},
+    "cxl_mem": {"capacity": SIZE, "bw": BANDWIDTH, "latency": TIME},
+    "dpu": {"line_rate": BANDWIDTH, "latency": TIME, "mem": SIZE},
+    "nic": {"line_rate": BANDWIDTH, "latency": TIME, "mem": SIZE},
+    "host": {"dram": SIZE, "dram_bw": BANDWIDTH},
+}
+LINK_PROPS = {"bw": BANDWIDTH, "latency": TIME, "kind": NAME}
+LINK_KINDS = ("pcie", "cxl", "nvlink", "ethernet", "internal")
+
+WORKLOAD_PROPS = {"model": STRING, "prompt": COUNT, "batch": COUNT, "tp": COUNT,
+                  "weights": DEVICE, "kv": DEVICE, "kv_export": DEVICE, "chunk": SIZE,
+                  "prefetch": COUNT}
+#: workload placements may also name a GPU's own memory
+WORKLOAD_MEMORY_WORDS = ("hbm", "none")
+
+MOVEMENT_PROPS = {"critical": FLAG, "pattern": NAME, "chunk": SIZE, "background": FLAG}
+MOVEMENT_PATTERNS = ("bulk", "stream", "burst")
+
+MAP_KINDS = ("array", "hash", "percpu_array", "percpu_hash", "lru_hash", "ringbuf")
+#: integer types and the byte size they are stored in
+INT_TYPES = {"u8": 1, "u16": 2, "u32": 4, "u64": 8, "i32": 4, "i64": 8}
+#: dimension names usable as map key or value types, stored as u64 (device as u32)
+DIM_TYPES = {"size": (SIZE, 8), "bandwidth": (BANDWIDTH, 8), "time": (TIME, 8),
+             "percent": (PERCENT, 8), "count": (COUNT, 8), "flops": (FLOPS, 8),
+             "device": (DEVICE, 4)}
+MAX_MAP_BYTES = 64 * 2**20     # refuse maps larger than this
+MAX_ENTRIES = 1 << 20
+MAX_LOOP_TRIPS = 1024          # bounded loops are unrolled up to this many trips
+BUILTINS = ("min", "max")
+
+
+def type_info(name: str) -> tuple[str | None, int] | None:
+    """(dimension, byte size) of a map key/value type name, or None if unknown."""
+    if name in INT_TYPES:
+        return None, INT_TYPES[name]
+    return DIM_TYPES.get(name)

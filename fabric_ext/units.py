@@ -1,0 +1,84 @@
+"""Unit literals and dimensions.
+
+Every quantity in a policy carries a dimension.  Literals are converted to
+integers (or floats, for fabric properties) in the base unit of their
+dimension: bytes, nanoseconds, bytes per second, FLOP/s, percent.  A bare
+number has no dimension and adapts to whatever it is combined with.
+"""
+from __future__ import annotations
+
+import re
+
+SIZE, BANDWIDTH, TIME, FLOPS, PERCENT = "size", "bandwidth", "time", "flops", "percent"
+COUNT, DEVICE, BOOL = "count", "device", "bool"
+
+#: dimension -> human name used in messages
+DIM_NAMES = {
+    SIZE: "a size", BANDWIDTH: "a bandwidth", TIME: "a time", FLOPS: "a compute rate",
+    PERCENT: "a percentage", COUNT: "a count", DEVICE: "a device", BOOL: "a boolean",
+    None: "a plain number",
+}
+
+_SI = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_IEC = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+#: unit suffix -> (dimension, factor to the base unit)
+UNITS: dict[str, tuple[str, float]] = {}
+for _p, _f in _SI.items():
+    UNITS[f"{_p}B"] = (SIZE, _f)
+    UNITS[f"{_p}B/s"] = (BANDWIDTH, _f)
+    UNITS[f"{_p}bps"] = (BANDWIDTH, _f / 8)
+    UNITS[f"{_p}FLOPs"] = (FLOPS, _f)
+for _p, _f in _IEC.items():
+    UNITS[f"{_p}B"] = (SIZE, _f)
+    UNITS[f"{_p}B/s"] = (BANDWIDTH, _f)
+UNITS.update({"ns": (TIME, 1), "us": (TIME, 1e3), "ms": (TIME, 1e6), "s": (TIME, 1e9),
+              "%": (PERCENT, 1)})
+
+#: the unit each dimension is printed in, for messages and reports
+BASE_UNIT = {SIZE: "B", BANDWIDTH: "B/s", TIME: "ns", FLOPS: "FLOPs", PERCENT: "%"}
+
+_QUANTITY = re.compile(r"^(?P<num>\d+(?:\.\d+)?)(?P<unit>.*)$")
+
+
+class UnitError(ValueError):
+    """An unknown unit suffix; carries a suggestion when one is close."""
+
+    def __init__(self, unit: str, suggestion: str | None):
+        self.unit, self.suggestion = unit, suggestion
+        super().__init__(f"unknown unit '{unit}'")
+
+
+def parse_quantity(text: str) -> tuple[float, str | None]:
+    """Parse '64GB/s' into (64e9, 'bandwidth'); '12' into (12, None)."""
+    m = _QUANTITY.match(text)
+    if not m:
+        raise UnitError(text, None)
+    num, unit = m["num"], m["unit"]
+    value: float = float(num) if "." in num else int(num)
+    if not unit:
+        return value, None
+    if unit not in UNITS:
+        from .diagnostics import closest
+        raise UnitError(unit, closest(unit, UNITS))
+    dim, factor = UNITS[unit]
+    scaled = value * factor
+    return (int(scaled) if float(scaled).is_integer() else scaled), dim
+
+
+def format_quantity(value: float, dim: str | None) -> str:
+    """Render a base-unit value for humans: 64000000000, bandwidth -> '64 GB/s'."""
+    if dim in (SIZE, BANDWIDTH, FLOPS):
+        suffix = BASE_UNIT[dim]
+        for p in ("T", "G", "M", "K"):
+            if abs(value) >= _SI[p]:
+                return f"{value / _SI[p]:g} {p}{suffix}"
+        return f"{value:g} {suffix}"
+    if dim == TIME:
+        for u, f in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
+            if abs(value) >= f:
+                return f"{value / f:g} {u}"
+        return f"{value:g} ns"
+    if dim == PERCENT:
+        return f"{value:g}%"
+    return f"{value:g}"

@@ -1,0 +1,72 @@
+"""fabricc's exit codes, diagnostics format and outputs."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import EXAMPLES, FABRIC
+
+
+def fabricc(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "fabric_ext.cli", *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd)
+
+
+def test_check_examples_exit_0():
+    r = fabricc("check", *EXAMPLES)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count(": ok") == len(EXAMPLES)
+
+
+def test_errors_exit_1_with_position_caret_and_hint(tmp_path):
+    f = tmp_path / "bad.fx"
+    f.write_text(FABRIC + "policy p { on kv.forward { prio = 1 } }\n")
+    r = fabricc("check", f)
+    assert r.returncode == 1
+    line = FABRIC.count("\n") + 1
+    assert f"bad.fx:{line}:28: error: cxl_switch.forward has no decision 'prio'" in r.stderr
+    assert "~~~~" in r.stderr and "hint: did you mean 'priority'?" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args", [["check", "missing.fx"], ["--nope"], ["check"], [], ["graph", "x", "--format", "png"]])
+def test_usage_errors_exit_2(args):
+    r = fabricc(*args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_version_and_help():
+    r = fabricc("--version")
+    assert r.returncode == 0 and r.stdout.startswith("fabricc ")
+    for cmd in ("check", "graph", "compile"):
+        r = fabricc(cmd, "--help")
+        assert r.returncode == 0 and "usage:" in r.stdout
+
+
+def test_graph_json_and_dot(tmp_path):
+    policy = [p for p in EXAMPLES if p.name == "prefill_qos.fx"][0]
+    r = fabricc("graph", policy, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    g = json.loads(r.stdout)
+    assert {"devices", "links", "movements", "placements"} <= set(g)
+    kv = next(m for m in g["movements"] if m["name"] == "kv_writeback")
+    assert kv["flows"][0]["path"] == ["gpu0", "sw0", "pool0"]
+    assert kv["islands"][:2] == ["gpu0", "sw0"]
+    out = tmp_path / "g.dot"
+    r = fabricc("graph", policy, "--format", "dot", "-o", out)
+    assert r.returncode == 0 and out.read_text().startswith("digraph fabric {")
+
+
+def test_internal_error_is_one_line(monkeypatch, capsys):
+    from fabric_ext import cli
+    monkeypatch.setattr(cli, "cmd_check", lambda args: 1 / 0)
+    parser = cli.build_parser
+    def broken():
+        p = parser()
+        p._subparsers._group_actions[0].choices["check"].set_defaults(func=lambda a: 1 / 0)
+        return p
+    monkeypatch.setattr(cli, "build_parser", broken)
+    assert cli.main(["check", "x.fx"]) == 3
+    err = capsys.readouterr().err
+    assert "internal error" in err and "Traceback" not in err
