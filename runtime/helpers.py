@@ -1,0 +1,94 @@
+"""Helper functions, numbered as in the Linux kernel.
+
+`HELPERS` is the table the verifier checks calls against (argument kinds and
+return kind); `call` runs one in the reference interpreter.
+"""
+from __future__ import annotations
+
+import errno
+from dataclasses import dataclass
+
+# argument kinds
+MAP, KEY, VALUE, SCALAR, MEM, SIZE, RECORD, ANY = "map", "key", "value", "scalar", "mem", "size", "record", "any"
+# return kinds
+RET_SCALAR, RET_MAP_VALUE_OR_NULL, RET_RECORD_OR_NULL, RET_VOID = "scalar", "map_value_or_null", "record_or_null", "void"
+
+
+@dataclass(frozen=True)
+class HelperSpec:
+    id: int
+    name: str
+    args: tuple[str, ...]
+    ret: str
+
+
+HELPERS = {h.id: h for h in (
+    HelperSpec(1, "map_lookup_elem", (MAP, KEY), RET_MAP_VALUE_OR_NULL),
+    HelperSpec(2, "map_update_elem", (MAP, KEY, VALUE, SCALAR), RET_SCALAR),
+    HelperSpec(3, "map_delete_elem", (MAP, KEY), RET_SCALAR),
+    HelperSpec(5, "ktime_get_ns", (), RET_SCALAR),
+    HelperSpec(6, "trace_printk", (MEM, SIZE), RET_SCALAR),
+    HelperSpec(7, "get_prandom_u32", (), RET_SCALAR),
+    HelperSpec(8, "get_smp_processor_id", (), RET_SCALAR),
+    HelperSpec(130, "ringbuf_output", (MAP, MEM, SIZE, SCALAR), RET_SCALAR),
+    HelperSpec(131, "ringbuf_reserve", (MAP, SCALAR, SCALAR), RET_RECORD_OR_NULL),
+    HelperSpec(132, "ringbuf_submit", (RECORD, SCALAR), RET_VOID),
+    HelperSpec(133, "ringbuf_discard", (RECORD, SCALAR), RET_VOID),
+)}
+
+
+class Prandom:
+    """A seeded xorshift32, so runs are reproducible."""
+
+    def __init__(self, seed: int):
+        self.state = (seed or 1) & 0xFFFFFFFF
+
+    def next(self) -> int:
+        x = self.state
+        x ^= (x << 13) & 0xFFFFFFFF
+        x ^= x >> 17
+        x ^= (x << 5) & 0xFFFFFFFF
+        self.state = x
+        return x
+
+
+def call(vm, m, helper_id: int, regs: list[int]) -> int:
+    """Run helper ``helper_id`` with r1..r5; returns r0.  Clobbers nothing else here;
+    the verifier treats r1-r5 as unreadable after a call."""
+    from .interp import _Fault
+    r1, r2, r3, r4 = regs[1], regs[2], regs[3], regs[4]
+    if helper_id in (1, 2, 3):
+        mp = m.map_of(r1)
+        key = m.read_bytes(r2, mp.key_size)
+        if helper_id == 1:
+            slot = mp.lookup_slot(key)
+            return 0 if slot is None else m.map_value_addr(r1 & 0xFFFFFFFF, mp, slot)
+        if helper_id == 2:
+            return mp.update(key, m.read_bytes(r3, mp.value_size), r4)
+        return mp.delete(key)
+    if helper_id == 5:
+        return int(vm.clock())
+    if helper_id == 6:
+        text = m.read_bytes(r1, r2).split(b"\0", 1)[0].decode(errors="replace")
+        vm.printk.append(text)
+        return len(text)
+    if helper_id == 7:
+        return vm.rng.next()
+    if helper_id == 8:
+        return vm.cpu
+    if helper_id == 130:
+        mp = m.map_of(r1)
+        return mp.ringbuf_output(m.read_bytes(r2, r3))
+    if helper_id == 131:
+        mp = m.map_of(r1)
+        if mp.type != 27:
+            return 0
+        used = sum(len(r) + 8 for r in mp.records)
+        return 0 if used + r2 + 8 > mp.max_entries else m.new_record(mp, r2)
+    if helper_id in (132, 133):
+        m.end_record(r1, submit=helper_id == 132)
+        return 0
+    raise _Fault(f"unknown helper {helper_id}")
+
+
+__all__ = ["HELPERS", "HelperSpec", "call", "Prandom", "errno"]

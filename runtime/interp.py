@@ -1,0 +1,352 @@
+"""The reference interpreter: the specification of eBPF semantics for fabric_ext.
+
+Every memory access is checked against the regions the program may touch:
+its 512-byte stack per frame, the context (writes only to decision bytes of
+its hook), map values, ringbuf records and the memory given to it.  Division
+by zero gives 0 and modulo by zero the dividend (RFC 9669); shift amounts are
+masked; 32-bit results zero-extend.  An instruction budget bounds every run.
+"""
+from __future__ import annotations
+
+import struct
+
+from . import helpers as Hl
+from . import isa as I
+from .program import Backend, Program, VMFault
+
+M64, M32 = I.MASK64, I.MASK32
+STACK_SIZE, MAX_FRAMES = 512, 8
+STACK_BASE = 0x7F00_0000_0000
+CTX_BASE = 0x1000_0000_0000
+MEM_BASE = 0x2000_0000_0000
+MAP_BASE = 0x5000_0000_0000        # + map index << 32
+RECORD_BASE = 0x6000_0000_0000     # ringbuf records, + n << 24
+MAP_HANDLE = 0xFFFF_0000_0000_0000  # lddw src 1 yields MAP_HANDLE | index
+_PACK = {1: struct.Struct("<B"), 2: struct.Struct("<H"), 4: struct.Struct("<I"), 8: struct.Struct("<Q")}
+_SPACK = {1: struct.Struct("<b"), 2: struct.Struct("<h"), 4: struct.Struct("<i"), 8: struct.Struct("<q")}
+
+
+def s64(v: int) -> int:
+    return v - (1 << 64) if v & (1 << 63) else v
+
+
+def s32(v: int) -> int:
+    v &= M32
+    return v - (1 << 32) if v & (1 << 31) else v
+
+
+def ctx_write_mask(hook, size: int) -> bytes:
+    """Per byte of the context: 1 where a program may write (decisions and padding)."""
+    mask = bytearray(b"\x01" * size)
+    if hook is not None:
+        for off, f in hook.layout.values():
+            if not f.decision:
+                mask[off:off + f.size] = b"\x00" * f.size
+    return bytes(mask)
+
+
+class Region:
+    __slots__ = ("lo", "hi", "buf", "name", "wmask", "readonly")
+
+    def __init__(self, lo, buf, name, wmask=None, readonly=False):
+        self.lo, self.hi, self.buf, self.name = lo, lo + len(buf), buf, name
+        self.wmask, self.readonly = wmask, readonly
+
+
+class Machine:
+    """Per-run state: registers, frames and the memory regions of one run."""
+
+    def __init__(self, vm: "Interpreter", prog: Program, ctx, mem):
+        self.vm, self.prog = vm, prog
+        self.regions: list[Region] = []
+        self.frames: list[bytearray] = []
+        if ctx is not None:
+            self.regions.append(Region(CTX_BASE, memoryview(ctx).cast("B"), "context",
+                                       ctx_write_mask(prog.hook, len(ctx))))
+        if mem is not None:
+            self.regions.append(Region(MEM_BASE, memoryview(mem).cast("B"), "memory"))
+        for i, m in enumerate(prog.maps):
+            if m.type != 27:
+                self.regions.append(Region(MAP_BASE + (i << 32), memoryview(m.values), f"map '{m.name}'"))
+        self.records: dict[int, tuple[object, bytearray]] = {}
+        self.next_record = 0
+
+    def push_frame(self) -> int:
+        if len(self.frames) >= MAX_FRAMES:
+            raise _Fault(f"call depth exceeds {MAX_FRAMES} frames")
+        buf = bytearray(STACK_SIZE)
+        base = STACK_BASE + len(self.frames) * 0x10000
+        self.frames.append(buf)
+        self.regions.insert(0, Region(base, buf, f"stack frame {len(self.frames) - 1}"))
+        return base + STACK_SIZE
+
+    def pop_frame(self):
+        self.frames.pop()
+        self.regions.pop(0)
+
+    def region(self, addr: int, size: int, write: bool) -> tuple[Region, int]:
+        for r in self.regions:
+            if r.lo <= addr and addr + size <= r.hi:
+                off = addr - r.lo
+                if write and (r.readonly or (r.wmask is not None and r.wmask.find(0, off, off + size) != -1)):
+                    raise _Fault(f"write of {size} bytes to read-only {r.name} at offset {off}")
+                return r, off
+        what = "write" if write else "read"
+        near = next((r for r in self.regions if r.lo <= addr < r.hi + 4096), None)
+        where = f" ({near.name} is {near.hi - near.lo} bytes; offset {addr - near.lo})" if near else ""
+        raise _Fault(f"out-of-bounds {what} of {size} bytes at {addr:#x}{where}")
+
+    def load(self, addr, size, signed=False):
+        r, off = self.region(addr, size, False)
+        return (_SPACK if signed else _PACK)[size].unpack_from(r.buf, off)[0]
+
+    def store(self, addr, size, value):
+        r, off = self.region(addr, size, True)
+        _PACK[size].pack_into(r.buf, off, value & ((1 << (8 * size)) - 1))
+
+    def read_bytes(self, addr, n) -> bytes:
+        if n == 0:
+            return b""
+        r, off = self.region(addr, n, False)
+        return bytes(r.buf[off:off + n])
+
+    def map_of(self, handle: int):
+        if handle & MAP_HANDLE != MAP_HANDLE or (handle & M32) >= len(self.prog.maps):
+            raise _Fault(f"{handle:#x} is not a map")
+        return self.prog.maps[handle & M32]
+
+    def map_value_addr(self, index: int, m, slot: int) -> int:
+        return MAP_BASE + (index << 32) + m.value_offset(slot)
+
+    def new_record(self, m, size) -> int:
+        buf = bytearray(size)
+        addr = RECORD_BASE + (self.next_record << 24)
+        self.next_record += 1
+        self.regions.append(Region(addr, buf, "ringbuf record"))
+        self.records[addr] = (m, buf)
+        return addr
+
+    def end_record(self, addr, submit: bool):
+        if addr not in self.records:
+            raise _Fault(f"{addr:#x} is not a reserved ringbuf record")
+        m, buf = self.records.pop(addr)
+        self.regions = [r for r in self.regions if r.lo != addr]
+        if submit:
+            m.ringbuf_output(bytes(buf))
+
+
+class _Fault(Exception):
+    pass
+
+
+class Interpreter(Backend):
+    """The reference backend.  ``clock`` gives ktime_get_ns; ``seed`` get_prandom_u32."""
+    name = "interp"
+
+    def __init__(self, budget: int = 1_000_000, clock=None, seed: int = 1, cpu: int = 0, printk=None):
+        self.budget = budget
+        self.clock = clock or (lambda: 0)
+        self.rng = Hl.Prandom(seed)
+        self.cpu = cpu
+        self.printk = printk if printk is not None else []
+        self.executed = 0  # instructions executed by the last run
+
+    def run(self, prog: Program, ctx=None, mem=None) -> int:
+        m = Machine(self, prog, ctx, mem)
+        regs = [0] * 11
+        regs[10] = m.push_frame()
+        if ctx is not None:
+            regs[1] = CTX_BASE
+        elif mem is not None:
+            regs[1], regs[2] = MEM_BASE, len(mem)
+        pc = 0
+        try:
+            return self._loop(prog, m, regs)
+        except _Fault as e:
+            raise VMFault(prog, m.pc, str(e)) from None
+
+    def _loop(self, prog: Program, m: Machine, regs: list[int]) -> int:
+        slots, n = prog.slots, len(prog.slots)
+        calls: list[tuple[int, list[int]]] = []
+        budget, pc, steps = self.budget, 0, 0
+        while True:
+            if pc < 0 or pc >= n or slots[pc] is None:
+                m.pc = max(0, min(pc, n - 1))
+                raise _Fault(f"jump out of the program to pc {pc}")
+            steps += 1
+            if steps > budget:
+                m.pc = pc
+                self.executed = steps
+                raise _Fault(f"instruction budget of {budget} exhausted")
+            ins = slots[pc]
+            m.pc = pc
+            op, cls = ins.opcode, ins.opcode & 7
+            if cls == I.ALU64 or cls == I.ALU:
+                regs[ins.dst] = self._alu(ins, cls, regs)
+            elif cls == I.JMP or cls == I.JMP32:
+                code = op & 0xF0
+                if code == I.EXIT:
+                    if not calls:
+                        self.executed = steps
+                        return regs[0]
+                    pc, saved = calls.pop()
+                    regs[6:10] = saved
+                    m.pop_frame()
+                    regs[10] = m.frames and (STACK_BASE + (len(m.frames) - 1) * 0x10000 + STACK_SIZE)
+                    continue
+                if code == I.CALL:
+                    if ins.src == I.PSEUDO_CALL:
+                        calls.append((pc + 1, regs[6:10]))
+                        regs[10] = m.push_frame()
+                        pc = pc + 1 + ins.imm
+                        continue
+                    regs[0] = Hl.call(self, m, ins.imm, regs) & M64
+                    continue_pc = pc + 1
+                    pc = continue_pc
+                    continue
+                if code == I.JA:
+                    pc += 1 + (ins.imm if cls == I.JMP32 else ins.off)
+                    continue
+                a = regs[ins.dst]
+                b = regs[ins.src] if op & I.X else ins.imm & M64
+                if cls == I.JMP32:
+                    a, b = a & M32, b & M32
+                    sa, sb = s32(a), s32(b)
+                else:
+                    sa, sb = s64(a), s64(b)
+                if _taken(code, a, b, sa, sb):
+                    pc += 1 + ins.off
+                    continue
+            elif cls == I.LDX:
+                size = I.SIZE_BYTES[ins.size]
+                v = m.load((regs[ins.src] + ins.off) & M64, size, signed=ins.mode == I.MEMSX)
+                regs[ins.dst] = v & M64
+            elif cls == I.STX:
+                size = I.SIZE_BYTES[ins.size]
+                addr = (regs[ins.dst] + ins.off) & M64
+                if ins.mode == I.ATOMIC:
+                    self._atomic(m, ins, addr, size, regs)
+                else:
+                    m.store(addr, size, regs[ins.src])
+            elif cls == I.ST:
+                m.store((regs[ins.dst] + ins.off) & M64, I.SIZE_BYTES[ins.size], ins.imm)
+            elif ins.is_lddw:
+                if ins.src == I.PSEUDO_MAP_FD:
+                    regs[ins.dst] = MAP_HANDLE | ins.imm
+                elif ins.src == I.PSEUDO_MAP_VALUE:
+                    regs[ins.dst] = MAP_BASE + (ins.imm << 32) + ins.next_imm
+                else:
+                    regs[ins.dst] = ins.imm & M64
+                pc += 2
+                continue
+            else:
+                raise _Fault(f"unsupported opcode {op:#04x}")
+            pc += 1
+
+    @staticmethod
+    def _alu(ins, cls, regs) -> int:
+        op = ins.opcode & 0xF0
+        is64 = cls == I.ALU64
+        mask = M64 if is64 else M32
+        bits = 64 if is64 else 32
+        d = regs[ins.dst] & mask
+        s = (regs[ins.src] if ins.opcode & I.X else ins.imm & M64) & mask
+        if op == I.ADD:
+            r = d + s
+        elif op == I.SUB:
+            r = d - s
+        elif op == I.MUL:
+            r = d * s
+        elif op == I.DIV:
+            if ins.off == 1:
+                sd, ss = (s64(d), s64(s)) if is64 else (s32(d), s32(s))
+                r = 0 if ss == 0 else abs(sd) // abs(ss) * (1 if (sd < 0) == (ss < 0) else -1)
+            else:
+                r = d // s if s else 0
+        elif op == I.MOD:
+            if ins.off == 1:
+                sd, ss = (s64(d), s64(s)) if is64 else (s32(d), s32(s))
+                r = sd if ss == 0 else (abs(sd) % abs(ss)) * (1 if sd >= 0 else -1)
+            else:
+                r = d % s if s else d
+        elif op == I.OR:
+            r = d | s
+        elif op == I.AND:
+            r = d & s
+        elif op == I.XOR:
+            r = d ^ s
+        elif op == I.LSH:
+            r = d << (s & (bits - 1))
+        elif op == I.RSH:
+            r = d >> (s & (bits - 1))
+        elif op == I.ARSH:
+            sd = s64(d) if is64 else s32(d)
+            r = sd >> (s & (bits - 1))
+        elif op == I.NEG:
+            r = -d
+        elif op == I.MOV:
+            if ins.off and ins.opcode & I.X:
+                v = regs[ins.src] & ((1 << ins.off) - 1)
+                r = v - (1 << ins.off) if v >> (ins.off - 1) else v
+            else:
+                r = s
+        elif op == I.END:
+            width = ins.imm
+            if width not in (16, 32, 64):
+                raise _Fault(f"byte swap of width {width}")
+            v = regs[ins.dst] & ((1 << width) - 1)
+            if cls == I.ALU64 or ins.opcode & I.X:  # bswap / to big endian: swap
+                v = int.from_bytes(v.to_bytes(width // 8, "little"), "big")
+            return v
+        else:
+            raise _Fault(f"unsupported ALU operation {op:#x}")
+        return r & mask
+
+    @staticmethod
+    def _atomic(m, ins, addr, size, regs):
+        mask = (1 << (8 * size)) - 1
+        old = m.load(addr, size)
+        src = regs[ins.src] & mask
+        op = ins.imm
+        if op == I.XCHG:
+            m.store(addr, size, src)
+            regs[ins.src] = old
+            return
+        if op == I.CMPXCHG:
+            if old == regs[0] & mask:
+                m.store(addr, size, src)
+            regs[0] = old
+            return
+        base = op & ~I.FETCH
+        new = {I.ADD: old + src, I.OR: old | src, I.AND: old & src, I.XOR: old ^ src}.get(base)
+        if new is None:
+            raise _Fault(f"unsupported atomic operation {op:#x}")
+        m.store(addr, size, new)
+        if op & I.FETCH:
+            regs[ins.src] = old
+
+
+def _taken(code, a, b, sa, sb) -> bool:
+    if code == I.JEQ:
+        return a == b
+    if code == I.JNE:
+        return a != b
+    if code == I.JGT:
+        return a > b
+    if code == I.JGE:
+        return a >= b
+    if code == I.JLT:
+        return a < b
+    if code == I.JLE:
+        return a <= b
+    if code == I.JSET:
+        return bool(a & b)
+    if code == I.JSGT:
+        return sa > sb
+    if code == I.JSGE:
+        return sa >= sb
+    if code == I.JSLT:
+        return sa < sb
+    if code == I.JSLE:
+        return sa <= sb
+    raise _Fault(f"unsupported jump operation {code:#x}")

@@ -1,0 +1,93 @@
+"""A loaded eBPF program and the small interface every VM backend implements."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import isa
+from .isa import Insn
+
+
+@dataclass(frozen=True)
+class SourceLine:
+    file: str
+    line: int
+    col: int
+    text: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}" + (f": {self.text.strip()}" if self.text else "")
+
+
+@dataclass
+class Program:
+    """Relocated instructions plus what they refer to.
+
+    ``lddw`` with src 1 has imm = index into ``maps``; with src 2, imm = map
+    index and next_imm = offset into that (one-entry array) map's value.
+    Local calls have been resolved to pc-relative offsets.
+    """
+    name: str
+    insns: list[Insn]
+    maps: list = field(default_factory=list)          # runtime.maps.Map, by index
+    hook: object | None = None                        # fabric_ext.hooks.Hook or None (bare)
+    ctx_size: int = 0
+    line_info: dict[int, SourceLine] = field(default_factory=dict)  # slot -> source
+    section: str = ""
+
+    def __post_init__(self):
+        self.slots = isa.to_slots(self.insns)
+        if self.hook is not None and not self.ctx_size:
+            self.ctx_size = self.hook.ctx_size
+
+    @property
+    def code(self) -> bytes:
+        return isa.encode(self.insns)
+
+    def where(self, pc: int) -> str:
+        ins = self.slots[pc] if 0 <= pc < len(self.slots) else None
+        text = isa.disasm_insn(ins, pc) if ins is not None else "?"
+        src = self.source_line(pc)
+        return f"{self.name} pc {pc}: {text}" + (f" ({src})" if src else "")
+
+    def source_line(self, pc: int) -> SourceLine | None:
+        best = None
+        for slot in sorted(self.line_info):
+            if slot > pc:
+                break
+            best = self.line_info[slot]
+        return best
+
+
+class VMFault(RuntimeError):
+    """A run-time fault: names the program, pc, instruction and source line."""
+
+    def __init__(self, program: Program, pc: int, reason: str):
+        self.program, self.pc, self.reason = program, pc, reason
+        super().__init__(f"{program.where(pc)}: {reason}")
+
+
+class Backend:
+    """A VM backend: load a verified program once, run it many times.
+
+    ``run`` takes the context as a writable buffer (decisions come back in it)
+    and optional memory for bare programs (r1 = memory, r2 = its length), and
+    returns r0.  Faults raise `VMFault`.
+    """
+    name = "?"
+
+    def load(self, program: Program):
+        return program
+
+    def run(self, handle, ctx: bytearray | None = None, mem: bytearray | None = None) -> int:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def get_backend(name: str, **kw) -> Backend:
+    """The backend called ``name`` (``interp`` now; faster ones plug in here)."""
+    if name == "interp":
+        from .interp import Interpreter
+        return Interpreter(**kw)
+    raise ValueError(f"unknown backend '{name}' (available: interp)")

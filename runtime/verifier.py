@@ -1,0 +1,685 @@
+"""The static verifier: what must hold before any backend runs a program.
+
+Two passes.  The structural pass checks opcodes, registers, jump targets (in
+range, never into the middle of ``lddw``), helper ids and map references.  The
+path pass then explores every path with an abstract state per register and
+stack slot (uninitialised, scalar with an unsigned range, or a typed pointer
+with an offset range), as the kernel's verifier does: stack and context
+accesses in bounds, context writes only to decision fields of the hook, map
+values only after a null check and within the value size, helper arguments of
+the right kind, no reads of uninitialised registers or stack.  Loops are
+explored iteration by iteration; a loop whose exit the ranges cannot decide
+runs out the complexity budget and is rejected with a message saying so, and
+a state that repeats on its own path is an infinite loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import helpers as Hl
+from . import isa as I
+from .interp import Interpreter, ctx_write_mask
+from .program import Program
+
+M64, M32 = I.MASK64, I.MASK32
+FULL = (0, M64)
+STACK = 512
+VALID_OPCODES = set()
+for _c in (I.ALU, I.ALU64):
+    for _op in (I.ADD, I.SUB, I.MUL, I.DIV, I.OR, I.AND, I.LSH, I.RSH, I.MOD, I.XOR, I.MOV, I.ARSH):
+        VALID_OPCODES |= {_c | _op | I.K, _c | _op | I.X}
+    VALID_OPCODES |= {_c | I.NEG, _c | I.END | I.K}
+VALID_OPCODES.add(I.ALU | I.END | I.X)
+for _c in (I.JMP, I.JMP32):
+    for _op in (I.JEQ, I.JGT, I.JGE, I.JSET, I.JNE, I.JSGT, I.JSGE, I.JLT, I.JLE, I.JSLT, I.JSLE):
+        VALID_OPCODES |= {_c | _op | I.K, _c | _op | I.X}
+VALID_OPCODES |= {I.JMP | I.JA, I.JMP32 | I.JA, I.JMP | I.CALL, I.JMP | I.EXIT}
+for _s in (I.B, I.H, I.W, I.DW):
+    VALID_OPCODES |= {I.LDX | I.MEM | _s, I.ST | I.MEM | _s, I.STX | I.MEM | _s}
+for _s in (I.B, I.H, I.W):
+    VALID_OPCODES.add(I.LDX | I.MEMSX | _s)
+VALID_OPCODES |= {I.STX | I.ATOMIC | I.W, I.STX | I.ATOMIC | I.DW, I.LD | I.IMM | I.DW}
+ATOMIC_IMMS = {I.ADD, I.OR, I.AND, I.XOR, I.ADD | I.FETCH, I.OR | I.FETCH, I.AND | I.FETCH,
+               I.XOR | I.FETCH, I.XCHG, I.CMPXCHG}
+
+
+class VerifierError(ValueError):
+    """A rejected program; the message names the pc, instruction and source line."""
+
+    def __init__(self, program: Program, pc: int, msg: str):
+        self.program, self.pc, self.msg = program, pc, msg
+        super().__init__(f"{program.where(pc)}: {msg}")
+
+
+# ---- abstract values: tuples so states hash and compare --------------------------
+UNINIT = ("uninit",)
+
+
+def scalar(lo=0, hi=M64):
+    return ("scalar", lo, hi)
+
+
+def const(v):
+    return ("scalar", v & M64, v & M64)
+
+
+def is_ptr(r):
+    return r[0] not in ("scalar", "uninit")
+
+
+@dataclass
+class Frame:
+    regs: list
+    init: bytearray          # per stack byte: initialised?
+    spills: dict             # 8-aligned offset (from frame bottom) -> register value
+    ret_pc: int = -1
+
+    def copy(self):
+        return Frame(list(self.regs), bytearray(self.init), dict(self.spills), self.ret_pc)
+
+    def key(self):
+        return (tuple(self.regs), bytes(self.init), tuple(sorted(self.spills.items())), self.ret_pc)
+
+
+class State:
+    __slots__ = ("frames", "next_id")
+
+    def __init__(self, frames, next_id=1):
+        self.frames, self.next_id = frames, next_id
+
+    @property
+    def top(self) -> Frame:
+        return self.frames[-1]
+
+    def copy(self):
+        return State([f.copy() for f in self.frames], self.next_id)
+
+    def key(self):
+        return tuple(f.key() for f in self.frames)
+
+
+class Verifier:
+    def __init__(self, prog: Program, max_insns: int = 200_000, bare_mem: bool | None = None):
+        self.p = prog
+        self.max_insns = max_insns
+        self.hook = prog.hook
+        self.ctx_size = prog.ctx_size if prog.hook is not None else 0
+        self.wmask = ctx_write_mask(prog.hook, self.ctx_size) if self.ctx_size else b""
+        self.bare = prog.hook is None and not prog.ctx_size if bare_mem is None else bare_mem
+
+    def fail(self, pc, msg):
+        raise VerifierError(self.p, pc, msg)
+
+    # -- structural pass ---------------------------------------------------------
+    def structural(self):
+        slots, n = self.p.slots, len(self.p.slots)
+        if n == 0:
+            self.fail(0, "empty program")
+        self.loop_heads = set()
+        for pc, ins in enumerate(slots):
+            if ins is None:
+                continue
+            if ins.opcode not in VALID_OPCODES:
+                self.fail(pc, f"unknown opcode {ins.opcode:#04x}")
+            if ins.dst > 10 or ins.src > 10 and not ins.is_lddw and ins.opcode != I.JMP | I.CALL:
+                self.fail(pc, f"invalid register r{max(ins.dst, ins.src)}")
+            c, op = ins.cls, ins.op
+            writes_dst = c in (I.ALU, I.ALU64, I.LDX) or ins.is_lddw
+            if writes_dst and ins.dst == 10:
+                self.fail(pc, "frame pointer r10 is read only")
+            if c in (I.ALU, I.ALU64) and op == I.END and ins.imm not in (16, 32, 64):
+                self.fail(pc, f"invalid byte swap width {ins.imm}")
+            if c in (I.ALU, I.ALU64) and op in (I.DIV, I.MOD) and ins.off not in (0, 1):
+                self.fail(pc, f"invalid offset {ins.off} for division")
+            if c in (I.ALU, I.ALU64) and op == I.MOV and ins.off not in (0, 8, 16, 32):
+                self.fail(pc, f"invalid sign-extension width {ins.off}")
+            if c == I.STX and ins.mode == I.ATOMIC and ins.imm not in ATOMIC_IMMS:
+                self.fail(pc, f"unknown atomic operation {ins.imm:#x}")
+            if ins.is_lddw:
+                if ins.src in (I.PSEUDO_MAP_FD, I.PSEUDO_MAP_VALUE) and ins.imm >= len(self.p.maps):
+                    self.fail(pc, f"reference to map {ins.imm}, but the program has {len(self.p.maps)} maps")
+                if ins.src not in (0, I.PSEUDO_MAP_FD, I.PSEUDO_MAP_VALUE):
+                    self.fail(pc, f"unsupported lddw source {ins.src}")
+            if c in (I.JMP, I.JMP32) and op not in (I.EXIT,):
+                if op == I.CALL:
+                    if ins.src == I.PSEUDO_CALL:
+                        self._target(pc, pc + 1 + ins.imm)
+                    elif ins.src != 0:
+                        self.fail(pc, f"unsupported call kind (src {ins.src})")
+                    elif ins.imm not in Hl.HELPERS:
+                        self.fail(pc, f"unknown helper {ins.imm}: the runtime provides "
+                                  + ", ".join(f"{h.id} ({h.name})" for h in Hl.HELPERS.values()))
+                    continue
+                off = ins.imm if (op == I.JA and c == I.JMP32) else ins.off
+                t = pc + 1 + off
+                self._target(pc, t)
+                if t <= pc:
+                    self.loop_heads.add(t)
+
+    def _target(self, pc, t):
+        if not 0 <= t < len(self.p.slots):
+            self.fail(pc, f"jump out of range to pc {t}")
+        if self.p.slots[t] is None:
+            self.fail(pc, f"jump into the middle of lddw at pc {t - 1}")
+
+    # -- path pass -----------------------------------------------------------------
+    def initial(self) -> State:
+        regs = [UNINIT] * 11
+        regs[10] = ("stack", 0, STACK, STACK)
+        if self.ctx_size:
+            regs[1] = ("ctx", 0, 0)
+        elif self.bare:
+            regs[1], regs[2] = ("mem", 0, 0), scalar()
+        return State([Frame(regs, bytearray(STACK), {})])
+
+    def run(self):
+        self.structural()
+        slots = self.p.slots
+        work = [(0, self.initial(), ())]
+        seen: dict[int, set] = {}
+        processed = 0
+        leaders = self._leaders()
+        while work:
+            pc, st, path = work.pop()
+            while True:
+                processed += 1
+                if processed > self.max_insns:
+                    heads = sorted(self.loop_heads)
+                    self.fail(pc, f"program too complex: explored {self.max_insns} instructions; "
+                              f"the loop at pc {heads[0] if heads else pc} is not provably bounded "
+                              "(its exit condition must be decided by constant bounds)")
+                if pc >= len(slots):
+                    self.fail(len(slots) - 1, "execution falls off the end of the program")
+                if pc in leaders:
+                    k = st.key()
+                    if pc in self.loop_heads:
+                        if (pc, k) in path:
+                            self.fail(pc, "infinite loop: the same state repeats on one path")
+                        path = path + ((pc, k),)
+                    bucket = seen.setdefault(pc, set())
+                    if k in bucket:
+                        break
+                    bucket.add(k)
+                nxt = self.step(pc, slots[pc], st, work, path)
+                if nxt is None:
+                    break
+                pc = nxt
+        return processed
+
+    def _leaders(self):
+        out = {0}
+        for pc, ins in enumerate(self.p.slots):
+            if ins is None or ins.cls not in (I.JMP, I.JMP32):
+                continue
+            if ins.op == I.CALL and ins.src == I.PSEUDO_CALL:
+                out |= {pc + 1 + ins.imm, pc + 1}
+            elif ins.op not in (I.CALL, I.EXIT):
+                off = ins.imm if (ins.op == I.JA and ins.cls == I.JMP32) else ins.off
+                out |= {pc + 1 + off, pc + 1}
+        return out
+
+    # -- one instruction; returns the next pc or None when the path ends ---------------
+    def step(self, pc, ins, st: State, work, path):
+        f = st.top
+        regs = f.regs
+        c = ins.cls
+        if c in (I.ALU, I.ALU64):
+            self.alu(pc, ins, regs)
+            return pc + 1
+        if ins.is_lddw:
+            if ins.src == I.PSEUDO_MAP_FD:
+                regs[ins.dst] = ("map_ptr", ins.imm)
+            elif ins.src == I.PSEUDO_MAP_VALUE:
+                m = self.p.maps[ins.imm]
+                if m.kind != "array" or ins.next_imm >= m.value_size:
+                    self.fail(pc, f"map value reference into '{m.name}' at offset {ins.next_imm} is invalid")
+                regs[ins.dst] = ("map_value", ins.imm, ins.next_imm, ins.next_imm)
+            else:
+                regs[ins.dst] = const(ins.imm)
+            return pc + 2
+        if c == I.LDX:
+            size = I.SIZE_BYTES[ins.size]
+            regs[ins.dst] = self.load(pc, st, self.read(pc, regs, ins.src), ins.off, size, ins.mode == I.MEMSX)
+            return pc + 1
+        if c == I.ST:
+            self.store(pc, st, self.read(pc, regs, ins.dst), ins.off, I.SIZE_BYTES[ins.size], const(ins.imm))
+            return pc + 1
+        if c == I.STX:
+            size = I.SIZE_BYTES[ins.size]
+            base, val = self.read(pc, regs, ins.dst), self.read(pc, regs, ins.src)
+            if ins.mode == I.ATOMIC:
+                self.atomic(pc, st, ins, base, val, size)
+            else:
+                self.store(pc, st, base, ins.off, size, val)
+            return pc + 1
+        op = ins.op
+        if op == I.EXIT:
+            r0 = regs[0]
+            if r0 == UNINIT:
+                self.fail(pc, "r0 is not set before exit")
+            if len(st.frames) == 1:
+                if is_ptr(r0):
+                    self.fail(pc, "the program returns a pointer; return a number")
+                return None
+            ret = st.frames.pop()
+            caller = st.top
+            caller.regs[0] = r0
+            for r in range(1, 6):
+                caller.regs[r] = UNINIT
+            return ret.ret_pc
+        if op == I.CALL:
+            if ins.src == I.PSEUDO_CALL:
+                if len(st.frames) >= 8:
+                    self.fail(pc, "call depth exceeds 8 frames")
+                regs_new = [UNINIT] * 11
+                for r in range(1, 6):
+                    regs_new[r] = regs[r]
+                regs_new[10] = ("stack", len(st.frames), STACK, STACK)
+                st.frames.append(Frame(regs_new, bytearray(STACK), {}, pc + 1))
+                return pc + 1 + ins.imm
+            self.helper(pc, ins.imm, st)
+            return pc + 1
+        if op == I.JA:
+            return pc + 1 + (ins.imm if c == I.JMP32 else ins.off)
+        return self.branch(pc, ins, st, work, path)
+
+    def read(self, pc, regs, r):
+        v = regs[r]
+        if v == UNINIT:
+            self.fail(pc, f"r{r} is read before it is written")
+        return v
+
+    # -- ALU -------------------------------------------------------------------------------
+    def alu(self, pc, ins, regs):
+        is64 = ins.cls == I.ALU64
+        op = ins.op
+        d = regs[ins.dst]
+        if ins.opcode & I.X:
+            s = self.read(pc, regs, ins.src)
+        else:
+            s = const(ins.imm if is64 or op == I.MOV else ins.imm & M32)
+            if is64:
+                s = const(ins.imm)
+        if op == I.MOV:
+            if is64 and not ins.off:
+                regs[ins.dst] = s
+                return
+            if is_ptr(s):
+                self.fail(pc, "32-bit or sign-extending move of a pointer")
+            regs[ins.dst] = self.scalar_op(ins, s, s, is64)
+            return
+        if d == UNINIT:
+            self.fail(pc, f"r{ins.dst} is read before it is written")
+        if op in (I.NEG, I.END):
+            if is_ptr(d):
+                self.fail(pc, "arithmetic on a pointer")
+            regs[ins.dst] = self.scalar_op(ins, d, d, is64)
+            return
+        if is_ptr(d) or is_ptr(s):
+            regs[ins.dst] = self.ptr_arith(pc, ins, d, s, is64)
+            return
+        regs[ins.dst] = self.scalar_op(ins, d, s, is64)
+
+    def ptr_arith(self, pc, ins, d, s, is64):
+        op = ins.op
+        if not is64:
+            self.fail(pc, "32-bit arithmetic on a pointer")
+        if d[0] in ("map_ptr", "map_value_or_null", "record_or_null") or s[0] in ("map_ptr", "map_value_or_null", "record_or_null"):
+            self.fail(pc, f"arithmetic on {'a map reference' if 'map_ptr' in (d[0], s[0]) else 'a pointer that may be null; check it against 0 first'}")
+        if op == I.ADD:
+            ptr, sc = (d, s) if is_ptr(d) else (s, d)
+            if is_ptr(sc):
+                self.fail(pc, "adding two pointers")
+            return self._shift_ptr(pc, ptr, sc[1], sc[2])
+        if op == I.SUB:
+            if is_ptr(d) and not is_ptr(s):
+                if s[1] != s[2]:
+                    return self._shift_ptr(pc, d, -s[2], -s[1])
+                return self._shift_ptr(pc, d, -s[1], -s[1])
+            if is_ptr(d) and is_ptr(s) and d[0] == s[0]:
+                return scalar()
+        self.fail(pc, f"pointer arithmetic with '{I.ALU_NAMES.get(op, op)}' is not allowed")
+
+    def _shift_ptr(self, pc, ptr, lo, hi):
+        def signed(v):
+            return v - (1 << 64) if v > (1 << 63) else v
+        lo, hi = signed(lo), signed(hi)
+        if hi - lo > 1 << 32:
+            self.fail(pc, "pointer offset is unbounded; bound the index with a comparison first")
+        if ptr[0] == "stack":
+            return ("stack", ptr[1], ptr[2] + lo, ptr[3] + hi)
+        kind = ptr[0]
+        head = ptr[:-2]
+        return head + (ptr[-2] + lo, ptr[-1] + hi) if kind in ("ctx", "map_value", "mem", "record") else ptr
+
+    def scalar_op(self, ins, d, s, is64):
+        """The result range of a scalar operation (exact when both are constants)."""
+        mask = M64 if is64 else M32
+        op = ins.op
+        if d[1] == d[2] and s[1] == s[2]:
+            regs = [0] * 11
+            regs[1], regs[2] = d[1], s[1]
+            fake = I.Insn((ins.opcode | I.X), dst=1, src=2, off=ins.off, imm=ins.imm)
+            if op == I.END:
+                fake = I.Insn(ins.opcode, dst=1, imm=ins.imm)
+            return const(Interpreter._alu(fake, ins.cls, regs))
+        lo, hi = d[1], d[2]
+        if not is64:
+            if hi > M32:
+                lo, hi = 0, M32
+            slo, shi = (s[1], s[2]) if s[2] <= M32 else (0, M32)
+        else:
+            slo, shi = s[1], s[2]
+        r = None
+        if op == I.ADD and hi + shi <= mask:
+            r = (lo + slo, hi + shi)
+        elif op == I.SUB and lo >= shi:
+            r = (lo - shi, hi - slo)
+        elif op == I.MUL and hi * shi <= mask:
+            r = (lo * slo, hi * shi)
+        elif op == I.DIV and ins.off == 0:
+            r = (lo // shi if shi else 0, hi // slo if slo else hi)
+        elif op == I.MOD and ins.off == 0 and slo > 0:
+            r = (0, min(hi, shi - 1))
+        elif op == I.AND:
+            r = (0, min(hi, shi))
+        elif op == I.RSH and slo == shi:
+            sh = slo & (63 if is64 else 31)
+            r = (lo >> sh, hi >> sh)
+        elif op == I.LSH and slo == shi and (hi << (slo & (63 if is64 else 31))) <= mask:
+            sh = slo & (63 if is64 else 31)
+            r = (lo << sh, hi << sh)
+        elif op in (I.OR, I.XOR) and hi <= mask and shi <= mask:
+            top = (1 << max(hi.bit_length(), shi.bit_length())) - 1
+            r = (0, top)
+        elif op == I.END:
+            r = (0, (1 << ins.imm) - 1)
+        elif op == I.MOV:
+            r = (0, mask)
+        if r is None:
+            r = (0, mask)
+        return scalar(*r)
+
+    # -- memory --------------------------------------------------------------------------------
+    def _stack_frame(self, st, ptr):
+        return st.frames[ptr[1]]
+
+    def check_access(self, pc, st, ptr, off, size, write):
+        kind = ptr[0]
+        if kind == "scalar":
+            self.fail(pc, f"{'write to' if write else 'read from'} a number, not a pointer")
+        if kind == "ctx":
+            lo, hi = ptr[1] + off, ptr[2] + off
+            if lo < 0 or hi + size > self.ctx_size:
+                self.fail(pc, f"context access at offset {lo} of {size} bytes is outside the "
+                          f"{self.ctx_size}-byte context of {self._hook_name()}")
+            if lo != hi:
+                self.fail(pc, "context access with a variable offset")
+            if write and self.wmask.find(0, lo, lo + size) != -1:
+                fld = self._field_at(lo)
+                self.fail(pc, f"write to read-only context field '{fld}' of {self._hook_name()}")
+            return
+        if kind == "stack":
+            lo, hi = ptr[2] + off, ptr[3] + off
+            if lo < 0 or hi + size > STACK:
+                self.fail(pc, f"stack access at r10{lo - STACK:+d} of {size} bytes is outside the 512-byte stack")
+            if lo != hi:
+                self.fail(pc, "stack access with a variable offset")
+            return
+        if kind == "map_value":
+            m = self.p.maps[ptr[1]]
+            lo, hi = ptr[2] + off, ptr[3] + off
+            if lo < 0 or hi + size > m.value_size:
+                self.fail(pc, f"access to map '{m.name}' value at offset {lo}..{hi} of {size} bytes is outside "
+                          f"its {m.value_size}-byte value")
+            return
+        if kind == "record":
+            lo, hi = ptr[2] + off, ptr[3] + off
+            if lo < 0 or hi + size > ptr[1]:
+                self.fail(pc, f"access to a {ptr[1]}-byte ringbuf record at offset {lo} is out of bounds")
+            return
+        if kind == "mem":
+            return  # memory given to a bare program: size known only at run time; checked there
+        if kind in ("map_value_or_null", "record_or_null"):
+            self.fail(pc, "access through a pointer that may be null; compare it with 0 first")
+        if kind == "map_ptr":
+            self.fail(pc, "a map reference cannot be dereferenced; use bpf_map_lookup_elem")
+        self.fail(pc, f"invalid memory access through {kind}")
+
+    def _hook_name(self):
+        return f"{self.hook.island_kind}.{self.hook.name}" if self.hook else "the program"
+
+    def _field_at(self, off):
+        for name, (o, f) in self.hook.layout.items():
+            if o <= off < o + f.size:
+                return name
+        return f"+{off}"
+
+    def load(self, pc, st, ptr, off, size, signed):
+        self.check_access(pc, st, ptr, off, size, False)
+        if ptr[0] == "stack":
+            fr = self._stack_frame(st, ptr)
+            at = ptr[2] + off
+            if not all(fr.init[at:at + size]):
+                self.fail(pc, f"read of uninitialised stack at r10{at - STACK:+d}")
+            if size == 8 and at in fr.spills:
+                return fr.spills[at]
+        if signed:
+            return scalar()
+        return scalar(0, (1 << (8 * size)) - 1)
+
+    def store(self, pc, st, ptr, off, size, val):
+        self.check_access(pc, st, ptr, off, size, True)
+        if ptr[0] == "stack":
+            fr = self._stack_frame(st, ptr)
+            at = ptr[2] + off
+            for a in list(fr.spills):
+                if a < at + size and at < a + 8:
+                    del fr.spills[a]
+            fr.init[at:at + size] = b"\x01" * size
+            if size == 8 and at % 8 == 0:
+                fr.spills[at] = val
+            elif is_ptr(val):
+                self.fail(pc, "partial spill of a pointer to the stack")
+        elif is_ptr(val) and ptr[0] != "stack":
+            self.fail(pc, f"storing a pointer into {ptr[0]} would leak it")
+
+    def atomic(self, pc, st, ins, base, val, size):
+        if base[0] == "ctx":
+            self.fail(pc, "atomic operation on the context")
+        if is_ptr(val):
+            self.fail(pc, "atomic operation with a pointer operand")
+        self.load(pc, st, base, ins.off, size, False)
+        self.store(pc, st, base, ins.off, size, scalar())
+        regs = st.top.regs
+        if ins.imm == I.CMPXCHG:
+            self.read(pc, regs, 0)
+            regs[0] = scalar()
+        elif ins.imm & I.FETCH:
+            regs[ins.src] = scalar(0, M32 if size == 4 else M64)
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _mem_arg(self, pc, st, r, ptr, size):
+        if ptr[0] == "stack":
+            fr = self._stack_frame(st, ptr)
+            self.check_access(pc, st, ptr, 0, size, False)
+            at = ptr[2]
+            if not all(fr.init[at:at + size]):
+                self.fail(pc, f"r{r} points to {size} bytes of stack that are not all initialised")
+        elif ptr[0] in ("map_value", "mem", "ctx", "record"):
+            self.check_access(pc, st, ptr, 0, size, False) if size else None
+        else:
+            self.fail(pc, f"r{r} must point to memory, not {ptr[0]}")
+
+    def helper(self, pc, hid, st):
+        spec = Hl.HELPERS[hid]
+        regs = st.top.regs
+        mp = None
+        reserve_size = 0
+        if spec.ret == Hl.RET_RECORD_OR_NULL:
+            size = regs[2]
+            if size == UNINIT or is_ptr(size) or size[1] != size[2]:
+                self.fail(pc, f"{spec.name} needs a constant size in r2")
+            reserve_size = size[1]
+        for i, kind in enumerate(spec.args, start=1):
+            v = regs[i]
+            if v == UNINIT:
+                self.fail(pc, f"{spec.name}: argument r{i} is not set")
+            if kind == Hl.MAP:
+                if v[0] != "map_ptr":
+                    self.fail(pc, f"{spec.name}: r{i} must be a map reference")
+                mp = self.p.maps[v[1]]
+                if (mp.kind == "ringbuf") != spec.name.startswith("ringbuf"):
+                    self.fail(pc, f"{spec.name} cannot be used on the {mp.kind} map '{mp.name}'")
+            elif kind in (Hl.KEY, Hl.VALUE):
+                self._mem_arg(pc, st, i, v, mp.key_size if kind == Hl.KEY else mp.value_size)
+            elif kind == Hl.MEM:
+                size = regs[i + 1]
+                if size == UNINIT or is_ptr(size):
+                    self.fail(pc, f"{spec.name}: r{i + 1} must be a size")
+                if size[2] > 1 << 16:
+                    self.fail(pc, f"{spec.name}: size in r{i + 1} is unbounded")
+                self._mem_arg(pc, st, i, v, size[2])
+            elif kind in (Hl.SCALAR, Hl.SIZE):
+                if is_ptr(v):
+                    self.fail(pc, f"{spec.name}: r{i} must be a number, not a pointer")
+            elif kind == Hl.RECORD:
+                if v[0] != "record" or v[2] != 0:
+                    self.fail(pc, f"{spec.name}: r{i} must be a record from bpf_ringbuf_reserve")
+        for r in range(1, 6):
+            regs[r] = UNINIT
+        if spec.ret == Hl.RET_MAP_VALUE_OR_NULL:
+            regs[0] = ("map_value_or_null", self.p.maps.index(mp), st.next_id)
+            st.next_id += 1
+        elif spec.ret == Hl.RET_RECORD_OR_NULL:
+            regs[0] = ("record_or_null", reserve_size, st.next_id)
+            st.next_id += 1
+        else:
+            regs[0] = scalar()
+
+    # -- branches ---------------------------------------------------------------------------------
+    def branch(self, pc, ins, st, work, path):
+        regs = st.top.regs
+        a = self.read(pc, regs, ins.dst)
+        b = self.read(pc, regs, ins.src) if ins.opcode & I.X else const(ins.imm)
+        taken_pc, fall_pc = pc + 1 + ins.off, pc + 1
+        op = ins.op
+        if a[0] in ("map_value_or_null", "record_or_null") and b == const(0) and op in (I.JEQ, I.JNE):
+            null_st, ok_st = st.copy(), st
+            self._resolve_null(null_st, a, True)
+            self._resolve_null(ok_st, a, False)
+            if op == I.JEQ:
+                work.append((taken_pc, null_st, path))
+                return fall_pc
+            work.append((fall_pc, null_st, path))
+            return taken_pc
+        if is_ptr(a) or is_ptr(b):
+            work.append((taken_pc, st.copy(), path))
+            return fall_pc
+        outcome = self._decide(ins, a, b)
+        if outcome is True:
+            self._refine(ins, st, a, b, True)
+            return taken_pc
+        if outcome is False:
+            self._refine(ins, st, a, b, False)
+            return fall_pc
+        other = st.copy()
+        self._refine(ins, other, a, b, True)
+        work.append((taken_pc, other, path))
+        self._refine(ins, st, a, b, False)
+        return fall_pc
+
+    def _resolve_null(self, st, ptr, is_null):
+        nid = ptr[2]
+        def fix(v):
+            if v[0] == ptr[0] and v[2] == nid:
+                if is_null:
+                    return const(0)
+                return ("map_value", v[1], 0, 0) if v[0] == "map_value_or_null" else ("record", v[1], 0, 0)
+            return v
+        for f in st.frames:
+            f.regs = [fix(v) for v in f.regs]
+            f.spills = {k: fix(v) for k, v in f.spills.items()}
+
+    @staticmethod
+    def _ranges(ins, a, b):
+        if ins.cls == I.JMP32:
+            if a[2] > M32 or b[2] > M32:
+                return None
+        return (a[1], a[2]), (b[1], b[2])
+
+    def _decide(self, ins, a, b):
+        rr = self._ranges(ins, a, b)
+        if rr is None:
+            return None
+        (alo, ahi), (blo, bhi) = rr
+        op = ins.op
+        signed_ok = ahi < 1 << (31 if ins.cls == I.JMP32 else 63) and bhi < 1 << (31 if ins.cls == I.JMP32 else 63)
+        if op in (I.JSGT, I.JSGE, I.JSLT, I.JSLE):
+            if not signed_ok:
+                return None
+            op = {I.JSGT: I.JGT, I.JSGE: I.JGE, I.JSLT: I.JLT, I.JSLE: I.JLE}[op]
+        if op == I.JEQ:
+            if alo == ahi == blo == bhi:
+                return True
+            return False if ahi < blo or bhi < alo else None
+        if op == I.JNE:
+            if alo == ahi == blo == bhi:
+                return False
+            return True if ahi < blo or bhi < alo else None
+        if op == I.JGT:
+            return True if alo > bhi else False if ahi <= blo else None
+        if op == I.JGE:
+            return True if alo >= bhi else False if ahi < blo else None
+        if op == I.JLT:
+            return True if ahi < blo else False if alo >= bhi else None
+        if op == I.JLE:
+            return True if ahi <= blo else False if alo > bhi else None
+        if op == I.JSET:
+            if alo == ahi and blo == bhi:
+                return bool(alo & blo)
+            return False if ahi == 0 or bhi == 0 else None
+        return None
+
+    def _refine(self, ins, st, a, b, taken):
+        """Narrow the compared register's range on one side of a branch (against a constant)."""
+        if b[1] != b[2]:
+            return
+        rr = self._ranges(ins, a, b)
+        if rr is None:
+            return
+        (lo, hi), (c, _) = rr
+        op = ins.op
+        if op in (I.JSGT, I.JSGE, I.JSLT, I.JSLE):
+            lim = 1 << (31 if ins.cls == I.JMP32 else 63)
+            if hi >= lim or c >= lim:
+                return
+            op = {I.JSGT: I.JGT, I.JSGE: I.JGE, I.JSLT: I.JLT, I.JSLE: I.JLE}[op]
+        if not taken:
+            op = {I.JEQ: I.JNE, I.JNE: I.JEQ, I.JGT: I.JLE, I.JLE: I.JGT, I.JGE: I.JLT, I.JLT: I.JGE}.get(op)
+        if op == I.JEQ:
+            lo, hi = c, c
+        elif op == I.JGT:
+            lo = max(lo, c + 1)
+        elif op == I.JGE:
+            lo = max(lo, c)
+        elif op == I.JLT:
+            hi = min(hi, c - 1) if c else hi
+        elif op == I.JLE:
+            hi = min(hi, c)
+        elif op == I.JNE:
+            if lo == c:
+                lo += 1
+            elif hi == c:
+                hi -= 1
+        else:
+            return
+        if lo > hi:
+            return
+        st.top.regs[ins.dst] = scalar(lo, hi)
+
+
+
+def verify(prog: Program, max_insns: int = 200_000) -> int:
+    """Verify ``prog``; returns the number of instructions explored or raises VerifierError."""
+    return Verifier(prog, max_insns).run()
