@@ -1,0 +1,132 @@
+"""The policy IR: one `ProgramIR` per (island, hook), handlers in source order.
+
+Values are unsigned 64-bit integers; comparisons and boolean operators yield
+0 or 1.  Everything is resolved: context fields carry their offset and C
+type, maps their declaration, names their meaning.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fabric_ext.diagnostics import Span
+
+
+@dataclass(frozen=True)
+class Const:
+    value: int
+
+
+@dataclass(frozen=True)
+class CtxField:
+    name: str
+    offset: int
+    ctype: str
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str       # unique within the program
+
+
+@dataclass(frozen=True)
+class MapGet:
+    map: str
+    key: object
+    default: object
+
+
+@dataclass(frozen=True)
+class Bin:
+    op: str         # + - * / % & | ^ << >> == != < > <= >= && ||
+    left: object
+    right: object
+
+
+@dataclass(frozen=True)
+class Not:
+    operand: object
+
+
+@dataclass(frozen=True)
+class MinMax:
+    op: str         # "min" | "max"
+    args: tuple
+
+
+# statements carry the span of their source for line info
+@dataclass
+class SetField:
+    field: CtxField
+    value: object
+    span: Span
+
+
+@dataclass
+class SetVar:
+    var: Var
+    value: object
+    span: Span
+
+
+@dataclass
+class If:
+    cond: object
+    then: list
+    orelse: list
+    span: Span
+
+
+@dataclass
+class MapUpdate:
+    map: str
+    key: object
+    op: str         # = += -= |= &= max= min=
+    value: object
+    span: Span
+
+
+@dataclass
+class MapDelete:
+    map: str
+    key: object
+    span: Span
+
+
+@dataclass
+class Emit:
+    map: str
+    args: list
+    span: Span
+
+
+@dataclass
+class Loop:
+    var: Var
+    lo: int
+    hi: int
+    body: list
+    span: Span
+
+
+@dataclass
+class HandlerIR:
+    policy: str
+    movement_id: int | None     # None: runs for every event at the hook
+    period: int | None          # tick handlers: the period they run at
+    guard: object | None
+    body: list
+    span: Span
+
+
+@dataclass
+class ProgramIR:
+    island: str
+    island_kind: str
+    hook: object                # fabric_ext.hooks.Hook
+    handlers: list[HandlerIR]
+    maps: list[str]             # maps the program uses, sorted
+    vars: list[Var] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.island}_{self.hook.name}"

@@ -1,0 +1,193 @@
+"""Pass 6: lower placed handlers to the policy IR (`lower`).
+
+Unit literals are already integers in base units; names resolve to context
+fields, decisions, let variables, loop variables or device ids.  At -O1 and
+above constants are folded and handlers that can never run (a guard that is
+constantly false) or do nothing are dropped.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from fabric_ext import ast as A
+from fabric_ext.diagnostics import Diagnostics
+
+from . import ir
+from .ids import IdTables
+
+M64 = (1 << 64) - 1
+STACK_LIMIT = 512
+_FOLD = {
+    "+": lambda a, b: (a + b) & M64, "-": lambda a, b: max(a - b, 0), "*": lambda a, b: (a * b) & M64,
+    "/": lambda a, b: a // b if b else 0, "%": lambda a, b: a % b if b else a,
+    "&": lambda a, b: a & b, "|": lambda a, b: a | b, "^": lambda a, b: a ^ b,
+    "<<": lambda a, b: (a << (b & 63)) & M64, ">>": lambda a, b: a >> (b & 63),
+    "==": lambda a, b: int(a == b), "!=": lambda a, b: int(a != b), "<": lambda a, b: int(a < b),
+    ">": lambda a, b: int(a > b), "<=": lambda a, b: int(a <= b), ">=": lambda a, b: int(a >= b),
+    "&&": lambda a, b: int(bool(a) and bool(b)), "||": lambda a, b: int(bool(a) or bool(b)),
+}
+
+
+def fold(e):
+    """Fold constant subexpressions of an IR expression."""
+    if isinstance(e, ir.Bin):
+        a, b = fold(e.left), fold(e.right)
+        if isinstance(a, ir.Const) and isinstance(b, ir.Const):
+            return ir.Const(_FOLD[e.op](a.value, b.value))
+        return ir.Bin(e.op, a, b)
+    if isinstance(e, ir.Not):
+        a = fold(e.operand)
+        return ir.Const(int(not a.value)) if isinstance(a, ir.Const) else ir.Not(a)
+    if isinstance(e, ir.MinMax):
+        args = tuple(fold(a) for a in e.args)
+        if all(isinstance(a, ir.Const) for a in args):
+            vals = [a.value for a in args]
+            return ir.Const(min(vals) if e.op == "min" else max(vals))
+        return ir.MinMax(e.op, args)
+    if isinstance(e, ir.MapGet):
+        return ir.MapGet(e.map, fold(e.key), fold(e.default))
+    return e
+
+
+class _Lowerer:
+    def __init__(self, prog: ir.ProgramIR, ids: IdTables, opt: int, diags: Diagnostics):
+        self.p, self.ids, self.opt, self.diags = prog, ids, opt, diags
+        self.scopes: list[dict[str, ir.Var]] = []
+        self.counter = 0
+        self.maps: set[str] = set()
+
+    def expr(self, e):
+        out = self._expr(e)
+        return fold(out) if self.opt >= 1 else out
+
+    def _expr(self, e):
+        if isinstance(e, A.Num):
+            return ir.Const(int(e.value) & M64)
+        if isinstance(e, A.Bool):
+            return ir.Const(int(e.value))
+        if isinstance(e, A.Name):
+            if e.id == "now":
+                return self._field("now")
+            for scope in reversed(self.scopes):
+                if e.id in scope:
+                    return scope[e.id]
+            if self.p.hook.field(e.id) is not None:
+                return self._field(e.id)
+            return ir.Const(self.ids.devices[e.id])
+        if isinstance(e, A.FieldRef):
+            return self._field(e.name.name)
+        if isinstance(e, A.MapGet):
+            self.maps.add(e.map.name)
+            default = self._expr(e.default) if e.default is not None else ir.Const(0)
+            return ir.MapGet(e.map.name, self._expr(e.key), default)
+        if isinstance(e, A.Call):
+            return ir.MinMax(e.func.name, tuple(self._expr(a) for a in e.args))
+        if isinstance(e, A.BinOp):
+            return ir.Bin(e.op, self._expr(e.left), self._expr(e.right))
+        if isinstance(e, A.UnOp):
+            return ir.Not(self._expr(e.operand)) if e.op == "!" else ir.Bin("-", ir.Const(0), self._expr(e.operand))
+        raise TypeError(f"cannot lower {type(e).__name__}")
+
+    def _field(self, name):
+        off, f = self.p.hook.layout[name]
+        return ir.CtxField(name, off, f.ctype)
+
+    def _new_var(self, name):
+        self.counter += 1
+        v = ir.Var(f"{name}.{self.counter}")
+        self.p.vars.append(v)
+        return v
+
+    def stmts(self, body):
+        self.scopes.append({})
+        out = []
+        for s in body:
+            out.extend(self.stmt(s))
+        self.scopes.pop()
+        return out
+
+    def stmt(self, s):
+        if isinstance(s, A.Let):
+            v = self._new_var(s.name.name)
+            val = self.expr(s.value)
+            self.scopes[-1][s.name.name] = v
+            return [ir.SetVar(v, val, s.span)]
+        if isinstance(s, A.Assign):
+            if not s.via_ev:
+                for scope in reversed(self.scopes):
+                    if s.target.name in scope:
+                        return [ir.SetVar(scope[s.target.name], self.expr(s.value), s.span)]
+            return [ir.SetField(self._field(s.target.name), self.expr(s.value), s.span)]
+        if isinstance(s, A.If):
+            cond = self.expr(s.cond)
+            then, orelse = self.stmts(s.then), self.stmts(s.orelse)
+            if self.opt >= 1 and isinstance(cond, ir.Const):
+                return then if cond.value else orelse
+            return [ir.If(cond, then, orelse, s.span)]
+        if isinstance(s, A.MapUpdate):
+            self.maps.add(s.map.name)
+            return [ir.MapUpdate(s.map.name, self.expr(s.key), s.op, self.expr(s.value), s.span)]
+        if isinstance(s, A.Delete):
+            self.maps.add(s.map.name)
+            return [ir.MapDelete(s.map.name, self.expr(s.key), s.span)]
+        if isinstance(s, A.Emit):
+            self.maps.add(s.map.name)
+            return [ir.Emit(s.map.name, [self.expr(a) for a in s.args], s.span)]
+        if isinstance(s, A.For):
+            from fabric_ext.checker import const_value
+            v = self._new_var(s.var.name)
+            self.scopes.append({s.var.name: v})
+            body = self.stmts(s.body)
+            self.scopes.pop()
+            return [ir.Loop(v, int(const_value(s.lo)), int(const_value(s.hi)), body, s.span)]
+        raise TypeError(f"cannot lower {type(s).__name__}")
+
+
+def _stack_bytes(p: ir.ProgramIR, emit_args: int) -> int:
+    # let/loop variables, a key and a value temporary per map access, the emit record
+    return 8 * len(p.vars) + 16 + 8 * emit_args
+
+
+def _max_emit(body) -> int:
+    best = 0
+    for s in body:
+        if isinstance(s, ir.Emit):
+            best = max(best, len(s.args))
+        for sub in ("then", "orelse", "body"):
+            best = max(best, _max_emit(getattr(s, sub, []) or []))
+    return best
+
+
+def lower(analysis, ids: IdTables, opt: int, diags: Diagnostics) -> list[ir.ProgramIR]:
+    """One ProgramIR per (island, hook) that has handlers, in island then hook order."""
+    groups = defaultdict(list)
+    for pl in analysis.placements:
+        groups[(pl.island, pl.hook.name)].append(pl)
+    programs = []
+    for (island, _), pls in sorted(groups.items(), key=lambda kv: (ids.islands[kv[0][0]], kv[0][1])):
+        pls.sort(key=lambda p: p.order)
+        prog = ir.ProgramIR(island, analysis.graph.islands[island].kind, pls[0].hook, [], [])
+        low = _Lowerer(prog, ids, opt, diags)
+        for pl in pls:
+            h = pl.handler
+            guard = low.expr(h.when) if h.when is not None else None
+            body = low.stmts(h.body)
+            if opt >= 1:
+                if isinstance(guard, ir.Const):
+                    if not guard.value:
+                        continue           # dead: the guard never holds
+                    guard = None
+                if not body:
+                    continue               # dead: nothing to do
+            mid = ids.movements[pl.movement] if pl.movement else None
+            prog.handlers.append(ir.HandlerIR(pl.policy, mid, pl.period, guard, body, h.span))
+        prog.maps = sorted(low.maps)
+        used = _stack_bytes(prog, max((_max_emit(h.body) for h in prog.handlers), default=0))
+        if used > STACK_LIMIT:
+            diags.error(pls[0].handler.span, f"the program for {island}.{prog.hook.name} needs {used} bytes "
+                        f"of stack, more than the {STACK_LIMIT} eBPF allows",
+                        "use fewer let variables or emit fewer values per record")
+            continue
+        if prog.handlers or any(p.period for p in pls):
+            programs.append(prog)
+    return programs

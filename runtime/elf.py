@@ -1,0 +1,267 @@
+"""ELF loader for libbpf-style BPF objects, from our compiler or from clang (`load_object`).
+
+Reads program sections and their function symbols (several per section),
+applies relocations (``R_BPF_64_64`` map and global-data references,
+``R_BPF_64_32`` calls, with ``.text`` subprograms appended as libbpf does),
+BTF-defined maps in ``.maps``, global data in ``.data``/``.rodata``/``.bss``
+as one-entry array maps, ``license``, and line info from ``.BTF.ext``.
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
+from elftools.elf.sections import SymbolTableSection
+
+from . import isa as I
+from .btf import BTFError, map_def, parse_btf, parse_btf_ext_lines
+from .maps import ARRAY, Map, TYPE_KIND
+from .program import Program, SourceLine
+
+R_BPF_64_64, R_BPF_64_ABS64, R_BPF_64_ABS32, R_BPF_64_NODYLD32, R_BPF_64_32 = 1, 2, 3, 4, 10
+EM_BPF = 247
+DATA_SECTIONS = (".data", ".rodata", ".bss")
+
+
+class ObjectError(ValueError):
+    """A corrupt, truncated or unsupported object; names the file and section or relocation."""
+
+
+@dataclass
+class MapSpec:
+    name: str
+    type: int
+    key_size: int
+    value_size: int
+    max_entries: int
+    flags: int = 0
+    data: bytes | None = None     # initial value of a global-data map
+
+    @property
+    def kind(self) -> str:
+        return TYPE_KIND.get(self.type, str(self.type))
+
+    def create(self, **kw) -> Map:
+        m = Map(self.name, self.type, self.key_size, self.value_size, self.max_entries, self.flags, **kw)
+        if self.data is not None:
+            m.update(b"\0\0\0\0", self.data.ljust(self.value_size, b"\0"))
+        return m
+
+
+@dataclass
+class ProgramSpec:
+    name: str
+    section: str
+    insns: list[I.Insn]           # relocated: lddw imm = index into ElfObject.maps
+    line_info: dict[int, SourceLine] = field(default_factory=dict)
+
+
+@dataclass
+class ElfObject:
+    path: str
+    programs: list[ProgramSpec]
+    maps: list[MapSpec]
+    license: str
+
+    def program(self, name: str) -> ProgramSpec:
+        for p in self.programs:
+            if p.name == name or p.section == name:
+                return p
+        raise KeyError(f"{self.path}: no program '{name}' (has: {', '.join(p.name for p in self.programs)})")
+
+    def instantiate(self, maps: dict[str, Map] | None = None, hooks=None, **map_kw) -> list[Program]:
+        """Programs bound to maps: those in ``maps`` by name are reused (cross-island
+        maps), the others created.  ``hooks`` maps a program name to its hook."""
+        maps = {} if maps is None else maps
+        bound = []
+        for spec in self.maps:
+            if spec.name not in maps:
+                maps[spec.name] = spec.create(**map_kw)
+            bound.append(maps[spec.name])
+        return [Program(p.name, p.insns, bound, (hooks or {}).get(p.name), line_info=p.line_info,
+                        section=p.section) for p in self.programs]
+
+
+def load_object(source: str | Path | bytes, name: str | None = None) -> ElfObject:
+    """Parse a BPF ELF object from a path or bytes; raises ObjectError on bad input."""
+    if isinstance(source, (str, Path)):
+        path = str(source)
+        try:
+            data = Path(source).read_bytes()
+        except OSError as e:
+            raise ObjectError(f"{path}: cannot read: {e.strerror}") from None
+    else:
+        data, path = bytes(source), name or "<memory>"
+    try:
+        return _Loader(path, data).load()
+    except ObjectError:
+        raise
+    except (ELFError, BTFError, ValueError, KeyError, IndexError, AssertionError, TypeError) as e:
+        raise ObjectError(f"{path}: corrupt or unsupported object: {e}") from None
+
+
+class _Loader:
+    def __init__(self, path: str, data: bytes):
+        self.path = path
+        try:
+            self.elf = ELFFile(io.BytesIO(data))
+        except ELFError as e:
+            raise ObjectError(f"{path}: not an ELF file ({e})") from None
+        if self.elf["e_machine"] not in ("EM_BPF", EM_BPF):
+            raise ObjectError(f"{path}: not a BPF object (machine {self.elf['e_machine']})")
+        if self.elf.little_endian is False:
+            raise ObjectError(f"{path}: big-endian BPF objects are not supported")
+        self.symtab = self.elf.get_section_by_name(".symtab")
+        if not isinstance(self.symtab, SymbolTableSection):
+            raise ObjectError(f"{path}: no symbol table")
+        self.sections = {i: s for i, s in enumerate(self.elf.iter_sections())}
+
+    def err(self, msg):
+        raise ObjectError(f"{self.path}: {msg}")
+
+    def load(self) -> ElfObject:
+        btf_sec = self.elf.get_section_by_name(".BTF")
+        self.btf = parse_btf(btf_sec.data()) if btf_sec is not None else None
+        ext = self.elf.get_section_by_name(".BTF.ext")
+        self.lines = parse_btf_ext_lines(ext.data(), self.btf) if ext is not None and self.btf else {}
+        maps = self._maps()
+        lic = self.elf.get_section_by_name("license")
+        license = lic.data().split(b"\0", 1)[0].decode() if lic is not None else ""
+        progs = []
+        text_idx = next((i for i, s in self.sections.items() if s.name == ".text"), None)
+        for idx, sec in self.sections.items():
+            if sec["sh_type"] != "SHT_PROGBITS" or not sec["sh_flags"] & 0x4 or sec.name == ".text":
+                continue
+            if sec["sh_size"] % 8:
+                self.err(f"section {sec.name}: size {sec['sh_size']} is not a multiple of 8")
+            for sym in self._funcs(idx):
+                progs.append(self._program(sym, idx, sec, text_idx, maps))
+        return ElfObject(self.path, progs, maps, license)
+
+    def _funcs(self, sec_idx):
+        out = [s for s in self.symtab.iter_symbols()
+               if s["st_shndx"] == sec_idx and s["st_info"]["type"] == "STT_FUNC"
+               and s["st_info"]["bind"] == "STB_GLOBAL"]
+        return sorted(out, key=lambda s: s["st_value"])
+
+    # -- maps -------------------------------------------------------------------------
+    def _maps(self) -> list[MapSpec]:
+        self.map_index: dict[tuple[int, int], int] = {}   # (section index, offset) -> map
+        self.data_maps: dict[int, int] = {}                # data section index -> map
+        out: list[MapSpec] = []
+        maps_idx = next((i for i, s in self.sections.items() if s.name == ".maps"), None)
+        if maps_idx is not None:
+            if self.btf is None:
+                self.err("section .maps needs .BTF to describe the maps")
+            ds = self.btf.datasec(".maps")
+            if ds is None:
+                self.err("section .BTF has no DATASEC for .maps")
+            syms = {s["st_value"]: s.name for s in self.symtab.iter_symbols() if s["st_shndx"] == maps_idx}
+            for var_id, off, _size in ds.members:
+                var = self.btf.types[var_id]
+                try:
+                    d = map_def(self.btf, var.size_or_type)
+                except BTFError as e:
+                    self.err(f"map '{var.name}' in .maps: {e}")
+                if "type" not in d:
+                    self.err(f"map '{var.name}' in .maps has no type")
+                self.map_index[(maps_idx, off)] = len(out)
+                out.append(MapSpec(syms.get(off, var.name), d["type"], d.get("key_size", 0),
+                                   d.get("value_size", 0), d.get("max_entries", 0), d.get("map_flags", 0)))
+        for idx, sec in self.sections.items():
+            if sec.name in DATA_SECTIONS or any(sec.name.startswith(n + ".") for n in DATA_SECTIONS):
+                if sec["sh_size"] == 0:
+                    continue
+                data = bytes(sec["sh_size"]) if sec["sh_type"] == "SHT_NOBITS" else sec.data()
+                self.data_maps[idx] = len(out)
+                out.append(MapSpec(sec.name, ARRAY, 4, len(data), 1, data=data))
+        return out
+
+    # -- programs ------------------------------------------------------------------------
+    def _relocs(self, sec_idx):
+        for s in self.sections.values():
+            if s["sh_type"] == "SHT_REL" and s["sh_info"] == sec_idx:
+                return s
+        return None
+
+    def _program(self, sym, sec_idx, sec, text_idx, maps) -> ProgramSpec:
+        start, size = sym["st_value"], sym["st_size"] or sec["sh_size"] - sym["st_value"]
+        data = sec.data()
+        if start + size > len(data):
+            self.err(f"section {sec.name}: symbol '{sym.name}' runs past the section end")
+        code = bytearray(data[start:start + size])
+        text = self.sections[text_idx].data() if text_idx is not None else b""
+        relocs = [(r["r_offset"], r["r_info_type"], r["r_info_sym"], sec_idx)
+                  for r in (self._relocs(sec_idx).iter_relocations() if self._relocs(sec_idx) else [])
+                  if start <= r["r_offset"] < start + size]
+        relocs = [(o - start, t, s, si) for o, t, s, si in relocs]
+        text_base = None
+        if any(self._is_text_call(t, s, text_idx) for _, t, s, _ in relocs) and text:
+            text_base = len(code)
+            code += text
+            tr = self._relocs(text_idx)
+            relocs += [(r["r_offset"] + text_base, r["r_info_type"], r["r_info_sym"], text_idx)
+                       for r in (tr.iter_relocations() if tr else [])]
+        try:
+            insns = I.decode(bytes(code))
+        except I.DecodeError as e:
+            self.err(f"section {sec.name}, program '{sym.name}': {e}")
+        slots = I.to_slots(insns)
+        for off, rtype, symi, from_sec in relocs:
+            self._apply(slots, off, rtype, symi, from_sec, sec, text_base, text_idx)
+        insns = [s for s in slots if s is not None]
+        lines = {}
+        for insn_off, file, src, line, col in self.lines.get(sec.name, []):
+            if start <= insn_off < start + size:
+                lines[(insn_off - start) // 8] = SourceLine(file, line, col, src)
+        if text_base is not None:
+            for insn_off, file, src, line, col in self.lines.get(".text", []):
+                lines[(insn_off + text_base) // 8] = SourceLine(file, line, col, src)
+        return ProgramSpec(sym.name, sec.name, insns, lines)
+
+    def _is_text_call(self, rtype, symi, text_idx):
+        return rtype == R_BPF_64_32 and self.symtab.get_symbol(symi)["st_shndx"] == text_idx
+
+    def _apply(self, slots, off, rtype, symi, from_sec, sec, text_base, text_idx):
+        where = f"relocation at offset {off:#x} in {sec.name}"
+        if off % 8 or off // 8 >= len(slots) or slots[off // 8] is None:
+            self.err(f"{where}: offset is not an instruction")
+        pc = off // 8
+        ins = slots[pc]
+        try:
+            sym = self.symtab.get_symbol(symi)
+        except Exception:  # noqa: BLE001
+            self.err(f"{where}: symbol {symi} does not exist")
+        target = sym["st_shndx"]
+        if rtype == R_BPF_64_64:
+            if not ins.is_lddw:
+                self.err(f"{where}: R_BPF_64_64 on a non-lddw instruction")
+            if (target, sym["st_value"]) in self.map_index:
+                slots[pc] = I.Insn(ins.opcode, ins.dst, I.PSEUDO_MAP_FD, ins.off, self.map_index[(target, sym["st_value"])])
+            elif target in self.data_maps:
+                addend = ins.imm & I.MASK32
+                slots[pc] = I.Insn(ins.opcode, ins.dst, I.PSEUDO_MAP_VALUE, ins.off, self.data_maps[target],
+                                   sym["st_value"] + addend)
+            else:
+                self.err(f"{where}: reference to '{sym.name}', which is not a map or global data")
+        elif rtype == R_BPF_64_32:
+            if ins.opcode != I.JMP | I.CALL:
+                self.err(f"{where}: R_BPF_64_32 on a non-call instruction")
+            if sym["st_info"]["type"] == "STT_SECTION":
+                dest_in_sec = (ins.imm + 1) * 8
+            else:
+                dest_in_sec = sym["st_value"]
+            if target == text_idx and from_sec != text_idx:
+                dest = text_base + dest_in_sec
+            elif target == text_idx:
+                dest = text_base + dest_in_sec
+            else:
+                dest = dest_in_sec
+            slots[pc] = I.Insn(ins.opcode, ins.dst, I.PSEUDO_CALL, ins.off, dest // 8 - pc - 1)
+        elif rtype in (R_BPF_64_ABS64, R_BPF_64_ABS32, R_BPF_64_NODYLD32):
+            return  # data relocations in debug sections
+        else:
+            self.err(f"{where}: unsupported relocation type {rtype}")
