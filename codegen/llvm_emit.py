@@ -307,7 +307,7 @@ class _FnEmitter:
     def s_Emit(self, s):
         b = self.b
         for i, a in enumerate(s.args):
-            b.store(self.value(a), b.gep(self.emit_buf, [I64(0), I64(i)], source_etype=self.emit_buf.allocated_type))
+            b.store(self.value(a), b.gep(self.emit_buf, [I64(0), I64(i)], inbounds=True))
         self.helper("ringbuf_output", I64, [self.mod.map_globals[s.map], self.emit_buf, I64(8 * len(s.args)), I64(0)])
 
     def s_Loop(self, s):

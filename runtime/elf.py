@@ -159,9 +159,13 @@ class _Loader:
             ds = self.btf.datasec(".maps")
             if ds is None:
                 self.err("section .BTF has no DATASEC for .maps")
-            syms = {s["st_value"]: s.name for s in self.symtab.iter_symbols() if s["st_shndx"] == maps_idx}
-            for var_id, off, _size in ds.members:
+            # the symbol table, not the DATASEC (whose offsets libbpf fixes up), says where each map is
+            offsets = {s.name: s["st_value"] for s in self.symtab.iter_symbols() if s["st_shndx"] == maps_idx}
+            for var_id, _off, _size in ds.members:
                 var = self.btf.types[var_id]
+                if var.name not in offsets:
+                    self.err(f"map '{var.name}' in .BTF has no symbol in .maps")
+                off = offsets[var.name]
                 try:
                     d = map_def(self.btf, var.size_or_type)
                 except BTFError as e:
@@ -169,7 +173,7 @@ class _Loader:
                 if "type" not in d:
                     self.err(f"map '{var.name}' in .maps has no type")
                 self.map_index[(maps_idx, off)] = len(out)
-                out.append(MapSpec(syms.get(off, var.name), d["type"], d.get("key_size", 0),
+                out.append(MapSpec(var.name, d["type"], d.get("key_size", 0),
                                    d.get("value_size", 0), d.get("max_entries", 0), d.get("map_flags", 0)))
         for idx, sec in self.sections.items():
             if sec.name in DATA_SECTIONS or any(sec.name.startswith(n + ".") for n in DATA_SECTIONS):

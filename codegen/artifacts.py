@@ -1,0 +1,121 @@
+"""Pass 8: the runtime artifacts of an output folder (`manifest`, `bpftime_json`, `dputime_json`).
+
+See docs/artifacts.md for every file and field.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from fabric_ext import __version__
+from fabric_ext.graph import has_flag, prop_value
+from fabric_ext.graph_export import to_json as graph_json
+
+MANIFEST_SCHEMA = "fabric-manifest/1"
+DPUTIME_SCHEMA = "dputime/1"
+PROG_TYPE_SYSCALL = 31
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def hook_layouts(hooks) -> dict:
+    out = {}
+    for h in hooks:
+        out[f"{h.island_kind}.{h.name}"] = {
+            "struct": h.struct_name, "size": h.ctx_size,
+            "fields": [{"name": n, "offset": o, "type": f.ctype, "decision": f.decision,
+                        "default": f.default, "dim": f.dim} for n, (o, f) in h.layout.items()]}
+    return out
+
+
+def _props(props) -> dict:
+    return {p.name.name: prop_value([p], p.name.name, True) for p in props}
+
+
+def manifest(analysis, ids, compiled, opt: int, mcpu: str, files: dict[str, bytes]) -> dict:
+    """The manifest: everything the runtime needs besides the objects themselves.
+
+    ``compiled`` is [(island, [(ProgramIR, ProgramSpec)])]; ``files`` the other
+    artifacts by name, whose hashes the runtime checks."""
+    sym, mg = analysis.symbols, analysis.graph
+    g = graph_json(analysis)
+    devices = [dict(d, id=ids.devices[d["name"]], props=_props(sym.devices[d["name"]].props))
+               for d in g["devices"]]
+    map_islands: dict[str, list[str]] = {}
+    programs = []
+    for island, progs in compiled:
+        for pir, spec in progs:
+            for m in pir.maps:
+                map_islands.setdefault(m, [])
+                if island not in map_islands[m]:
+                    map_islands[m].append(island)
+            periods = sorted({h.period for h in pir.handlers if h.period})
+            programs.append({"island": island, "hook": pir.hook.name, "object": f"{island}.bpf.o",
+                             "section": spec.section, "symbol": spec.name, "insns": len(spec.insns),
+                             "ctx_size": pir.hook.ctx_size, "tick_periods_ns": periods})
+    maps = []
+    for name, info in sym.maps.items():
+        used = map_islands.get(name, [])
+        decl = info.decl
+        maps.append({"name": name, "kind": info.kind, "key_size": info.key_size,
+                     "value_size": info.value_size, "max_entries": info.max_entries,
+                     "key_type": decl.key_type.name if decl.key_type else None,
+                     "value_type": decl.value_type.name if decl.value_type else None,
+                     "islands": used, "shared": len(used) > 1})
+    movements = []
+    for m in g["movements"]:
+        decl = sym.movements[m["name"]]
+        movements.append(dict(m, id=ids.movements[m["name"]], pattern=prop_value(decl.props, "pattern", "bulk"),
+                              chunk=prop_value(decl.props, "chunk"), background=has_flag(decl.props, "background")))
+    line_map = {}
+    for island, progs in compiled:
+        for pir, spec in progs:
+            line_map[spec.name] = [{"insn": slot, "file": sl.file, "line": sl.line, "col": sl.col}
+                                   for slot, sl in sorted(spec.line_info.items())]
+    hooks = {pir.hook for _, progs in compiled for pir, _ in progs}
+    sources = [{"file": f, "path": str(Path(f).resolve()), "sha256": sha256(analysis.program.sources[f].encode())}
+               for f in analysis.program.files]
+    return {
+        "schema": MANIFEST_SCHEMA, "compiler": f"fabricc {__version__}",
+        "options": {"opt": opt, "mcpu": mcpu},
+        "sources": sources,
+        "fabric": {"name": sym.fabric.name.name if sym.fabric else None, "devices": devices,
+                   "links": g["links"], "islands": g["islands"]},
+        "workload": _props(sym.workload.props) if sym.workload else {},
+        "movements": movements, "programs": programs, "maps": maps,
+        "ids": ids.to_json(), "hooks": hook_layouts(sorted(hooks, key=lambda h: (h.island_kind, h.name))),
+        "placements": g["placements"], "line_map": line_map,
+        "files": {name: sha256(data) for name, data in sorted(files.items())},
+    }
+
+
+def bpftime_json(specs, map_specs) -> dict:
+    """The handler table `bpftimetool import` reads: maps first (their key is the fd
+    that lddw src 1 carries in imm), then one program handler per program."""
+    out = {}
+    for fd, m in enumerate(map_specs):
+        out[str(fd)] = {"type": "bpf_map_handler", "name": m.name,
+                        "attr": {"map_type": m.type, "key_size": m.key_size, "value_size": m.value_size,
+                                 "max_entries": m.max_entries, "flags": m.flags}}
+    for i, p in enumerate(specs, start=len(map_specs)):
+        code = b"".join(ins.encode() for ins in p.insns)
+        out[str(i)] = {"type": "bpf_prog_handler", "name": p.name,
+                       "attr": {"type": PROG_TYPE_SYSCALL, "cnt": len(code) // 8, "insns": code.hex(),
+                                "attach_fds": []}}
+    return out
+
+
+def dputime_json(island: str, kind: str, compiled, map_specs) -> dict:
+    """Our dputime shim's load format: the same maps and instructions, with hooks named."""
+    return {
+        "schema": DPUTIME_SCHEMA, "island": island, "kind": kind,
+        "maps": [{"name": m.name, "map_type": m.type, "key_size": m.key_size, "value_size": m.value_size,
+                  "max_entries": m.max_entries, "flags": m.flags} for m in map_specs],
+        "programs": [{"name": spec.name, "hook": pir.hook.name, "ctx_size": pir.hook.ctx_size,
+                      "cnt": sum(i.slots for i in spec.insns),
+                      "insns": b"".join(i.encode() for i in spec.insns).hex(),
+                      "tick_periods_ns": sorted({h.period for h in pir.handlers if h.period})}
+                     for pir, spec in compiled],
+    }

@@ -1,0 +1,166 @@
+"""`fabricc compile`: the whole pipeline from a .fx file to an output folder.
+
+Everything is written to a temporary folder next to the output and renamed
+into place at the end, so a failed compile leaves the previous output intact.
+Output is deterministic: the same input gives byte-identical files.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from fabric_ext.diagnostics import Diagnostics
+from fabric_ext.frontend import analyze
+from fabric_ext.fsutil import replace_dir
+from fabric_ext.runtime import isa
+from fabric_ext.runtime.elf import load_object
+from fabric_ext.runtime.verifier import VerifierError, verify
+
+from . import artifacts
+from .c_listing import render_fabric_h, render_listing
+from .ids import assign_ids
+from .llvm_emit import build_module, compile_module
+from .lower import lower
+
+
+class CompileResult:
+    def __init__(self):
+        self.files: dict[str, bytes] = {}
+        self.summary: list[str] = []
+        self.manifest: dict | None = None
+
+
+def _span_of(spec, pc, fallback):
+    from fabric_ext.diagnostics import Span
+    best = None
+    for slot in sorted(spec.line_info):
+        if slot <= pc:
+            best = spec.line_info[slot]
+    if best is None:
+        return fallback
+    return Span(best.file if not Path(best.file).is_absolute() else _rel(best.file), best.line, best.col,
+                best.line, best.col + 1)
+
+
+def _rel(p):
+    try:
+        return str(Path(p).relative_to(Path.cwd()))
+    except ValueError:
+        return p
+
+
+def build(path: Path, opt: int = 2, mcpu: str = "v3", emit=(), kernel_verify: bool = False,
+          diags: Diagnostics | None = None) -> CompileResult | None:
+    """Compile ``path`` in memory; returns None when ``diags`` has errors."""
+    a = analyze(path, diags)
+    diags = a.diags
+    if not a.ok:
+        return None
+    ids = assign_ids(a)
+    programs = lower(a, ids, opt, diags)
+    if diags.has_errors():
+        return None
+    res = CompileResult()
+    by_island: dict[str, list] = {}
+    for p in programs:
+        by_island.setdefault(p.island, []).append(p)
+    compiled = []
+    source = str(path)
+    for island, progs in by_island.items():
+        module = build_module(island, progs, a.symbols.maps, source)
+        obj, llvm_text = compile_module(module, opt, mcpu)
+        loaded = load_object(obj, f"{island}.bpf.o")
+        specs = {s.name: s for s in loaded.programs}
+        pairs = [(p, specs[p.name]) for p in progs]
+        hooks = {p.name: p.hook for p in progs}
+        for prog in loaded.instantiate(hooks=hooks):
+            try:
+                verify(prog)
+            except VerifierError as e:
+                pir = next(p for p in progs if p.name == prog.name)
+                diags.error(_span_of(specs[prog.name], e.pc, pir.handlers[0].span if pir.handlers else a.program.modules[0].span),
+                            f"the program for {island}.{pir.hook.name} does not verify: {e.msg}",
+                            f"at {prog.where(e.pc)}")
+        if kernel_verify:
+            _kernel_verify(loaded, hooks, progs, specs, island, diags)
+        compiled.append((island, pairs))
+        kind = a.graph.islands[island].kind
+        res.files[f"{island}.bpf.o"] = obj
+        runtime_json = artifacts.bpftime_json(loaded.programs, loaded.maps) if a.graph.islands[island].runtime == "bpftime" \
+            else artifacts.dputime_json(island, kind, pairs, loaded.maps)
+        ext = "bpftime" if a.graph.islands[island].runtime == "bpftime" else "dputime"
+        res.files[f"{island}.{ext}.json"] = (json.dumps(runtime_json, indent=1) + "\n").encode()
+        res.files[f"{island}.bpf.c"] = render_listing(island, progs, a.symbols.maps, source).encode()
+        if "llvm" in emit:
+            res.files[f"{island}.ll"] = llvm_text.encode()
+        if "asm" in emit:
+            res.files[f"{island}.s"] = "\n\n".join(
+                f"{s.name}:\n" + isa.disasm(s.insns) for s in loaded.programs).encode() + b"\n"
+        n_insns = sum(len(s.insns) for s in loaded.programs)
+        res.summary.append(f"{island:<8} {kind:<10} {a.graph.islands[island].runtime:<8} "
+                           f"{len(progs)} program{'s' * (len(progs) != 1)}, {n_insns} instructions, "
+                           f"{len(loaded.maps)} map{'s' * (len(loaded.maps) != 1)}")
+    if diags.has_errors():
+        return None
+    from fabric_ext.graph_export import to_json
+    res.files["fabric.h"] = render_fabric_h(ids).encode()
+    res.files["graph.json"] = (json.dumps(to_json(a), indent=1) + "\n").encode()
+    res.manifest = artifacts.manifest(a, ids, compiled, opt, mcpu, res.files)
+    res.files["manifest.json"] = (json.dumps(res.manifest, indent=1) + "\n").encode()
+    return res
+
+
+def _kernel_verify(loaded, hooks, progs, specs, island, diags):
+    from fabric_ext.runtime import kernel
+    ok, why = kernel.permitted()
+    if not ok:
+        diags.warning(progs[0].handlers[0].span, f"--kernel-verify skipped: {why}")
+        return
+    backend = kernel.KernelBackend()
+    try:
+        for prog in loaded.instantiate(hooks=hooks):
+            try:
+                backend.load(prog)
+            except kernel.KernelVerifierError as e:
+                pc = e.failing_insn() or 0
+                pir = next(p for p in progs if p.name == prog.name)
+                tail = "\n".join(e.log.strip().splitlines()[-3:])
+                diags.error(_span_of(specs[prog.name], pc, pir.handlers[0].span),
+                            f"the kernel verifier rejects {island}.{pir.hook.name}: {tail}")
+    finally:
+        backend.close()
+
+
+def write_output(res: CompileResult, out: Path) -> None:
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for name, data in sorted(res.files.items()):
+            (staging / name).write_bytes(data)
+        replace_dir(staging, out)
+    except BaseException:
+        import shutil
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def compile_policy(path: Path, out: Path, opt=2, mcpu="v3", emit=(), kernel_verify=False) -> int:
+    """The `fabricc compile` command: 0 on success, 1 on errors in the input."""
+    diags = Diagnostics()
+    res = build(path, opt, mcpu, emit, kernel_verify, diags)
+    diags.print(sys.stderr)
+    if res is None:
+        n = len(diags.errors)
+        print(f"{path}: {n} error{'s' * (n != 1)}; {out} left as it was", file=sys.stderr)
+        return 1
+    if out.exists() and not out.is_dir():
+        print(f"fabricc: {out} exists and is not a folder", file=sys.stderr)
+        return 2
+    write_output(res, out)
+    for line in res.summary:
+        print(line)
+    print(f"wrote {len(res.files)} files to {out}")
+    return 0

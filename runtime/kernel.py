@@ -1,0 +1,213 @@
+"""Real Linux eBPF through bpf(2) with ctypes (libbpf not required).
+
+Maps with ``BPF_MAP_CREATE``, programs with ``BPF_PROG_LOAD`` as
+``BPF_PROG_TYPE_SYSCALL`` after our own relocation (map fds into ``lddw``),
+runs with ``BPF_PROG_TEST_RUN`` passing the context in ``ctx_in`` (the kernel
+copies it back, decisions included).  `KernelBackend` is the VM backend;
+everything it creates is closed by ``close()``.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import re
+import struct
+
+from . import isa as I
+from .program import Backend, Program, VMFault
+
+SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390x": 351}.get(platform.machine(), 321)
+MAP_CREATE, MAP_LOOKUP, MAP_UPDATE, MAP_DELETE, MAP_NEXT_KEY, PROG_LOAD, PROG_TEST_RUN = 0, 1, 2, 3, 4, 5, 10
+PROG_TYPE_SYSCALL, PROG_TYPE_XDP = 31, 6
+F_SLEEPABLE = 1 << 4
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class KernelError(OSError):
+    pass
+
+
+class KernelVerifierError(KernelError):
+    """The kernel verifier rejected a program; ``log`` is its log."""
+
+    def __init__(self, name: str, err: int, log: str):
+        self.name, self.log = name, log
+        super().__init__(err, f"kernel verifier rejected '{name}': {os.strerror(err)}")
+
+    def failing_insn(self) -> int | None:
+        """The instruction the log ends on (the one it rejected), if it names one."""
+        hits = re.findall(r"^(\d+): \(", self.log, re.M)
+        return int(hits[-1]) if hits else None
+
+
+def bpf(cmd: int, attr: ctypes.Array) -> int:
+    r = _libc.syscall(SYS_BPF, cmd, ctypes.byref(attr), ctypes.sizeof(attr))
+    if r < 0:
+        e = ctypes.get_errno()
+        raise KernelError(e, f"bpf({cmd}): {os.strerror(e)}")
+    return r
+
+
+def permitted() -> tuple[bool, str]:
+    """Whether this process may use bpf(2), with a one-line reason when it may not."""
+    try:
+        fd = create_map(2, 4, 8, 1, "probe")
+    except KernelError as e:
+        return False, f"bpf(2) is not permitted here ({os.strerror(e.errno)}); run as root or grant CAP_BPF"
+    except Exception as e:  # noqa: BLE001 - no syscall at all (non-Linux)
+        return False, f"bpf(2) is unavailable here ({e})"
+    os.close(fd)
+    return True, ""
+
+
+def create_map(map_type: int, key_size: int, value_size: int, max_entries: int, name: str, flags: int = 0) -> int:
+    attr = ctypes.create_string_buffer(128)
+    struct.pack_into("<IIIII", attr, 0, map_type, key_size, value_size, max_entries, flags)
+    attr[28:28 + 15] = name.encode()[:15].ljust(15, b"\0")
+    return bpf(MAP_CREATE, attr)
+
+
+def _elem(fd, key: bytes, value_buf, flags=0):
+    attr = ctypes.create_string_buffer(128)
+    kb = ctypes.create_string_buffer(key, len(key))
+    struct.pack_into("<IIQQQ", attr, 0, fd, 0, ctypes.addressof(kb), ctypes.addressof(value_buf), flags)
+    return attr, kb
+
+
+def map_lookup(fd: int, key: bytes, value_size: int) -> bytes | None:
+    out = ctypes.create_string_buffer(value_size)
+    attr, _kb = _elem(fd, key, out)
+    try:
+        bpf(MAP_LOOKUP, attr)
+    except KernelError as e:
+        if e.errno == errno.ENOENT:
+            return None
+        raise
+    return out.raw
+
+
+def map_update(fd: int, key: bytes, value: bytes, flags: int = 0) -> int:
+    vb = ctypes.create_string_buffer(value, len(value))
+    attr, _kb = _elem(fd, key, vb, flags)
+    try:
+        bpf(MAP_UPDATE, attr)
+    except KernelError as e:
+        return -e.errno
+    return 0
+
+
+def map_keys(fd: int, key_size: int) -> list[bytes]:
+    keys, prev = [], None
+    while True:
+        nxt = ctypes.create_string_buffer(key_size)
+        attr = ctypes.create_string_buffer(128)
+        kb = ctypes.create_string_buffer(prev or b"\0" * key_size, key_size)
+        struct.pack_into("<IIQQ", attr, 0, fd, 0, ctypes.addressof(kb) if prev is not None else 0,
+                         ctypes.addressof(nxt))
+        try:
+            bpf(MAP_NEXT_KEY, attr)
+        except KernelError as e:
+            if e.errno == errno.ENOENT:
+                return keys
+            raise
+        prev = nxt.raw
+        keys.append(prev)
+
+
+def load_program(insns: list[I.Insn], name: str, prog_type: int = PROG_TYPE_SYSCALL,
+                 license: str = "GPL") -> int:
+    code = I.encode(insns)
+    buf = ctypes.create_string_buffer(code, len(code))
+    lic = ctypes.create_string_buffer(license.encode())
+    log = ctypes.create_string_buffer(1 << 20)
+    attr = ctypes.create_string_buffer(160)
+    flags = F_SLEEPABLE if prog_type == PROG_TYPE_SYSCALL else 0
+    struct.pack_into("<IIQQIIQII", attr, 0, prog_type, len(code) // 8, ctypes.addressof(buf),
+                     ctypes.addressof(lic), 1, len(log), ctypes.addressof(log), 0, flags)
+    attr[48:48 + 15] = re.sub(r"[^A-Za-z0-9_.]", "_", name).encode()[:15].ljust(15, b"\0")
+    try:
+        return bpf(PROG_LOAD, attr)
+    except KernelError as e:
+        raise KernelVerifierError(name, e.errno, log.value.decode(errors="replace")) from None
+
+
+def test_run(fd: int, ctx: bytearray | None = None, data: bytes | None = None, repeat: int = 0):
+    """(r0, kernel-reported ns per run) for one BPF_PROG_TEST_RUN; ``ctx`` is updated in place."""
+    attr = ctypes.create_string_buffer(80)
+    cbuf = ctypes.create_string_buffer(bytes(ctx), len(ctx)) if ctx else None
+    dbuf = ctypes.create_string_buffer(data, len(data)) if data else None
+    struct.pack_into("<IIII", attr, 0, fd, 0, len(data) if data else 0, 0)
+    struct.pack_into("<Q", attr, 16, ctypes.addressof(dbuf) if dbuf else 0)
+    struct.pack_into("<I", attr, 32, repeat)
+    struct.pack_into("<I", attr, 40, len(ctx) if ctx else 0)
+    struct.pack_into("<Q", attr, 48, ctypes.addressof(cbuf) if cbuf else 0)
+    bpf(PROG_TEST_RUN, attr)
+    if ctx is not None and cbuf is not None:
+        ctx[:] = cbuf.raw
+    retval, duration = struct.unpack_from("<I", attr, 4)[0], struct.unpack_from("<I", attr, 36)[0]
+    return retval, duration
+
+
+class KernelBackend(Backend):
+    """Runs programs in the Linux kernel.  Each of our `Map`s gets one kernel map,
+    shared by every program that uses it; ``sync()`` copies kernel contents back."""
+    name = "kernel"
+
+    def __init__(self, **_ignored):
+        ok, why = permitted()
+        if not ok:
+            raise KernelError(errno.EPERM, why)
+        self.map_fds: dict[int, tuple[object, int]] = {}
+        self.prog_fds: list[int] = []
+
+    def _fd(self, m) -> int:
+        hit = self.map_fds.get(id(m))
+        if hit is None:
+            fd = create_map(m.type, m.key_size, m.value_size, m.max_entries, m.name, m.flags)
+            for k, v in m.items():
+                if m.hashed or any(v):
+                    map_update(fd, k, v)
+            hit = self.map_fds[id(m)] = (m, fd)
+        return hit[1]
+
+    def relocate(self, prog: Program) -> list[I.Insn]:
+        out = []
+        for ins in prog.insns:
+            if ins.is_lddw and ins.src in (I.PSEUDO_MAP_FD, I.PSEUDO_MAP_VALUE):
+                ins = I.Insn(ins.opcode, ins.dst, ins.src, ins.off, self._fd(prog.maps[ins.imm]), ins.next_imm)
+            out.append(ins)
+        return out
+
+    def load(self, prog: Program):
+        fd = load_program(self.relocate(prog), prog.name)
+        self.prog_fds.append(fd)
+        return (prog, fd)
+
+    def run(self, handle, ctx=None, mem=None) -> int:
+        prog, fd = handle
+        try:
+            r0, _ = test_run(fd, ctx)
+        except KernelError as e:
+            raise VMFault(prog, 0, f"BPF_PROG_TEST_RUN failed: {e}") from None
+        return r0
+
+    def sync(self) -> None:
+        """Copy every kernel map's contents into its Map."""
+        for m, fd in self.map_fds.values():
+            if m.type == 27:
+                continue
+            for k in map_keys(fd, m.key_size):
+                v = map_lookup(fd, k, m.value_size * max(1, m.ncpus))
+                if v is not None:
+                    m.update(k, v[:m.value_size])
+
+    def close(self) -> None:
+        for fd in self.prog_fds + [fd for _, fd in self.map_fds.values()]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.prog_fds, self.map_fds = [], {}
