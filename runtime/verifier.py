@@ -99,13 +99,15 @@ class State:
 
 
 class Verifier:
-    def __init__(self, prog: Program, max_insns: int = 200_000, bare_mem: bool | None = None):
+    def __init__(self, prog: Program, max_insns: int = 100_000, bare_mem: bool | None = None):
         self.p = prog
         self.max_insns = max_insns
         self.hook = prog.hook
-        self.ctx_size = prog.ctx_size if prog.hook is not None else 0
+        # a program with a context (from its hook, or a size given for a bare one) gets r1 = ctx;
+        # without one it is a bare program: r1 = the memory given to it, r2 = its length
+        self.ctx_size = prog.ctx_size
         self.wmask = ctx_write_mask(prog.hook, self.ctx_size) if self.ctx_size else b""
-        self.bare = prog.hook is None and not prog.ctx_size if bare_mem is None else bare_mem
+        self.bare = not self.ctx_size if bare_mem is None else bare_mem
 
     def fail(self, pc, msg):
         raise VerifierError(self.p, pc, msg)
@@ -175,12 +177,18 @@ class Verifier:
     def run(self):
         self.structural()
         slots = self.p.slots
-        work = [(0, self.initial(), ())]
+        # Depth-first: the work list is LIFO, so a popped item's path is a prefix of the
+        # current one; `on_path` holds the loop-head states of the current path only.
+        work = [(0, self.initial(), 0)]
+        path: list[tuple] = []
+        on_path: set = set()
         seen: dict[int, set] = {}
         processed = 0
         leaders = self._leaders()
         while work:
-            pc, st, path = work.pop()
+            pc, st, depth = work.pop()
+            while len(path) > depth:
+                on_path.discard(path.pop())
             while True:
                 processed += 1
                 if processed > self.max_insns:
@@ -193,14 +201,15 @@ class Verifier:
                 if pc in leaders:
                     k = st.key()
                     if pc in self.loop_heads:
-                        if (pc, k) in path:
+                        if (pc, k) in on_path:
                             self.fail(pc, "infinite loop: the same state repeats on one path")
-                        path = path + ((pc, k),)
+                        path.append((pc, k))
+                        on_path.add((pc, k))
                     bucket = seen.setdefault(pc, set())
                     if k in bucket:
                         break
                     bucket.add(k)
-                nxt = self.step(pc, slots[pc], st, work, path)
+                nxt = self.step(pc, slots[pc], st, work, len(path))
                 if nxt is None:
                     break
                 pc = nxt
@@ -219,7 +228,7 @@ class Verifier:
         return out
 
     # -- one instruction; returns the next pc or None when the path ends ---------------
-    def step(self, pc, ins, st: State, work, path):
+    def step(self, pc, ins, st: State, work, depth):
         f = st.top
         regs = f.regs
         c = ins.cls
@@ -281,7 +290,7 @@ class Verifier:
             return pc + 1
         if op == I.JA:
             return pc + 1 + (ins.imm if c == I.JMP32 else ins.off)
-        return self.branch(pc, ins, st, work, path)
+        return self.branch(pc, ins, st, work, depth)
 
     def read(self, pc, regs, r):
         v = regs[r]
@@ -558,7 +567,7 @@ class Verifier:
             regs[0] = scalar()
 
     # -- branches ---------------------------------------------------------------------------------
-    def branch(self, pc, ins, st, work, path):
+    def branch(self, pc, ins, st, work, depth):
         regs = st.top.regs
         a = self.read(pc, regs, ins.dst)
         b = self.read(pc, regs, ins.src) if ins.opcode & I.X else const(ins.imm)
@@ -569,12 +578,12 @@ class Verifier:
             self._resolve_null(null_st, a, True)
             self._resolve_null(ok_st, a, False)
             if op == I.JEQ:
-                work.append((taken_pc, null_st, path))
+                work.append((taken_pc, null_st, depth))
                 return fall_pc
-            work.append((fall_pc, null_st, path))
+            work.append((fall_pc, null_st, depth))
             return taken_pc
         if is_ptr(a) or is_ptr(b):
-            work.append((taken_pc, st.copy(), path))
+            work.append((taken_pc, st.copy(), depth))
             return fall_pc
         outcome = self._decide(ins, a, b)
         if outcome is True:
@@ -585,7 +594,7 @@ class Verifier:
             return fall_pc
         other = st.copy()
         self._refine(ins, other, a, b, True)
-        work.append((taken_pc, other, path))
+        work.append((taken_pc, other, depth))
         self._refine(ins, st, a, b, False)
         return fall_pc
 
@@ -680,6 +689,6 @@ class Verifier:
 
 
 
-def verify(prog: Program, max_insns: int = 200_000) -> int:
+def verify(prog: Program, max_insns: int = 100_000) -> int:
     """Verify ``prog``; returns the number of instructions explored or raises VerifierError."""
     return Verifier(prog, max_insns).run()

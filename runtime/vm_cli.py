@@ -1,0 +1,152 @@
+"""`fabric-vm` (run and disassemble eBPF) and `fabric-vm-plugin` (the bpf_conformance plugin).
+
+    fabric-vm run OBJECT_OR_ASM [--program NAME] [--ctx HEX|@file] [--mem HEX] [--backend interp]
+    fabric-vm disasm OBJECT
+    fabric-vm-plugin MEMORY_HEX [--backend NAME] < program_hex
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import isa
+from .asm import AsmError, assemble
+from .elf import ObjectError, load_object
+from .program import Program, VMFault, get_backend
+from .verifier import VerifierError, verify
+
+BACKENDS = ("interp", "jit", "kernel")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        print(f"{self.prog}: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _hex(text: str, what: str) -> bytes:
+    clean = "".join(text.split())
+    try:
+        return bytes.fromhex(clean)
+    except ValueError:
+        raise SystemExit(_fail(f"{what} is not hex bytes: {text[:40]!r}", 2)) from None
+
+
+def _fail(msg: str, code: int = 1) -> int:
+    print(msg, file=sys.stderr)
+    return code
+
+
+def _load(path: str, program: str | None) -> Program:
+    p = Path(path)
+    if not p.is_file():
+        raise SystemExit(_fail(f"fabric-vm: no such file: {path}", 2))
+    data = p.read_bytes()
+    if data[:4] == b"\x7fELF":
+        obj = load_object(data, path)
+        if not obj.programs:
+            raise SystemExit(_fail(f"fabric-vm: {path} has no programs", 1))
+        spec = obj.program(program) if program else obj.programs[0]
+        return next(pr for pr in obj.instantiate() if pr.name == spec.name)
+    return Program(p.stem, assemble(data.decode(errors="replace")))
+
+
+def cmd_run(args) -> int:
+    prog = _load(args.file, args.program)
+    ctx = None
+    if args.ctx:
+        raw = Path(args.ctx[1:]).read_bytes() if args.ctx.startswith("@") else _hex(args.ctx, "--ctx")
+        ctx = bytearray(raw)
+        prog.ctx_size = len(ctx)
+    mem = bytearray(_hex(args.mem, "--mem")) if args.mem is not None else None
+    verify(prog)
+    backend = get_backend(args.backend)
+    try:
+        r0 = backend.run(backend.load(prog), ctx, mem)
+    finally:
+        if hasattr(backend, "sync"):
+            backend.sync()
+        backend.close()
+    print(f"r0 = {r0:#x} ({r0})")
+    if ctx is not None:
+        print(f"ctx = {bytes(ctx).hex()}")
+    if mem is not None:
+        print(f"mem = {bytes(mem).hex()}")
+    for m in prog.maps:
+        print(f"map {m.name} ({m.kind}): {m.dump()}")
+    return 0
+
+
+def cmd_disasm(args) -> int:
+    p = Path(args.file)
+    if not p.is_file():
+        return _fail(f"fabric-vm: no such file: {args.file}", 2)
+    obj = load_object(p)
+    for spec in obj.programs:
+        print(f"{spec.name} (section {spec.section}):")
+        print(isa.disasm(spec.insns))
+        print()
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = _Parser(prog="fabric-vm", description="Run and disassemble eBPF programs.")
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
+    r = sub.add_parser("run", help="verify and run a program (ELF object or assembly)")
+    r.add_argument("file", metavar="OBJECT_OR_ASM")
+    r.add_argument("--program", help="program (function) name in an object")
+    r.add_argument("--ctx", help="context bytes as hex, or @FILE")
+    r.add_argument("--mem", help="memory bytes as hex (r1 = memory, r2 = length)")
+    r.add_argument("--backend", choices=BACKENDS, default="interp")
+    r.set_defaults(func=cmd_run)
+    d = sub.add_parser("disasm", help="disassemble every program of an object")
+    d.add_argument("file", metavar="OBJECT")
+    d.set_defaults(func=cmd_disasm)
+    args = ap.parse_args(argv)
+    if args.cmd is None:
+        ap.print_help(sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except (ObjectError, AsmError, VerifierError, VMFault, KeyError, ValueError) as e:
+        return _fail(f"fabric-vm: {e}")
+    except OSError as e:
+        return _fail(f"fabric-vm: {e}")
+
+
+def plugin_main(argv=None) -> int:
+    """The bpf_conformance plugin protocol: memory hex in argv[1], program hex on stdin, r0 hex out."""
+    argv = sys.argv[1:] if argv is None else argv
+    mem_hex, backend_name, rest = "", "interp", list(argv)
+    if rest and not rest[0].startswith("--"):
+        mem_hex = rest.pop(0)
+    while rest:
+        opt = rest.pop(0)
+        if opt == "--backend" and rest:
+            backend_name = rest.pop(0)
+        else:
+            print(f"fabric-vm-plugin: unknown option '{opt}'", file=sys.stderr)
+            return 1
+    if backend_name not in BACKENDS:
+        print(f"fabric-vm-plugin: unknown backend '{backend_name}'", file=sys.stderr)
+        return 1
+    try:
+        code = bytes.fromhex("".join(sys.stdin.read().split()))
+        mem = bytearray(bytes.fromhex("".join(mem_hex.split())))
+        prog = Program("plugin", isa.decode(code))
+        verify(prog)
+        backend = get_backend(backend_name)
+        try:
+            r0 = backend.run(backend.load(prog), None, mem)
+        finally:
+            backend.close()
+    except (ValueError, isa.DecodeError, VerifierError, VMFault, OSError) as e:
+        print(f"fabric-vm-plugin: {e}", file=sys.stderr)
+        return 1
+    print(f"{r0:x}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
