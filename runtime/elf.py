@@ -18,7 +18,7 @@ from elftools.elf.sections import SymbolTableSection
 
 from . import isa as I
 from .btf import BTFError, map_def, parse_btf, parse_btf_ext_lines
-from .maps import ARRAY, Map, TYPE_KIND
+from .maps import ARRAY, PERCPU_ARRAY, RINGBUF, Map, TYPE_KIND
 from .program import Program, SourceLine
 
 R_BPF_64_64, R_BPF_64_ABS64, R_BPF_64_ABS32, R_BPF_64_NODYLD32, R_BPF_64_32 = 1, 2, 3, 4, 10
@@ -43,6 +43,23 @@ class MapSpec:
     @property
     def kind(self) -> str:
         return TYPE_KIND.get(self.type, str(self.type))
+
+    def problem(self) -> str | None:
+        """Why the kernel would refuse this map, or None."""
+        if self.type not in TYPE_KIND:
+            return f"unsupported map type {self.type}"
+        if self.max_entries < 1:
+            return "max_entries must be at least 1"
+        if self.type == RINGBUF:
+            n = self.max_entries
+            return None if n >= 4096 and not n & (n - 1) else "ringbuf size must be a power of two of at least 4096"
+        if self.key_size < 1 and self.type not in (ARRAY, PERCPU_ARRAY) or self.value_size < 1:
+            return "key and value sizes must be at least 1"
+        if self.type in (ARRAY, PERCPU_ARRAY) and self.key_size != 4:
+            return "array maps need a 4-byte key"
+        if self.value_size * self.max_entries > 1 << 30 or self.key_size > 512 or self.value_size > 1 << 20:
+            return "map is too large"
+        return None
 
     def create(self, **kw) -> Map:
         m = Map(self.name, self.type, self.key_size, self.value_size, self.max_entries, self.flags, **kw)
@@ -128,6 +145,10 @@ class _Loader:
         ext = self.elf.get_section_by_name(".BTF.ext")
         self.lines = parse_btf_ext_lines(ext.data(), self.btf) if ext is not None and self.btf else {}
         maps = self._maps()
+        for m in maps:
+            why = m.problem()
+            if why:
+                self.err(f"map '{m.name}': {why}")
         lic = self.elf.get_section_by_name("license")
         license = lic.data().split(b"\0", 1)[0].decode() if lic is not None else ""
         progs = []

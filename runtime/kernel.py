@@ -151,6 +151,44 @@ def test_run(fd: int, ctx: bytearray | None = None, data: bytes | None = None, r
     return retval, duration
 
 
+def possible_cpus() -> int:
+    """How many values a per-CPU map lookup returns (the kernel's possible CPUs)."""
+    try:
+        text = open("/sys/devices/system/cpu/possible").read().strip()
+    except OSError:
+        return os.cpu_count() or 1
+    n = 0
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    return n
+
+
+def drain_ringbuf(fd: int, size: int) -> list[bytes]:
+    """Consume every committed record of a kernel ringbuf through its mmap'd pages."""
+    import mmap
+    page = mmap.PAGESIZE
+    cons = mmap.mmap(fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
+    prod = mmap.mmap(fd, page + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page)
+    try:
+        c, p = struct.unpack_from("<Q", cons, 0)[0], struct.unpack_from("<Q", prod, 0)[0]
+        out = []
+        while c < p:
+            at = page + (c & (size - 1))
+            hdr = struct.unpack_from("<I", prod, at)[0]
+            if hdr & (1 << 31):     # still being written
+                break
+            n = hdr & ~(3 << 30)
+            if not hdr & (1 << 30):  # not discarded
+                out.append(bytes(prod[at + 8:at + 8 + n]))
+            c += (n + 8 + 7) // 8 * 8
+        struct.pack_into("<Q", cons, 0, c)
+        return out
+    finally:
+        cons.close()
+        prod.close()
+
+
 class KernelBackend(Backend):
     """Runs programs in the Linux kernel.  Each of our `Map`s gets one kernel map,
     shared by every program that uses it; ``sync()`` copies kernel contents back."""
@@ -167,8 +205,12 @@ class KernelBackend(Backend):
         hit = self.map_fds.get(id(m))
         if hit is None:
             fd = create_map(m.type, m.key_size, m.value_size, m.max_entries, m.name, m.flags)
+            percpu = m.type in (5, 6)
+            stride = (m.value_size + 7) // 8 * 8
             for k, v in m.items():
                 if m.hashed or any(v):
+                    if percpu:  # the kernel wants one value per possible CPU: ours goes to CPU 0
+                        v = v.ljust(stride, b"\0") + bytes(stride * (possible_cpus() - 1))
                     map_update(fd, k, v)
             hit = self.map_fds[id(m)] = (m, fd)
         return hit[1]
@@ -195,14 +237,21 @@ class KernelBackend(Backend):
         return r0
 
     def sync(self) -> None:
-        """Copy every kernel map's contents into its Map."""
+        """Copy every kernel map's contents into its Map (ringbuf records are consumed)."""
         for m, fd in self.map_fds.values():
             if m.type == 27:
+                m.records.extend(drain_ringbuf(fd, m.max_entries))
                 continue
+            percpu = m.type in (5, 6)
+            stride = (m.value_size + 7) // 8 * 8
             for k in map_keys(fd, m.key_size):
-                v = map_lookup(fd, k, m.value_size * max(1, m.ncpus))
-                if v is not None:
-                    m.update(k, v[:m.value_size])
+                v = map_lookup(fd, k, stride * possible_cpus() if percpu else m.value_size)
+                if v is None:
+                    continue
+                if percpu:  # our per-CPU maps model one CPU: it holds the sum over the kernel's CPUs
+                    total = sum(int.from_bytes(v[i:i + m.value_size], "little") for i in range(0, len(v), stride))
+                    v = (total & ((1 << (8 * m.value_size)) - 1)).to_bytes(m.value_size, "little")
+                m.update(k, v[:m.value_size])
 
     def close(self) -> None:
         for fd in self.prog_fds + [fd for _, fd in self.map_fds.values()]:

@@ -1,0 +1,145 @@
+"""Loading a compiled policy folder (`load_bundle`): manifest, maps, programs, hooks.
+
+The manifest's schema version and every artifact's sha256 are checked, and
+so are the policy sources when they are still where they were compiled from.
+Maps are created once: a cross-island map is one store that every island
+using it sees.  Each island's programs come from its ``.bpf.o``; the
+``.bpftime.json`` / ``.dputime.json`` files carry the same instructions for
+other loaders (`load_runtime_json` reads them back).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fabric_ext.hooks import HOOKS
+
+from . import isa
+from .elf import MapSpec, ObjectError, load_object
+from .maps import Map
+from .program import Program
+from .verifier import VerifierError, verify
+
+MANIFEST_SCHEMA = "fabric-manifest/1"
+
+
+class BundleError(ValueError):
+    """A missing, corrupt or mismatched artifact; the message names the file and what to do."""
+
+
+@dataclass
+class IslandPrograms:
+    name: str
+    kind: str
+    runtime: str
+    programs: dict[str, Program] = field(default_factory=dict)   # hook -> program
+    tick_periods: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class Bundle:
+    path: Path
+    manifest: dict
+    maps: dict[str, Map]
+    islands: dict[str, IslandPrograms]
+
+    @property
+    def ids(self) -> dict:
+        return self.manifest["ids"]
+
+    def close(self):
+        for m in self.maps.values():
+            m.close()
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BundleError(f"{path}: missing {what}; compile the policy with 'fabricc compile POLICY -o "
+                          f"{path.parent}'") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BundleError(f"{path}: corrupt {what} ({e}); recompile the policy") from None
+
+
+def load_manifest(folder: Path) -> dict:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise BundleError(f"{folder}: no such folder; compile a policy first: fabricc compile POLICY -o {folder}")
+    man = _read_json(folder / "manifest.json", "manifest.json")
+    if man.get("schema") != MANIFEST_SCHEMA:
+        raise BundleError(f"{folder / 'manifest.json'}: schema {man.get('schema')!r}, expected {MANIFEST_SCHEMA!r}; "
+                          "recompile the policy with this version of fabricc")
+    for name, digest in man.get("files", {}).items():
+        p = folder / name
+        if not p.is_file():
+            raise BundleError(f"{p}: missing; recompile the policy")
+        if hashlib.sha256(p.read_bytes()).hexdigest() != digest:
+            raise BundleError(f"{p}: does not match manifest.json (changed or corrupt); recompile the policy")
+    for src in man.get("sources", []):
+        p = Path(src["path"])
+        if p.is_file() and hashlib.sha256(p.read_bytes()).hexdigest() != src["sha256"]:
+            raise BundleError(f"{src['file']}: changed since {folder} was compiled; recompile it")
+    return man
+
+
+def load_bundle(folder: Path, shared_maps: bool = False, verify_programs: bool = True) -> Bundle:
+    """Load every island's programs and create the maps once."""
+    folder = Path(folder)
+    man = load_manifest(folder)
+    maps: dict[str, Map] = {}
+    islands: dict[str, IslandPrograms] = {}
+    info = {i["name"]: i for i in man["fabric"]["islands"]}
+    by_object: dict[str, list[dict]] = {}
+    for p in man["programs"]:
+        by_object.setdefault(p["object"], []).append(p)
+    for obj_name, progs in by_object.items():
+        try:
+            obj = load_object(folder / obj_name)
+        except ObjectError as e:
+            raise BundleError(f"{e}; recompile the policy") from None
+        island = progs[0]["island"]
+        kind = info[island]["kind"]
+        hooks = {p["symbol"]: HOOKS[kind, p["hook"]] for p in progs}
+        ip = islands.setdefault(island, IslandPrograms(island, kind, info[island]["runtime"]))
+        for prog in obj.instantiate(maps, hooks=hooks, shared=shared_maps):
+            entry = next((p for p in progs if p["symbol"] == prog.name), None)
+            if entry is None:
+                raise BundleError(f"{folder / obj_name}: program '{prog.name}' is not in manifest.json")
+            if verify_programs:
+                try:
+                    verify(prog)
+                except VerifierError as e:
+                    raise BundleError(f"{folder / obj_name}: {e}") from None
+            ip.programs[entry["hook"]] = prog
+            ip.tick_periods[entry["hook"]] = entry.get("tick_periods_ns", [])
+    for m in man["maps"]:   # maps no program uses are still created, so reports show them
+        if m["name"] not in maps:
+            from .maps import KIND_TYPE
+            maps[m["name"]] = MapSpec(m["name"], KIND_TYPE[m["kind"]], m["key_size"], m["value_size"],
+                                      m["max_entries"]).create(shared=shared_maps)
+    return Bundle(folder, man, maps, islands)
+
+
+def load_runtime_json(path: Path) -> tuple[list[MapSpec], dict[str, list[isa.Insn]]]:
+    """Maps and relocated instructions from a .bpftime.json or .dputime.json file."""
+    data = _read_json(Path(path), Path(path).name)
+    if data.get("schema") == "dputime/1":
+        maps = [MapSpec(m["name"], m["map_type"], m["key_size"], m["value_size"], m["max_entries"], m["flags"])
+                for m in data["maps"]]
+        progs = {p["name"]: isa.decode(bytes.fromhex(p["insns"])) for p in data["programs"]}
+        return maps, progs
+    maps, progs = [], {}
+    for fd in sorted(data, key=int):
+        h = data[fd]
+        if h["type"] == "bpf_map_handler":
+            a = h["attr"]
+            if int(fd) != len(maps):
+                raise BundleError(f"{path}: map handlers must come first, numbered from 0")
+            maps.append(MapSpec(h["name"], a["map_type"], a["key_size"], a["value_size"], a["max_entries"],
+                                a.get("flags", 0)))
+        elif h["type"] == "bpf_prog_handler":
+            progs[h["name"]] = isa.decode(bytes.fromhex(h["attr"]["insns"]))
+    return maps, progs

@@ -1,0 +1,292 @@
+"""The compiler back end: every example compiles, its programs run in the reference
+interpreter with the decisions and map contents its handlers imply, the objects load
+into the kernel, the C listings behave the same, and bad input is a diagnostic."""
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import EXAMPLES, FABRIC, POLICIES
+from fabric_ext.codegen.driver import build
+from fabric_ext.diagnostics import Diagnostics
+from fabric_ext.runtime import kernel
+from fabric_ext.runtime.bundle import load_bundle, load_runtime_json
+from fabric_ext.runtime.elf import load_object
+from policy_helpers import Runner, compiled
+
+GB, KiB, MiB = 10**9, 1024, 2**20
+KERNEL_OK, KERNEL_WHY = kernel.permitted()
+
+
+@pytest.mark.parametrize("policy", [p.stem for p in EXAMPLES])
+def test_every_example_compiles_and_loads(policy):
+    b = load_bundle(compiled(policy))
+    assert b.islands and all(ip.programs for ip in b.islands.values())
+    man = b.manifest
+    assert man["schema"] == "fabric-manifest/1" and man["ids"]["movements"]
+    assert all(p["insns"] > 0 for p in man["programs"])
+
+
+# ---- prefill_qos: the stress case --------------------------------------------------
+def test_weights_go_first_at_the_switch():
+    r = Runner("prefill_qos")
+    for mv in ("ffn_weights", "attn_weights"):
+        assert r.run("sw0", "forward", movement=mv, bytes=2 * MiB)["priority"] == 7
+
+
+def test_tick_writes_utilisation_that_forward_reads():
+    r = Runner("prefill_qos")
+    r.run("sw0", "tick", port=2, util_pct=90, period=10_000)
+    r.run("sw0", "tick", port=3, util_pct=40, period=10_000)
+    assert r.map("port_util")[2] == 90 and r.map("port_util")[3] == 40
+    hot = r.run("sw0", "forward", movement="kv_writeback", out_port=2)
+    cool = r.run("sw0", "forward", movement="kv_writeback", out_port=3)
+    assert hot["priority"] == 1 and hot["rate"] == 16 * GB
+    assert cool["priority"] == 1 and cool["rate"] == 0
+
+
+def test_tick_of_another_period_does_nothing():
+    r = Runner("prefill_qos")
+    r.run("sw0", "tick", port=2, util_pct=90, period=20_000)
+    assert r.map("port_util")[2] == 0
+
+
+def test_cross_island_map_counts_every_gpu():
+    r = Runner("prefill_qos")
+    man = r.bundle.manifest
+    kv = next(m for m in man["maps"] if m["name"] == "kv_bytes")
+    assert kv["shared"] and sorted(kv["islands"]) == ["gpu0", "gpu1", "gpu2", "gpu3"]
+    r.run("gpu0", "issue", movement="kv_writeback", src="gpu0", bytes=3 * MiB)
+    r.run("gpu1", "issue", movement="kv_writeback", src="gpu1", bytes=1 * MiB)
+    r.run("gpu0", "issue", movement="kv_writeback", src="gpu0", bytes=1 * MiB)
+    ids = r.ids["devices"]
+    assert r.map("kv_bytes").dump() == {ids["gpu0"]: 4 * MiB, ids["gpu1"]: 1 * MiB}
+
+
+def test_prefetch_and_untouched_movements():
+    r = Runner("prefill_qos")
+    assert r.run("gpu2", "issue", movement="ffn_weights")["prefetch"] == 2
+    d = r.run("gpu2", "issue", movement="allreduce")
+    assert d == {"priority": 3, "rate": 0, "defer": 0, "prefetch": 0, "coalesce": 0, "stream": 0}
+
+
+def test_kv_export_paced_at_the_dpu():
+    d = Runner("prefill_qos").run("nic0", "tx", movement="kv_export", bytes=MiB)
+    assert d["rate"] == 25 * GB and d["coalesce"] == 256 * KiB
+
+
+# ---- the other examples ----------------------------------------------------------------
+def test_kv_tiering_promotes_hot_layers():
+    r = Runner("kv_tiering")
+    tiers = [r.run("sw0", "mem_access", movement="kv_writeback", layer=3)["tier"] for _ in range(6)]
+    pool = r.ids["devices"]["pool0"]
+    assert tiers == [0, 0, 0, 0, pool, pool] and r.map("layer_writes")[3] == 6
+
+
+def test_kv_tiering_defers_big_chunks_on_a_busy_port():
+    r = Runner("kv_tiering")
+    r.run("sw0", "tick", port=1, util_pct=75, period=20_000)
+    assert r.run("sw0", "forward", movement="kv_writeback", out_port=1, bytes=MiB)["defer"] == 5000
+    assert r.run("sw0", "forward", movement="kv_writeback", out_port=1, bytes=KiB)["defer"] == 0
+
+
+def test_nic_pacing_backs_off_on_a_deep_queue():
+    r = Runner("nic_pacing")
+    deep = r.run("nic0", "tx", movement="kv_export", queue_bytes=8 * MiB, chunk=6, bytes=KiB)
+    shallow = r.run("nic0", "tx", movement="kv_export", queue_bytes=MiB, chunk=3, bytes=KiB)
+    assert (deep["rate"], deep["queue"], deep["coalesce"]) == (20 * GB, 2, 256 * KiB)
+    assert (shallow["rate"], shallow["queue"]) == (36 * GB, 3)
+    assert r.map("tx_bytes")[0] == 2 * KiB
+
+
+def test_telemetry_counts_and_emits():
+    r = Runner("telemetry")
+    r.run("sw0", "forward", movement="kv_out", bytes=8 * MiB, now=123)
+    r.run("sw0", "forward", movement="kv_out", bytes=MiB)
+    d = r.run("sw0", "forward", movement="weights_in", bytes=2 * MiB)
+    assert d["priority"] == 3  # observation only: the default stands
+    kv = r.ids["movements"]["kv_out"]
+    assert r.map("bytes_by_movement")[kv] == 9 * MiB and r.map("chunks_by_movement")[kv] == 2
+    import struct
+    assert r.map("big_chunks").records == [struct.pack("<3Q", 123, kv, 8 * MiB)]
+    r.run("sw0", "tick", util_pct=100, period=10_000)
+    r.run("sw0", "tick", util_pct=37, period=10_000)
+    assert r.map("util_hist")[10] == 1 and r.map("util_hist")[3] == 1
+
+
+# ---- kernel, C listings, round trip ------------------------------------------------------
+def _contexts(policy):
+    """A few contexts per program, for comparing two executions of it."""
+    import itertools
+    b = load_bundle(compiled(policy))
+    out = []
+    mids = list(b.ids["movements"].values())
+    for island, ip in b.islands.items():
+        for hook, prog in ip.programs.items():
+            for mid, val in itertools.product(mids, (0, 5, 90, 4 * MiB)):
+                out.append((island, hook, dict(movement=mid, bytes=val, out_port=val % 16, util_pct=val % 101,
+                                               port=val % 16, period=10_000, queue_bytes=val, layer=val % 8)))
+    return out
+
+
+def _run_all(policy, backend):
+    from fabric_ext.runtime.context import ContextCodec
+    r = Runner(policy, backend)
+    results = []
+    for island, hook, fields in _contexts(policy):
+        prog = r.bundle.islands[island].programs[hook]
+        codec = ContextCodec(prog.hook)
+        f = {k: v for k, v in fields.items() if prog.hook.field(k) is not None}
+        results.append(r.run(island, hook, **f))
+    if hasattr(backend, "sync"):
+        backend.sync()
+    maps = {n: m.dump() for n, m in r.bundle.maps.items()}
+    return results, maps
+
+
+@pytest.mark.skipif(not KERNEL_OK, reason=KERNEL_WHY)
+@pytest.mark.parametrize("policy", [p.stem for p in EXAMPLES])
+def test_kernel_runs_every_program_the_same(policy):
+    from fabric_ext.runtime.interp import Interpreter
+    kb = kernel.KernelBackend()
+    try:
+        assert _run_all(policy, kb) == _run_all(policy, Interpreter())
+    finally:
+        kb.close()
+
+
+@pytest.mark.skipif(not KERNEL_OK, reason=KERNEL_WHY)
+def test_fabricc_kernel_verify(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "fabric_ext.cli", "compile", POLICIES / "prefill_qos.fx", "-o",
+                        tmp_path / "out", "--kernel-verify"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.skipif(shutil.which("bpftool") is None or not KERNEL_OK, reason="bpftool or bpf(2) not available")
+def test_bpftool_loadall(tmp_path):
+    pin = f"/sys/fs/bpf/fx_test_{os.getpid()}"
+    obj = compiled("prefill_qos") / "sw0.bpf.o"
+    try:
+        r = subprocess.run(["bpftool", "prog", "loadall", obj, pin], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert sorted(os.listdir(pin)) == ["sw0_forward", "sw0_tick"]
+    finally:
+        shutil.rmtree(pin, ignore_errors=True)
+
+
+@pytest.mark.skipif(shutil.which("clang") is None, reason="clang is not installed")
+@pytest.mark.parametrize("policy", [p.stem for p in EXAMPLES])
+def test_c_listing_compiles_and_behaves_the_same(policy, tmp_path):
+    from fabric_ext.runtime.context import ContextCodec
+    from fabric_ext.runtime.interp import Interpreter
+    out = compiled(policy)
+    b = load_bundle(out)
+    inc = f"/usr/include/{platform.machine()}-linux-gnu"
+    for island, ip in b.islands.items():
+        obj = tmp_path / f"{island}.o"
+        subprocess.run(["clang", "-target", "bpf", "-O2", "-g", f"-I{inc}", f"-I{out}", "-c",
+                        out / f"{island}.bpf.c", "-o", obj], check=True)
+        hooks = {p.name: p.hook for p in ip.programs.values()}
+        c_progs = {p.name: p for p in load_object(obj).instantiate(hooks=hooks)}
+        for (isl, hook, fields) in _contexts(policy):
+            if isl != island:
+                continue
+            ours, theirs = ip.programs[hook], c_progs[ip.programs[hook].name]
+            codec = ContextCodec(ours.hook)
+            f = {k: v for k, v in fields.items() if ours.hook.field(k) is not None}
+            a, c = codec.pack(f), codec.pack(f)
+            Interpreter().run(ours, a)
+            Interpreter().run(theirs, c)
+            assert codec.decisions(a) == codec.decisions(c), (island, hook, fields)
+
+
+@pytest.mark.parametrize("policy", [p.stem for p in EXAMPLES])
+def test_runtime_json_round_trip(policy):
+    out = compiled(policy)
+    man = json.loads((out / "manifest.json").read_text())
+    for island in {p["island"] for p in man["programs"]}:
+        ext = "bpftime" if any(i["name"] == island and i["runtime"] == "bpftime" for i in man["fabric"]["islands"]) \
+            else "dputime"
+        maps, progs = load_runtime_json(out / f"{island}.{ext}.json")
+        obj = load_object(out / f"{island}.bpf.o")
+        assert [(m.name, m.type, m.key_size, m.value_size, m.max_entries) for m in maps] == \
+            [(m.name, m.type, m.key_size, m.value_size, m.max_entries) for m in obj.maps]
+        assert progs == {p.name: p.insns for p in obj.programs}
+
+
+def test_output_is_deterministic():
+    a, b = build(POLICIES / "prefill_qos.fx"), build(POLICIES / "prefill_qos.fx")
+    assert a.files == b.files
+
+
+def test_line_info_maps_back_to_fx():
+    man = json.loads((compiled("prefill_qos") / "manifest.json").read_text())
+    lines = {e["line"] for e in man["line_map"]["sw0_forward"]}
+    src = (POLICIES / "prefill_qos.fx").read_text().splitlines()
+    assert any("port_util[ev.out_port] > 80%" in src[n - 1] for n in lines)
+
+
+# ---- bad input through the whole pipeline ------------------------------------------------
+def _compile_src(tmp_path, body):
+    f = tmp_path / "p.fx"
+    f.write_text(FABRIC + body)
+    return subprocess.run([sys.executable, "-m", "fabric_ext.cli", "compile", f, "-o", tmp_path / "out"],
+                          capture_output=True, text=True)
+
+
+def test_stack_overflow_is_a_diagnostic(tmp_path):
+    args = ", ".join(["ev.bytes"] * 70)
+    r = _compile_src(tmp_path, f"policy p {{ on kv.forward {{ emit ring({args}) }} }}")
+    line = FABRIC.count("\n") + 1
+    assert r.returncode == 1 and f"p.fx:{line}:" in r.stderr and "bytes of stack" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_impossible_placement_is_a_diagnostic(tmp_path):
+    r = _compile_src(tmp_path, "policy p { on w.forward at nic0 { priority = 1 } }")
+    assert r.returncode == 1 and "is not on the path of movement 'w'" in r.stderr
+
+
+def test_map_too_large_is_a_diagnostic(tmp_path):
+    r = _compile_src(tmp_path, "map big : hash<u64, u64>[1000000000]\npolicy p { on w.forward { big[1] = 1 } }")
+    assert r.returncode == 1 and "too large" in r.stderr
+
+
+def test_failed_compile_keeps_previous_output(tmp_path):
+    good = _compile_src(tmp_path, "policy p { on w.forward { priority = 7 } }")
+    assert good.returncode == 0, good.stderr
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    bad = _compile_src(tmp_path, "policy p { on w.forward { priority = } }")
+    assert bad.returncode == 1
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_compile_summary_and_emit(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "fabric_ext.cli", "compile", POLICIES / "nic_pacing.fx", "-o",
+                        tmp_path / "o", "--emit", "llvm", "--emit", "asm", "-O", "1", "--mcpu", "v2"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "nic0" in r.stdout and "instructions" in r.stdout
+    assert (tmp_path / "o" / "nic0.ll").read_text().startswith("; ModuleID")
+    assert "exit" in (tmp_path / "o" / "nic0.s").read_text()
+
+
+@pytest.mark.parametrize("opt,mcpu", [(0, "v1"), (1, "v2"), (2, "v3"), (2, "v4")])
+def test_every_opt_level_and_cpu_gives_the_same_decisions(opt, mcpu):
+    res = build(POLICIES / "nic_pacing.fx", opt=opt, mcpu=mcpu, diags=Diagnostics())
+    assert res is not None
+    from fabric_ext.runtime.context import ContextCodec
+    from fabric_ext.runtime.interp import Interpreter
+    from fabric_ext.hooks import HOOKS
+    obj = load_object(res.files["nic0.bpf.o"], "nic0.bpf.o")
+    hook = HOOKS["dpu", "tx"]
+    prog = obj.instantiate(hooks={"nic0_tx": hook})[0]
+    codec = ContextCodec(hook)
+    ctx = codec.pack(movement=1, queue_bytes=8 * MiB, chunk=5, bytes=100)
+    Interpreter().run(prog, ctx)
+    assert codec.changed(ctx) == {"rate": 20 * GB, "coalesce": 256 * KiB, "queue": 1}
