@@ -1,0 +1,23 @@
+"""The data file of published figures (runtime/data/figures.json), read once."""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+PATH = Path(__file__).with_name("data") / "figures.json"
+
+
+@lru_cache(maxsize=1)
+def figures() -> dict:
+    return json.loads(PATH.read_text())
+
+
+def default(kind: str) -> dict:
+    """The default figure set for a device or link kind, e.g. default('gpu')."""
+    f = figures()
+    name = f["defaults"][kind]
+    for group in ("gpu", "links", "cxl", "dpu"):
+        if name in f[group]:
+            return f[group][name]
+    raise KeyError(name)

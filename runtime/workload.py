@@ -1,0 +1,120 @@
+"""The LLM prefill workload: model shapes and the per-layer operators they imply.
+
+Built-in models (``llama3-8b``, ``llama3-70b``, ``qwen2.5-7b``) come from the
+data file with their published configs; ``--model path/config.json`` reads a
+Hugging Face config.  Per layer: attention (QKV projection, attention, output
+projection) and FFN (gate/up, down), with FLOPs and bytes from the shapes,
+sharded over tensor parallelism.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .figures import figures
+
+
+class WorkloadError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    dtype_bytes: int = 2
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def attn_weight_bytes(self) -> int:
+        h, d = self.hidden, self.head_dim
+        return (h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h) * self.dtype_bytes
+
+    def ffn_weight_bytes(self) -> int:
+        return 3 * self.hidden * self.ffn * self.dtype_bytes
+
+
+def load_model(name_or_path: str) -> ModelConfig:
+    models = figures()["models"]
+    if name_or_path in models:
+        m = models[name_or_path]
+        return ModelConfig(name_or_path, m["layers"], m["hidden"], m["heads"], m["kv_heads"], m["head_dim"],
+                           m["ffn"], m["vocab"], m["dtype_bytes"])
+    p = Path(name_or_path)
+    if not p.is_file():
+        raise WorkloadError(f"unknown model '{name_or_path}': built-in models are {', '.join(models)}, "
+                            "or give the path of a Hugging Face config.json")
+    try:
+        c = json.loads(p.read_text())
+        heads = c["num_attention_heads"]
+        return ModelConfig(c.get("_name_or_path", p.stem), c["num_hidden_layers"], c["hidden_size"], heads,
+                           c.get("num_key_value_heads", heads), c.get("head_dim", c["hidden_size"] // heads),
+                           c["intermediate_size"], c["vocab_size"],
+                           {"float32": 4}.get(c.get("torch_dtype"), 2))
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise WorkloadError(f"{p}: not a usable Hugging Face config ({type(e).__name__}: {e})") from None
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operator of one layer on one GPU (already sharded by TP)."""
+    layer: int
+    operator: str     # "attention" | "ffn"
+    flops: float
+    bytes: float      # HBM traffic: weights, activations in and out
+
+
+@dataclass
+class Workload:
+    model: ModelConfig
+    prompt: int
+    batch: int = 1
+    tp: int = 1
+    chunk_tokens: int = 0          # chunked prefill: tokens per pass (0: whole prompt)
+    weights: str = "hbm"           # device holding the weights, or "hbm"
+    kv: str = "hbm"                # where KV goes, or "hbm"
+    kv_export: str | None = None   # DPU/NIC that exports KV to a decode node
+    transfer_chunk: int = 2 << 20  # bytes per chunk of every transfer
+    prefetch: int = 1              # layers of weights issued ahead
+
+    def passes(self) -> list[tuple[int, int]]:
+        """(first token, token count) of each prefill pass."""
+        step = self.chunk_tokens or self.prompt
+        return [(s, min(step, self.prompt - s)) for s in range(0, self.prompt, step)]
+
+    def ops(self, layer: int, start: int, n: int) -> tuple[Op, Op]:
+        """Attention and FFN of one layer for a pass of n tokens starting at token ``start``."""
+        m, tp, b = self.model, self.tp, self.batch
+        tokens = n * b
+        h, d, dt = m.hidden, m.head_dim, m.dtype_bytes
+        qkv_out = (m.heads + 2 * m.kv_heads) * d
+        proj = 2 * tokens * h * qkv_out / tp + 2 * tokens * m.heads * d * h / tp
+        ctx = start + n / 2                      # causal: each token sees half the pass on average
+        attn = 4 * tokens * ctx * m.heads * d / tp
+        attn_bytes = m.attn_weight_bytes() / tp + tokens * h * dt * 2 + \
+            2 * (start + n) * b * m.kv_heads * d * dt / tp
+        ffn = 2 * tokens * h * 3 * m.ffn / tp
+        ffn_bytes = m.ffn_weight_bytes() / tp + tokens * h * dt * 2 + tokens * 2 * m.ffn * dt / tp
+        return Op(layer, "attention", proj + attn, attn_bytes), Op(layer, "ffn", ffn, ffn_bytes)
+
+    def weight_bytes(self, operator: str) -> int:
+        total = self.model.attn_weight_bytes() if operator == "attention" else self.model.ffn_weight_bytes()
+        return total // self.tp
+
+    def kv_bytes(self, n: int) -> int:
+        """KV of one layer for n tokens on one GPU (KV heads sharded by TP)."""
+        m = self.model
+        return 2 * n * self.batch * m.kv_heads * m.head_dim * m.dtype_bytes // self.tp
+
+    def activation_bytes(self, n: int) -> int:
+        return n * self.batch * self.model.hidden * self.model.dtype_bytes

@@ -1,0 +1,142 @@
+"""The fabric model against analytic answers."""
+import networkx as nx
+import pytest
+
+from fabric_ext.runtime.fabric_model import Fabric, HookSite, Sim, Transfer
+
+GBps = 1e9
+MiB = 2**20
+
+
+def line(bw=10 * GBps, latency=100.0, n=2, memory=None):
+    g = nx.DiGraph()
+    names = [f"d{i}" for i in range(n)]
+    for a, b in zip(names, names[1:]):
+        g.add_edge(a, b, bw=bw, latency=latency, kind="pcie")
+        g.add_edge(b, a, bw=bw, latency=latency, kind="pcie")
+    return g
+
+
+def fabric(g, hooks=None, wires=None, memory=None):
+    sim = Sim()
+    devs = {n: n for n in g.nodes}
+    return sim, Fabric(sim, g, devs, {n: "cxl_switch" for n in g.nodes}, wires or {}, memory or {}, hooks)
+
+
+def transfer(src, dst, nbytes, name="m", chunk=MiB, **kw):
+    return Transfer(name, 1, "kv", "", src, dst, nbytes, chunk_bytes=chunk, **kw)
+
+
+def test_one_transfer_takes_size_over_bandwidth_plus_latency():
+    sim, f = fabric(line())
+    t = transfer("d0", "d1", 64 * MiB)
+    f.start(t)
+    sim.run()
+    assert t.end == pytest.approx(64 * MiB / 10e9 * 1e9 + 100)
+
+
+def test_store_and_forward_over_two_hops():
+    sim, f = fabric(line(n=3))
+    t = transfer("d0", "d2", 8 * MiB)
+    f.start(t)
+    sim.run()
+    per_chunk = MiB / 10e9 * 1e9
+    assert t.end == pytest.approx(8 * per_chunk + per_chunk + 2 * 100)
+
+
+def test_two_equal_flows_share_a_link():
+    sim, f = fabric(line(latency=0))
+    a, b = transfer("d0", "d1", 64 * MiB, name="a"), transfer("d0", "d1", 64 * MiB, name="b")
+    f.start(a)
+    f.start(b)
+    sim.run()
+    both = 128 * MiB / 10e9 * 1e9
+    assert a.end == pytest.approx(both, rel=0.02) and b.end == pytest.approx(both, rel=0.02)
+
+
+class Prio(HookSite):
+    def on_enter(self, chunk, island, role, pin, pout):
+        return {"priority": 7} if chunk.transfer.name == "hi" else None
+
+
+def test_high_priority_flow_gets_all_it_asks_for():
+    sim, f = fabric(line(latency=0), hooks=Prio())
+    lo, hi = transfer("d0", "d1", 64 * MiB, name="lo"), transfer("d0", "d1", 64 * MiB, name="hi")
+    f.start(lo)
+    f.start(hi)
+    sim.run()
+    alone = 64 * MiB / 10e9 * 1e9
+    assert hi.end <= alone + MiB / 10e9 * 1e9 + 1  # at most the one chunk already on the wire
+    assert lo.end == pytest.approx(2 * alone)
+
+
+class Rate(HookSite):
+    def __init__(self, rate):
+        self.rate = rate
+
+    def on_enter(self, chunk, island, role, pin, pout):
+        return {"rate": self.rate} if island == "d0" else None
+
+
+def test_rate_limit_holds_within_one_percent():
+    sim, f = fabric(line(latency=0), hooks=Rate(2 * GBps))
+    t = transfer("d0", "d1", 256 * MiB)
+    f.start(t)
+    sim.run()
+    achieved = t.bytes / (t.end - t.start) * 1e9
+    assert achieved == pytest.approx(2 * GBps, rel=0.01)
+
+
+class Defer(HookSite):
+    def on_enter(self, chunk, island, role, pin, pout):
+        return {"defer": 5000} if island == "d0" else None
+
+
+def test_defer_delays():
+    sim, f = fabric(line(latency=0), hooks=Defer())
+    t = transfer("d0", "d1", MiB)
+    f.start(t)
+    sim.run()
+    assert t.end == pytest.approx(5000 + MiB / 10e9 * 1e9)
+
+
+def test_memory_channel_is_shared_by_reads_and_writes():
+    g = nx.DiGraph()
+    g.add_edge("mem", "sw", bw=10 * GBps, latency=0, kind="internal")
+    g.add_edge("sw", "mem", bw=10 * GBps, latency=0, kind="internal")
+    sim, f = fabric(g, memory={"mem": 10 * GBps})
+    rd, wr = transfer("mem", "sw", 32 * MiB, name="rd"), transfer("sw", "mem", 32 * MiB, name="wr")
+    f.start(rd)
+    f.start(wr)
+    sim.run()
+    assert max(rd.end, wr.end) == pytest.approx(64 * MiB / 10e9 * 1e9, rel=0.02)
+
+
+class Coalesce(HookSite):
+    def on_enter(self, chunk, island, role, pin, pout):
+        return {"coalesce": 4 * MiB} if island == "d1" else None
+
+
+def test_coalescing_merges_small_chunks_before_the_wire():
+    sim, f = fabric(line(latency=0), hooks=Coalesce(), wires={"d1": (100 * GBps, 1000.0)})
+    t = transfer("d0", "d1", 8 * MiB)
+    f.start(t)
+    sim.run()
+    assert t.chunks_done == 8
+    wire = f.wires["d1"]
+    assert [b for _, _, b in wire.intervals] == [4 * MiB, 4 * MiB]
+
+
+def test_route_decision_picks_the_egress():
+    g = nx.DiGraph()
+    for a, b, lat in (("s", "x", 10), ("x", "d", 10), ("s", "y", 100), ("y", "d", 100)):
+        g.add_edge(a, b, bw=10 * GBps, latency=lat, kind="cxl")
+
+    class Route(HookSite):
+        def on_enter(self, chunk, island, role, pin, pout):
+            return {"route": "y"} if island == "s" else None
+    sim, f = fabric(g, hooks=Route())
+    t = transfer("s", "d", MiB)
+    f.start(t)
+    sim.run()
+    assert f.servers[("s", "y")].bytes == MiB and f.servers[("s", "x")].bytes == 0
