@@ -103,14 +103,11 @@ class Server:
         self.busy = False
         self.bytes = 0
         self.intervals: list[tuple[float, float, int]] = []
-        self.window_bytes = 0          # bytes sent since the last telemetry tick
-
-    @property
-    def queued_bytes(self) -> int:
-        return sum(c.bytes for q in self.queues.values() for d in q.values() for c in d)
+        self.queued_bytes = 0          # bytes waiting, not yet on the link
 
     def enqueue(self, chunk: Chunk, done) -> None:
         chunk.enqueued = self.sim.now
+        self.queued_bytes += chunk.bytes
         q = self.queues.setdefault(chunk.priority, OrderedDict())
         q.setdefault(chunk.transfer.flow, deque()).append((chunk, done))
         if not self.busy:
@@ -131,7 +128,7 @@ class Server:
             chunk.waited += now - chunk.enqueued
             dt = chunk.bytes / self.bw * 1e9 + self.overhead
             self.bytes += chunk.bytes
-            self.window_bytes += chunk.bytes
+            self.queued_bytes -= chunk.bytes
             self.intervals.append((now, now + dt, chunk.bytes))
             self.sim.at(now + dt, self._finish, chunk, done)
             return

@@ -86,8 +86,11 @@ class Backend:
 
 
 def get_backend(name: str, **kw) -> Backend:
-    """The backend called ``name`` (``interp`` now; faster ones plug in here)."""
-    if name == "interp":
+    """The backend called ``name``: ``interp``, ``kernel`` or ``auto`` (the fastest that works here)."""
+    if name in ("interp", "auto"):
         from .interp import Interpreter
         return Interpreter(**kw)
-    raise ValueError(f"unknown backend '{name}' (available: interp)")
+    if name == "kernel":
+        from .kernel import KernelBackend
+        return KernelBackend(**kw)
+    raise ValueError(f"unknown backend '{name}' (available: interp, kernel)")

@@ -1,0 +1,170 @@
+"""`fabric-run`: run a compiled policy (or a .fx file) on the fabric carrying an LLM prefill.
+
+    fabric-run                                   # the bundled reference policy
+    fabric-run --policy out/ --baseline --json run.json --trace run.trace.json
+    fabric-run --policy my.fx --model llama3-70b --prompt 32768 --tp 8
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+from fabric_ext import __version__
+
+EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        print(f"{self.prog}: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def reference_policy() -> Path:
+    """policies/prefill_qos.fx, from the source tree or the installed package."""
+    import fabric_ext.policies as pkg
+    return Path(pkg.__file__).parent / "prefill_qos.fx"
+
+
+def build_parser():
+    p = _Parser(prog="fabric-run", description="Run compiled fabric policies on an LLM prefill and report "
+                                                 "its dataflow statistics.")
+    p.add_argument("--version", action="version", version=f"fabric-run {__version__}")
+    p.add_argument("--policy", metavar="DIR_OR_FX",
+                   help="a folder from 'fabricc compile', or a .fx file to compile first "
+                        "(default: the bundled policies/prefill_qos.fx)")
+    p.add_argument("--backend", choices=("interp", "jit", "kernel"), default=None,
+                   help="VM backend for the programs (default: jit where it works, else interp)")
+    p.add_argument("--model", help="llama3-8b, llama3-70b, qwen2.5-7b, or a Hugging Face config.json")
+    p.add_argument("--prompt", type=int, help="prompt tokens")
+    p.add_argument("--batch", type=int, help="prompts in the batch")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree")
+    p.add_argument("--chunk", type=int, metavar="TOKENS", help="chunked prefill: tokens per pass")
+    p.add_argument("--baseline", action="store_true", help="also run with no programs attached and compare")
+    p.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace")
+    p.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib: pip install fabric-ext[plot])")
+    p.add_argument("-q", "--quiet", action="store_true", help="no summary on standard output")
+    p.add_argument("--debug", action="store_true", help="print tracebacks of internal errors")
+    return p
+
+
+def _compile(fx: Path, tmp: Path) -> Path | None:
+    from fabric_ext.codegen.driver import build, write_output
+    from fabric_ext.diagnostics import Diagnostics
+    d = Diagnostics()
+    res = build(fx, diags=d)
+    d.print(sys.stderr)
+    if res is None:
+        return None
+    out = tmp / "out"
+    write_output(res, out)
+    return out
+
+
+def _progress():
+    if not sys.stderr.isatty():
+        return None
+    state = {"last": -1}
+
+    def show(frac):
+        pct = int(frac * 100)
+        if pct != state["last"]:
+            state["last"] = pct
+            bar = "#" * (pct // 4)
+            sys.stderr.write(f"\r[{bar:<25}] {pct:3d}%")
+            sys.stderr.flush()
+    return show
+
+
+def run(args) -> int:
+    from .bundle import load_manifest
+    from .engine import Engine, RunOptions
+    from .program import get_backend
+    from . import stats
+    policy = Path(args.policy) if args.policy else reference_policy()
+    with tempfile.TemporaryDirectory(prefix="fabric-run-") as tmp:
+        if policy.suffix == ".fx" or policy.is_file():
+            if not policy.is_file():
+                print(f"fabric-run: no such file: {policy}", file=sys.stderr)
+                return EXIT_USAGE
+            folder = _compile(policy, Path(tmp))
+            if folder is None:
+                return EXIT_INPUT
+        else:
+            folder = policy
+        man = load_manifest(folder)
+        backend = get_backend(args.backend or "auto")
+        try:
+            reports = {}
+            for attach in ([True, False] if args.baseline else [True]):
+                from .bundle import load_bundle
+                maps = _fresh_maps(man)
+                show = _progress() if attach else None
+                opts = RunOptions(args.model, args.prompt, args.batch, args.tp, args.chunk, attach, show,
+                                  trace=bool(args.trace) and attach)
+                eng = Engine(folder, man, maps, backend, opts)
+                report = eng.run()
+                if hasattr(backend, "sync"):
+                    backend.sync()
+                    report = eng._collect()
+                if show:
+                    sys.stderr.write("\r" + " " * 40 + "\r")
+                reports[attach] = (report, eng)
+        finally:
+            backend.close()
+        report, eng = reports[True]
+        if args.baseline:
+            report["baseline"] = reports[False][0]
+            report["baseline"].pop("baseline", None)
+            report["policy_speedup"] = round(report["baseline"]["ttft_ms"] / report["ttft_ms"], 4)
+        report["policy"] = str(policy)
+        if not args.quiet:
+            print(stats.render(report, report.get("baseline")))
+        if args.json:
+            stats.write_json(args.json, report)
+        if args.trace:
+            stats.write_json(args.trace, stats.trace(report, eng))
+        if args.plot:
+            try:
+                for p in stats.plots(report, args.plot):
+                    print(f"wrote {p}", file=sys.stderr)
+            except ImportError:
+                print("fabric-run: --plot needs matplotlib: pip install 'fabric-ext[plot]'", file=sys.stderr)
+                return EXIT_INPUT
+    return EXIT_OK
+
+
+def _fresh_maps(man):
+    from .elf import MapSpec
+    from .maps import KIND_TYPE
+    return {m["name"]: MapSpec(m["name"], KIND_TYPE[m["kind"]], m["key_size"], m["value_size"],
+                               m["max_entries"]).create() for m in man["maps"]}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    from .bundle import BundleError
+    from .elf import ObjectError
+    from .workload import WorkloadError
+    try:
+        return run(args)
+    except (BundleError, ObjectError, WorkloadError) as e:
+        print(f"fabric-run: {e}", file=sys.stderr)
+        return EXIT_INPUT
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - the one place that turns bugs into a message
+        if args.debug:
+            traceback.print_exc()
+        print(f"fabric-run: internal error: {type(e).__name__}: {e} -- please report this bug "
+              "(rerun with --debug for the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

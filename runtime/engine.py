@@ -1,0 +1,374 @@
+"""The prefill run: a compiled policy's programs attached to a fabric carrying an LLM prefill.
+
+`Engine` builds the fabric model from the manifest (figures from the data file
+fill what the policy's fabric leaves out), attaches every island's programs
+through its shim, and drives the prefill: per pass and layer, each GPU of the
+tensor-parallel group waits for its attention weights, computes, all-reduces
+over the ring, writes its KV back or exports it, then the same for the FFN.
+Weights stream ahead of compute by the prefetch depth (the workload's, or
+what a program decides).  Every decision a program makes is applied by the
+fabric model; the run's figures come back as a dict (`stats.py` formats it).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from fabric_ext.hooks import hook as find_hook
+
+from . import compute
+from .fabric_model import Fabric, HookSite, Sim, Transfer
+from .figures import default, figures
+from .shims import SHIMS
+from .workload import Workload, WorkloadError, load_model
+
+
+@dataclass
+class RunOptions:
+    model: str | None = None
+    prompt: int | None = None
+    batch: int | None = None
+    tp: int | None = None
+    chunk_tokens: int | None = None
+    attach: bool = True              # False: the baseline, every island on its defaults
+    progress: object = None          # callable(fraction) or None
+    trace: bool = False              # record spans for a Perfetto trace
+
+
+class Engine(HookSite):
+    def __init__(self, folder, manifest: dict, maps: dict, backend, opts: RunOptions):
+        self.folder, self.man, self.maps, self.backend, self.opts = folder, manifest, maps, backend, opts
+        self.ids = manifest["ids"]
+        self.dev_by_id = {v: k for k, v in self.ids["devices"].items()}
+        self.devices = {d["name"]: d for d in manifest["fabric"]["devices"]}
+        self.islands = {i["name"]: i for i in manifest["fabric"]["islands"]}
+        self.device_island = {d["name"]: d["island"] for d in manifest["fabric"]["devices"] if d["island"]}
+        self.workload = self._workload()
+        self.sim = Sim()
+        self.fabric = self._fabric()
+        self.shims = {}
+        if opts.attach:
+            for name, isl in self.islands.items():
+                shim = SHIMS[isl["runtime"]](name, isl["kind"], backend)
+                if any(p["island"] == name for p in manifest["programs"]):
+                    shim.load(folder, manifest, maps)
+                self.shims[name] = shim
+        self.movement_index = self._movement_index()
+        self.gpus = self._gpus()
+        self.prefetch = {g: self.workload.prefetch for g in self.gpus}
+        self.layer_stats = defaultdict(lambda: defaultdict(float))
+        self.stall_by_movement = defaultdict(float)
+        self.finished = None
+        self.kv_done = 0.0
+        self.spans: list[tuple[str, str, float, float]] = []   # (track, name, start ns, duration ns)
+
+    # -- setup ---------------------------------------------------------------------------
+    def _workload(self) -> Workload:
+        w, o = self.man.get("workload", {}), self.opts
+        model = load_model(o.model or w.get("model", "llama3-8b"))
+        wl = Workload(model, int(o.prompt or w.get("prompt", 8192)), int(o.batch or w.get("batch", 1)),
+                      int(o.tp or w.get("tp", 1)), int(o.chunk_tokens or w.get("prefill_chunk", 0) or 0),
+                      w.get("weights", "hbm"), w.get("kv", "hbm"), w.get("kv_export"),
+                      int(w.get("chunk") or figures()["defaults"]["transfer_chunk"]),
+                      int(w.get("prefetch") or figures()["defaults"]["prefetch"]))
+        gpus = [d for d, v in self.devices.items() if v["kind"] == "gpu"]
+        if wl.tp > len(gpus):
+            raise WorkloadError(f"tp {wl.tp} needs {wl.tp} GPUs; the fabric has {len(gpus)} ({', '.join(gpus)})")
+        if wl.prompt < 1 or wl.batch < 1 or wl.tp < 1:
+            raise WorkloadError("prompt, batch and tp must be at least 1")
+        for where in (wl.weights, wl.kv):
+            if where not in ("hbm", "none") and where not in self.devices:
+                raise WorkloadError(f"workload places data on unknown device '{where}'")
+        return wl
+
+    def _gpus(self):
+        return [d for d, v in self.devices.items() if v["kind"] == "gpu"][: self.workload.tp]
+
+    def _fabric(self) -> Fabric:
+        g = nx.DiGraph()
+        link_default, hop = default("link"), default("switch_hop")
+        for link in self.man["fabric"]["links"]:
+            u, v = link["src"], link["dst"]
+            bw = link["bw"] or (self._prop(u, "bw") if link.get("kind") == "internal" else None) or link_default["bw"]
+            lat = link["latency"] if link["latency"] is not None else link_default["latency"]
+            if self.devices[u]["kind"] == "cxl_switch":
+                lat += self._prop(u, "hop") or hop["latency"]
+            g.add_edge(u, v, bw=float(bw), latency=float(lat), kind=link.get("kind"))
+        mem = {n: float(self._prop(n, "bw") or default("cxl_mem")["bw"])
+               for n, d in self.devices.items() if d["kind"] == "cxl_mem"}
+        dpu = default("dpu")
+        wires = {n: (float(self._prop(n, "line_rate") or dpu["line_rate"]), float(dpu["chunk_overhead"]))
+                 for n, d in self.devices.items() if d["kind"] in ("dpu", "nic")}
+        kinds = {n: i["kind"] for n, i in self.islands.items()}
+        return Fabric(self.sim, g, self.device_island, kinds, wires, mem, self)
+
+    def _prop(self, device, name):
+        return self.devices[device].get("props", {}).get(name)
+
+    def _gpu_figure(self, device, name):
+        return float(self._prop(device, name) or default("gpu")[name])
+
+    def _movement_index(self):
+        idx = {}
+        for m in self.man["movements"]:
+            for f in m["flows"]:
+                key = (m["class"], f["src"], f["dst"])
+                idx.setdefault((m["operator"],) + key, m)
+                idx.setdefault((None,) + key, m)
+        return idx
+
+    def _movement(self, cls, operator, src, dst):
+        return self.movement_index.get((operator, cls, src, dst)) or self.movement_index.get((None, cls, src, dst))
+
+    # -- transfers --------------------------------------------------------------------------
+    def transfer(self, cls, operator, src, dst, nbytes, layer, on_done) -> Transfer:
+        m = self._movement(cls, operator, src, dst)
+        t = Transfer(m["name"] if m else f"({cls}{'/' + operator if operator else ''})",
+                     m["id"] if m else 0, cls, operator or "", src, dst, int(nbytes), layer,
+                     bool(m and m["critical"]), on_done,
+                     int(m["chunk"]) if m and m.get("chunk") else self.workload.transfer_chunk)
+        self.fabric.start(t)
+        return t
+
+    # -- the HookSite the fabric calls --------------------------------------------------------
+    def _chunk_fields(self, chunk, role):
+        t = chunk.transfer
+        ids = self.ids
+        return {"now": self.sim.now, "movement": t.movement_id, "class": ids["classes"].get(t.cls, 0),
+                "operator": ids["operators"].get(t.operator, 0), "src": ids["devices"].get(t.src, 0),
+                "dst": ids["devices"].get(t.dst, 0), "layer": t.layer, "chunk": chunk.index,
+                "bytes": chunk.bytes, "critical": int(t.critical), "hop": chunk.hop}
+
+    def _run(self, island, hook, fields):
+        shim = self.shims.get(island)
+        if shim is None or not shim.has(hook):
+            return None
+        h = find_hook(self.islands[island]["kind"], hook)
+        t0 = self.sim.now
+        d = shim.deliver(hook, {k: v for k, v in fields.items() if h.field(k) is not None}, t0)
+        if self.opts.trace:
+            self.spans.append((island, hook, t0, 0.0))
+        if not d:
+            return d
+        for k in ("route", "tier"):
+            if k in d:
+                d[k] = self.dev_by_id.get(d[k], 0)
+        return d
+
+    def on_issue(self, chunk, island, role):
+        fields = self._chunk_fields(chunk, role)
+        here = chunk.path[0] if role == "src" else chunk.path[-1]
+        if role == "src" and len(chunk.path) > 1:
+            fields["out_port"] = self.fabric.port_index(here, chunk.path[1])
+            fields["queue_bytes"] = self.fabric.server(chunk.path[0], chunk.path[1]).queued_bytes
+        d = self._run(island, "issue", fields)
+        if d and d.get("prefetch"):
+            self.prefetch[island] = d["prefetch"]
+        return d
+
+    def on_enter(self, chunk, island, role, port_in, port_out):
+        kind = self.islands[island]["kind"]
+        fields = self._chunk_fields(chunk, role)
+        fields["in_port"], fields["out_port"] = port_in, port_out
+        path, hop = chunk.path, chunk.hop
+        if hop + 1 < len(path):
+            fields["queue_bytes"] = self.fabric.server(path[hop], path[hop + 1]).queued_bytes
+        elif path[hop] in self.fabric.wires:
+            fields["queue_bytes"] = self.fabric.wires[path[hop]].queued_bytes
+        hooks = []
+        if kind == "cxl_switch":
+            hooks = ["forward"]
+            ends = (path[0], path[-1])
+            if any(self.devices[e]["kind"] == "cxl_mem" and self.device_island.get(e) == island for e in ends):
+                fields["write"] = int(self.devices[path[-1]]["kind"] == "cxl_mem")
+                hooks.append("mem_access")
+        elif kind == "dpu":
+            hooks = ["rx"] if role == "src" else ["tx"]
+        merged = {}
+        for h in hooks:
+            d = self._run(island, h, fields)
+            if d:
+                merged.update(d)
+        return merged
+
+    def on_delivered(self, chunk, island, latency):
+        fields = self._chunk_fields(chunk, "dst")
+        fields["latency"] = latency
+        d = self._run(island, "complete", fields)
+        if d and d.get("prefetch"):
+            self.prefetch[island] = d["prefetch"]
+
+    # -- telemetry ticks ----------------------------------------------------------------------
+    def _start_ticks(self):
+        for island, shim in self.shims.items():
+            for entry in self.man["programs"]:
+                if entry["island"] == island and entry["hook"] == "tick":
+                    for period in entry.get("tick_periods_ns") or []:
+                        self.sim.at(period, self._tick, island, period, {})
+
+    def _tick(self, island, period, last):
+        if self.finished is not None:
+            return
+        dev = island
+        ports = self.fabric.ports(dev)
+        for i, peer in enumerate(ports):
+            srv = self.fabric.server(dev, peer)
+            sent = srv.bytes - last.get(peer, 0)
+            last[peer] = srv.bytes
+            util = min(100, round(sent / (srv.bw * period / 1e9) * 100)) if srv.bw else 0
+            self._run(island, "tick", {"now": self.sim.now, "port": i, "peer": self.ids["devices"].get(peer, 0),
+                                       "util_pct": util, "bytes": sent, "queue_bytes": srv.queued_bytes,
+                                       "period": period})
+        self.sim.at(self.sim.now + period, self._tick, island, period, last)
+
+    # -- the prefill ------------------------------------------------------------------------------
+    def _placement(self):
+        """Where each layer's weights live: the workload's choice, or a host program's tier."""
+        w = self.workload
+        src = {}
+        host = next((n for n, i in self.islands.items() if i["kind"] == "host"), None)
+        for layer in range(w.model.layers):
+            for op in ("attention", "ffn"):
+                where = w.weights
+                if host is not None:
+                    m = self._movement("weights", op, w.weights, self.gpus[0]) if w.weights in self.devices else None
+                    d = self._run(host, "alloc", {"now": 0, "movement": m["id"] if m else 0,
+                                                  "class": self.ids["classes"]["weights"], "layer": layer,
+                                                  "bytes": w.weight_bytes(op)})
+                    if d and d.get("tier"):
+                        where = "hbm" if self.devices[d["tier"]]["kind"] == "gpu" else d["tier"]
+                src[(layer, op)] = where
+        return src
+
+    def run(self) -> dict:
+        w = self.workload
+        self.weight_src = self._placement()
+        self.units = [(p, layer, op) for p, _ in enumerate(w.passes()) for layer in range(w.model.layers)
+                      for op in ("attention", "ffn")]
+        self.ready = {g: {} for g in self.gpus}       # unit -> arrival time of its weights
+        self.issued = {g: 0 for g in self.gpus}       # units issued so far
+        self.waiting = {}
+        self.done_count = 0
+        self.ar_pending = 0
+        self._start_ticks()
+        for g in self.gpus:
+            self._issue_weights(g, 0)
+        self.sim.at(0, self._begin, 0)
+        self.sim.run()
+        if self.finished is None:
+            raise RuntimeError("the prefill did not finish: a transfer never completed")
+        return self._collect()
+
+    def _issue_weights(self, g, current):
+        w = self.workload
+        depth = max(1, self.prefetch[g])
+        while self.issued[g] < len(self.units) and self.issued[g] < current + 2 * depth:
+            u = self.issued[g]
+            self.issued[g] += 1
+            p, layer, op = self.units[u]
+            where = self.weight_src[(layer, op)]
+            if where in ("hbm", "none"):
+                self.ready[g][u] = 0.0
+                continue
+            self.transfer("weights", op, where, g, w.weight_bytes(op), layer,
+                          lambda t, g=g, u=u: self._weights_arrived(g, u))
+
+    def _weights_arrived(self, g, u):
+        self.ready[g][u] = self.sim.now
+        if self.waiting.get(g) == u:
+            del self.waiting[g]
+            self._compute(g, u)
+
+    def _begin(self, u):
+        self.unit_start = self.sim.now
+        self.done_count = 0
+        for g in self.gpus:
+            if u in self.ready[g]:
+                self._compute(g, u)
+            else:
+                self.waiting[g] = u
+        if self.opts.progress:
+            self.opts.progress(u / len(self.units))
+
+    def _compute(self, g, u):
+        w = self.workload
+        p, layer, op = self.units[u]
+        start, n = w.passes()[p]
+        ops = w.ops(layer, start, n)
+        o = ops[0] if op == "attention" else ops[1]
+        stall = self.sim.now - self.unit_start
+        if stall > 0:
+            m = self._movement("weights", op, self.weight_src[(layer, op)], g)
+            self.stall_by_movement[m["name"] if m else f"(weights/{op})"] += stall
+        d = self._run(g, "launch", {"now": self.sim.now, "layer": layer, "operator": self.ids["operators"][op],
+                                    "flops": int(o.flops), "bytes": int(o.bytes), "stall": int(stall)})
+        if d and d.get("prefetch"):
+            self.prefetch[g] = d["prefetch"]
+        self._issue_weights(g, u + 1)
+        dur = compute.op_time(o.flops, o.bytes, self._gpu_figure(g, "bf16"), self._gpu_figure(g, "hbm_bw")) * 1e9
+        if self.opts.trace:
+            self.spans.append((g, f"{op} L{layer}", self.sim.now, dur))
+        s = self.layer_stats[layer]
+        s[f"{op}_ms"] += dur / 1e6 / len(self.gpus)
+        s[f"{op}_stall_ms"] += stall / 1e6 / len(self.gpus)
+        self.sim.at(self.sim.now + dur, self._computed, g, u)
+
+    def _computed(self, g, u):
+        self.done_count += 1
+        if self.done_count < len(self.gpus):
+            return
+        if len(self.gpus) > 1:
+            self._allreduce(u)
+        else:
+            self._after(u)
+
+    def _allreduce(self, u):
+        w = self.workload
+        p, layer, op = self.units[u]
+        n = w.passes()[p][1]
+        t = len(self.gpus)
+        nbytes = 2 * (t - 1) * w.activation_bytes(n) // t   # ring all-reduce: what each GPU sends
+        self.ar_pending = t
+        self.ar_start = self.sim.now
+        for i, g in enumerate(self.gpus):
+            nxt = self.gpus[(i + 1) % t]
+            self.transfer("activations", "collective", g, nxt, nbytes, layer, lambda tr, u=u: self._ar_done(u))
+
+    def _ar_done(self, u):
+        self.ar_pending -= 1
+        if self.ar_pending == 0:
+            m = self._movement("activations", "collective", self.gpus[0], self.gpus[1 % len(self.gpus)])
+            self.stall_by_movement[m["name"] if m else "(activations/collective)"] += self.sim.now - self.ar_start
+            self.layer_stats[self.units[u][1]]["allreduce_ms"] += (self.sim.now - self.ar_start) / 1e6
+            self._after(u)
+
+    def _after(self, u):
+        w = self.workload
+        p, layer, op = self.units[u]
+        if op == "attention":
+            n = w.passes()[p][1]
+            for g in self.gpus:
+                for where in (w.kv, w.kv_export):
+                    if where and where not in ("hbm", "none"):
+                        self.transfer("kv", None, g, where, w.kv_bytes(n), layer, self._kv_done)
+        if u + 1 < len(self.units):
+            self._begin(u + 1)
+        else:
+            g0 = self.gpus[0]
+            m = w.model
+            lm = compute.op_time(2.0 * w.batch * m.hidden * m.vocab / len(self.gpus), m.hidden * m.vocab * 2 /
+                                 len(self.gpus), self._gpu_figure(g0, "bf16"), self._gpu_figure(g0, "hbm_bw")) * 1e9
+            self.sim.at(self.sim.now + lm, self._finish)
+
+    def _kv_done(self, t):
+        self.kv_done = max(self.kv_done, self.sim.now)
+
+    def _finish(self):
+        self.finished = self.sim.now
+
+    # -- figures ------------------------------------------------------------------------------------
+    def _collect(self) -> dict:
+        from .stats import collect
+        return collect(self)

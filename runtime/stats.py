@@ -1,0 +1,204 @@
+"""Prefill dataflow statistics: collected from a finished run, shown as tables,
+written as JSON (schema ``fabric-run/1``), a Perfetto trace, or PNG plots."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import numpy as np
+
+SCHEMA = "fabric-run/1"
+TIMELINE_BINS = 100
+
+
+def _pct(values, q):
+    return float(np.percentile(values, q)) if values else 0.0
+
+
+def collect(e) -> dict:
+    """The run's figures as a JSON-ready dict."""
+    w, end = e.workload, e.finished
+    layers = [{"layer": layer, **{k: round(v, 4) for k, v in sorted(s.items())}}
+              for layer, s in sorted(e.layer_stats.items())]
+    by_mv = defaultdict(list)
+    for t in e.fabric.transfers:
+        by_mv[t.name].append(t)
+    movements = []
+    for name, ts in sorted(by_mv.items()):
+        nbytes = sum(t.bytes for t in ts)
+        span = max(t.end for t in ts) - min(t.start for t in ts)
+        busy = sum(t.end - t.start for t in ts)
+        waits = [x for t in ts for x in t.queue_waits]
+        movements.append({"name": name, "class": ts[0].cls, "operator": ts[0].operator or None,
+                          "transfers": len(ts), "bytes": nbytes,
+                          "avg_gbps": round(nbytes / busy, 3) if busy else 0.0,
+                          "span_ms": round(span / 1e6, 4),
+                          "queue_p50_us": round(_pct(waits, 50) / 1e3, 3),
+                          "queue_p99_us": round(_pct(waits, 99) / 1e3, 3),
+                          "stall_ms": round(e.stall_by_movement.get(name, 0.0) / 1e6, 4)})
+    links = []
+    seen = set()
+    horizon = max(end, e.kv_done, 1.0)
+    servers = list(e.fabric.servers.values()) + list(e.fabric.wires.values())
+    for srv in servers:
+        if id(srv) in seen:
+            continue
+        seen.add(id(srv))
+        timeline = np.zeros(TIMELINE_BINS)
+        width = horizon / TIMELINE_BINS
+        for start, stop, nbytes in srv.intervals:
+            a, b = int(start // width), int(min(stop, horizon - 1e-9) // width)
+            if a == b:
+                timeline[min(a, TIMELINE_BINS - 1)] += stop - start
+            else:
+                for k in range(a, min(b, TIMELINE_BINS - 1) + 1):
+                    lo, hi = max(start, k * width), min(stop, (k + 1) * width)
+                    timeline[k] += max(0.0, hi - lo)
+        util = np.minimum(timeline / width, 1.0)
+        links.append({"name": srv.name, "bytes": srv.bytes, "bw_gbps": round(srv.bw / 1e9, 3),
+                      "util_avg": round(float(sum(b - a for a, b, _ in srv.intervals) / horizon), 4),
+                      "util_peak": round(float(util.max()) if len(util) else 0.0, 4),
+                      "timeline": [round(float(x), 3) for x in util]})
+    islands = [s.summary() for s in e.shims.values()] if e.shims else []
+    faults = [f for s in e.shims.values() for f in s.faults]
+    maps = {name: m.dump() for name, m in sorted(e.maps.items())} if e.opts.attach else {}
+    return {"schema": SCHEMA, "policy": str(e.folder), "backend": e.backend.name,
+            "workload": {"model": w.model.name, "prompt": w.prompt, "batch": w.batch, "tp": w.tp,
+                         "chunk_tokens": w.chunk_tokens or w.prompt, "weights": w.weights, "kv": w.kv,
+                         "kv_export": w.kv_export},
+            "ttft_ms": round(end / 1e6, 4), "kv_done_ms": round(e.kv_done / 1e6, 4),
+            "events": e.sim.events, "layers": layers, "movements": movements,
+            "links": sorted(links, key=lambda x: x["name"]), "islands": islands, "maps": _jsonable(maps),
+            "faults": faults}
+
+
+def _jsonable(maps):
+    return {k: ({str(kk): vv for kk, vv in v.items()} if isinstance(v, dict) and "records" not in v else v)
+            for k, v in maps.items()}
+
+
+def _table(rows, headers):
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = "  ".join(f"{h:<{w}}" for h, w in zip(headers, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(f"{str(c):<{w}}" for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+def render(report: dict, baseline: dict | None = None) -> str:
+    """The terminal summary: time to first token, movements, busiest links, islands, faults."""
+    w = report["workload"]
+    out = [f"prefill of {w['model']}: {w['prompt']} tokens x {w['batch']}, TP {w['tp']}; weights on {w['weights']}, "
+           f"KV to {w['kv']}" + (f", exported through {w['kv_export']}" if w['kv_export'] else ""),
+           f"backend {report['backend']}, {report['events']} events", ""]
+    if baseline:
+        gain = baseline["ttft_ms"] / report["ttft_ms"] if report["ttft_ms"] else 0
+        out.append(f"time to first token: {report['ttft_ms']:.3f} ms with the policy, "
+                   f"{baseline['ttft_ms']:.3f} ms baseline ({gain:.3f}x)")
+    else:
+        out.append(f"time to first token: {report['ttft_ms']:.3f} ms (KV all written by {report['kv_done_ms']:.3f} ms)")
+    out.append("")
+    base_mv = {m["name"]: m for m in (baseline or {}).get("movements", [])}
+    rows = []
+    for m in report["movements"]:
+        b = base_mv.get(m["name"])
+        rows.append([m["name"], m["class"], f"{m['bytes'] / 2**20:.1f}", f"{m['avg_gbps']:.2f}",
+                     f"{m['queue_p50_us']:.2f}", f"{m['queue_p99_us']:.2f}", f"{m['stall_ms']:.3f}"]
+                    + ([f"{b['stall_ms']:.3f}" if b else "-"] if baseline else []))
+    out.append(_table(rows, ["movement", "class", "MiB", "GB/s", "queue p50 us", "queue p99 us", "stall ms"]
+                      + (["baseline stall ms"] if baseline else [])))
+    out.append("")
+    busy = sorted(report["links"], key=lambda x: -x["util_avg"])[:8]
+    out.append(_table([[l["name"], f"{l['bytes'] / 2**20:.1f}", f"{l['util_avg'] * 100:.1f}%",
+                        f"{l['util_peak'] * 100:.1f}%"] for l in busy],
+                      ["link", "MiB", "util avg", "util peak"]))
+    if report["islands"]:
+        out.append("")
+        out.append(_table([[i["name"], i["kind"], i["runtime"], i["invocations"], i["ns_per_invocation"],
+                            ", ".join(f"{k}={'/'.join(v)}" for k, v in i["decisions"].items())[:70]]
+                           for i in report["islands"] if i["invocations"]],
+                          ["island", "kind", "runtime", "invocations", "ns/inv", "decisions"]))
+    if report["faults"]:
+        out.append("")
+        for f in report["faults"]:
+            out.append(f"fault: {f['where']}: {f['reason']} -- detached from {f['island']}.{f['hook']}, "
+                       "defaults apply from then on")
+    return "\n".join(out)
+
+
+def trace(report: dict, engine) -> dict:
+    """A Chrome/Perfetto trace-event JSON: one track per GPU, link and island."""
+    events, tids = [], {}
+
+    def tid(track):
+        if track not in tids:
+            tids[track] = len(tids) + 1
+            events.append({"ph": "M", "pid": 1, "tid": tids[track], "name": "thread_name", "args": {"name": track}})
+        return tids[track]
+
+    for track, name, start, dur in engine.spans:
+        if dur:
+            events.append({"ph": "X", "pid": 1, "tid": tid(track), "name": name, "ts": start / 1e3, "dur": dur / 1e3,
+                           "cat": "compute"})
+        else:
+            events.append({"ph": "i", "pid": 1, "tid": tid(f"{track} hooks"), "name": name, "ts": start / 1e3,
+                           "s": "t", "cat": "hook"})
+    seen = set()
+    for srv in list(engine.fabric.servers.values()) + list(engine.fabric.wires.values()):
+        if id(srv) in seen:
+            continue
+        seen.add(id(srv))
+        for start, stop, nbytes in srv.intervals:
+            events.append({"ph": "X", "pid": 1, "tid": tid(srv.name), "name": f"{nbytes >> 10} KiB",
+                           "ts": start / 1e3, "dur": (stop - start) / 1e3, "cat": "transfer"})
+    return {"traceEvents": events, "displayTimeUnit": "ns", "otherData": {"ttft_ms": report["ttft_ms"]}}
+
+
+def plots(report: dict, folder) -> list[str]:
+    """PNG plots: link utilisation over time and per-layer compute vs stall (needs matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from pathlib import Path
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ms = report["ttft_ms"]
+    for l in sorted(report["links"], key=lambda x: -x["util_avg"])[:6]:
+        xs = np.linspace(0, max(ms, report["kv_done_ms"]), len(l["timeline"]))
+        ax.plot(xs, np.array(l["timeline"]) * 100, label=l["name"])
+    ax.set_xlabel("time (ms)")
+    ax.set_ylabel("utilisation (%)")
+    ax.legend(fontsize=7)
+    ax.set_title("link utilisation")
+    p = folder / "link_utilisation.png"
+    fig.tight_layout()
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    out.append(str(p))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    L = [x["layer"] for x in report["layers"]]
+    parts = [("attention_ms", "attention"), ("ffn_ms", "FFN"), ("attention_stall_ms", "stall before attention"),
+             ("ffn_stall_ms", "stall before FFN"), ("allreduce_ms", "all-reduce")]
+    bottom = np.zeros(len(L))
+    for key, label in parts:
+        vals = np.array([x.get(key, 0.0) for x in report["layers"]])
+        ax.bar(L, vals, bottom=bottom, label=label)
+        bottom += vals
+    ax.set_xlabel("layer")
+    ax.set_ylabel("ms")
+    ax.legend(fontsize=7)
+    ax.set_title("per-layer compute and stall")
+    p = folder / "layers.png"
+    fig.tight_layout()
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    out.append(str(p))
+    return out
+
+
+def write_json(path, data) -> None:
+    from fabric_ext.fsutil import atomic_write_text
+    from pathlib import Path
+    atomic_write_text(Path(path), json.dumps(data, indent=1) + "\n")
