@@ -111,12 +111,10 @@ class Engine(HookSite):
         return float(self._prop(device, name) or default("gpu")[name])
 
     def _movement_index(self):
-        idx = {}
+        idx = {}   # (operator or None, class, src, dst) -> the first movement declared for it
         for m in self.man["movements"]:
             for f in m["flows"]:
-                key = (m["class"], f["src"], f["dst"])
-                idx.setdefault((m["operator"],) + key, m)
-                idx.setdefault((None,) + key, m)
+                idx.setdefault((m["operator"], m["class"], f["src"], f["dst"]), m)
         return idx
 
     def _movement(self, cls, operator, src, dst):

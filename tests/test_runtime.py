@@ -1,0 +1,218 @@
+"""fabric-run: loading errors, decisions applied, faults, cross-island maps, the report formats."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import POLICIES
+from fabric_ext.codegen.driver import build, write_output
+from fabric_ext.diagnostics import Diagnostics
+from fabric_ext.runtime.bundle import BundleError, load_manifest
+from fabric_ext.runtime.cli import _fresh_maps
+from fabric_ext.runtime.engine import Engine, RunOptions
+from fabric_ext.runtime.interp import Interpreter
+from policy_helpers import compiled
+
+SMALL = dict(model="llama3-8b", prompt=512, tp=2)
+
+
+def run_engine(folder, backend=None, attach=True, trace=False, **overrides):
+    man = load_manifest(folder)
+    opts = RunOptions(**{**SMALL, **overrides}, attach=attach, trace=trace)
+    eng = Engine(folder, man, _fresh_maps(man), backend or Interpreter(), opts)
+    return eng.run(), eng
+
+
+def compile_text(tmp_path, text, name="p"):
+    src = tmp_path / f"{name}.fx"
+    shutil.copytree(POLICIES / "fabrics", tmp_path / "fabrics", dirs_exist_ok=True)
+    src.write_text(text)
+    d = Diagnostics()
+    res = build(src, diags=d)
+    assert res is not None, [x.message for x in d.items]
+    out = tmp_path / f"{name}_out"
+    write_output(res, out)
+    return out
+
+
+def fabric_run(*args):
+    return subprocess.run([sys.executable, "-m", "fabric_ext.runtime.cli", *map(str, args)],
+                          capture_output=True, text=True)
+
+
+# ---- loading errors -----------------------------------------------------------------------
+def test_missing_folder(tmp_path):
+    with pytest.raises(BundleError, match="no such folder"):
+        load_manifest(tmp_path / "nope")
+
+
+def test_corrupt_manifest(tmp_path):
+    out = tmp_path / "o"
+    shutil.copytree(compiled("nic_pacing"), out)
+    (out / "manifest.json").write_text("{not json")
+    with pytest.raises(BundleError, match="corrupt manifest.json"):
+        load_manifest(out)
+
+
+def test_schema_mismatch(tmp_path):
+    out = tmp_path / "o"
+    shutil.copytree(compiled("nic_pacing"), out)
+    man = json.loads((out / "manifest.json").read_text())
+    man["schema"] = "fabric-manifest/99"
+    (out / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(BundleError, match="recompile"):
+        load_manifest(out)
+
+
+def test_changed_object_is_detected(tmp_path):
+    out = tmp_path / "o"
+    shutil.copytree(compiled("nic_pacing"), out)
+    data = bytearray((out / "nic0.bpf.o").read_bytes())
+    data[100] ^= 0xFF
+    (out / "nic0.bpf.o").write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="nic0.bpf.o: does not match manifest.json"):
+        load_manifest(out)
+
+
+def test_changed_source_is_detected(tmp_path):
+    out = compile_text(tmp_path, (POLICIES / "nic_pacing.fx").read_text())
+    (tmp_path / "p.fx").write_text((tmp_path / "p.fx").read_text() + "\n// edited\n")
+    with pytest.raises(BundleError, match="changed since"):
+        load_manifest(out)
+
+
+def test_cli_reports_loading_errors_without_traceback(tmp_path):
+    r = fabric_run("--policy", tmp_path / "nothing")
+    assert r.returncode == 1 and "no such folder" in r.stderr and "Traceback" not in r.stderr
+    bad = tmp_path / "bad.fx"
+    bad.write_text("policy p { on x.y { priority = } }")
+    r = fabric_run("--policy", bad)
+    assert r.returncode == 1 and "bad.fx:1:32: error" in r.stderr
+    r = fabric_run("--policy", compiled("nic_pacing"), "--tp", "99")
+    assert r.returncode == 1 and "tp 99 needs 99 GPUs" in r.stderr
+    r = fabric_run("--model", "gpt-17")
+    assert r.returncode == 1 and "unknown model 'gpt-17'" in r.stderr
+
+
+# ---- the run and what the policy buys -------------------------------------------------------
+def test_policy_beats_the_baseline_on_the_stress_case():
+    with_policy, _ = run_engine(compiled("prefill_qos"))
+    baseline, _ = run_engine(compiled("prefill_qos"), attach=False)
+    assert with_policy["ttft_ms"] < baseline["ttft_ms"]
+    stall = {m["name"]: m["stall_ms"] for m in with_policy["movements"]}
+    base_stall = {m["name"]: m["stall_ms"] for m in baseline["movements"]}
+    assert stall["ffn_weights"] < base_stall["ffn_weights"]
+
+
+def test_decisions_are_counted_per_island():
+    report, _ = run_engine(compiled("prefill_qos"))
+    sw0 = next(i for i in report["islands"] if i["name"] == "sw0")
+    assert sw0["decisions"]["forward.priority"]["7"] > 0 and sw0["invocations"] > 0
+    assert sw0["ns_per_invocation"] > 0
+    nic = next(i for i in report["islands"] if i["name"] == "nic0")
+    assert nic["decisions"]["tx.rate"] == {"25GB/s": nic["per_hook"]["tx"]}
+
+
+def test_rate_decision_paces_kv_export():
+    report, _ = run_engine(compiled("prefill_qos"))
+    wire = next(l for l in report["links"] if l["name"] == "nic0->wire")
+    export = next(m for m in report["movements"] if m["name"] == "kv_export")
+    assert export["avg_gbps"] <= 25.0 * 1.01
+    assert wire["bytes"] == export["bytes"]
+
+
+def test_cross_island_map_written_on_the_switch_read_on_the_gpus(tmp_path):
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0 }
+movement w_in = weights : pool0 -> gpu*
+movement kv = kv : gpu* -> pool0
+map seen : array<u32, count>[1]
+policy p {
+  on w_in.forward at sw0 { seen[0] += 1 }
+  on kv.issue at gpu* { if seen[0] > 0 { rate = 5GB/s } }
+}""")
+    man = load_manifest(out)
+    assert next(m for m in man["maps"] if m["name"] == "seen")["shared"]
+    report, eng = run_engine(out)
+    assert report["maps"]["seen"]["0"] > 0
+    gpu0 = next(i for i in report["islands"] if i["name"] == "gpu0")
+    assert list(gpu0["decisions"]["issue.rate"]) == ["5GB/s"]
+    kv = next(m for m in report["movements"] if m["name"] == "kv")
+    # the rate the GPUs read from the switch's map holds: each GPU's flow is paced to 5 GB/s
+    assert kv["bytes"] / (kv["span_ms"] / 1e3) <= 2 * 5e9 * 1.01
+
+
+def test_host_tier_decision_keeps_weights_in_hbm(tmp_path):
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: hbm }
+movement w_in = weights(ffn) : pool0 -> gpu*
+policy p { on cpu0.alloc when ev.layer < 16 { tier = gpu0 } }""")
+    report, _ = run_engine(out)
+    streamed = next(m for m in report["movements"] if m["name"] == "w_in")
+    ffn_per_layer = 3 * 4096 * 14336 * 2 // 2
+    assert streamed["bytes"] == 16 * ffn_per_layer * 2  # layers 16..31 only, to both GPUs
+
+
+def test_prefetch_decision_deepens_the_weight_stream(tmp_path):
+    text = """
+import "fabrics/dgx_cxl.fx"
+workload w {{ model: "llama3-8b"; prompt: 4096; tp: 2; weights: pool0; kv: hbm }}
+movement w_in = weights : pool0 -> gpu*
+policy p {{ on w_in.issue at gpu* {{ prefetch = {n} }} }}"""
+    shallow, _ = run_engine(compile_text(tmp_path, text.format(n=1), "a"), prompt=4096)
+    deep, _ = run_engine(compile_text(tmp_path, text.format(n=3), "b"), prompt=4096)
+    assert deep["ttft_ms"] <= shallow["ttft_ms"]
+
+
+def test_faulting_program_is_detached_and_the_run_completes():
+    report, _ = run_engine(compiled("prefill_qos"), backend=Interpreter(budget=6))
+    assert report["ttft_ms"] > 0 and report["faults"]
+    f = report["faults"][0]
+    assert "instruction budget of 6 exhausted" in f["reason"] and f["program"] and "pc" in f["where"]
+    assert len({(x["island"], x["hook"]) for x in report["faults"]}) == len(report["faults"])
+
+
+def test_json_schema_and_trace(tmp_path):
+    j, t = tmp_path / "run.json", tmp_path / "run.trace.json"
+    r = fabric_run("--policy", compiled("prefill_qos"), "--prompt", "512", "--tp", "2", "--baseline",
+                   "--json", j, "--trace", t, "-q")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(j.read_text())
+    assert rep["schema"] == "fabric-run/1"
+    assert {"policy", "backend", "workload", "ttft_ms", "layers", "movements", "links", "islands", "maps",
+            "faults", "baseline"} <= set(rep)
+    assert {"model", "prompt", "batch", "tp"} <= set(rep["workload"])
+    m = rep["movements"][0]
+    assert {"name", "class", "operator", "bytes", "avg_gbps", "queue_p50_us", "queue_p99_us", "stall_ms"} <= set(m)
+    assert {"name", "bytes", "util_avg", "util_peak"} <= set(rep["links"][0])
+    assert {"name", "kind", "runtime", "invocations", "ns_per_invocation", "decisions"} <= set(rep["islands"][0])
+    assert rep["baseline"]["islands"] == [] and rep["baseline"]["ttft_ms"] > 0
+    tr = json.loads(t.read_text())
+    names = {e["args"]["name"] for e in tr["traceEvents"] if e["ph"] == "M"}
+    assert {"gpu0", "gpu1", "pool0 memory"} <= names and any(n.endswith("hooks") for n in names)
+    assert all({"ph", "ts", "pid", "tid"} <= set(e) for e in tr["traceEvents"] if e["ph"] != "M")
+
+
+def test_models_and_overrides(tmp_path):
+    for model in ("qwen2.5-7b", "llama3-70b"):   # nic_pacing keeps weights in HBM: short runs
+        report, _ = run_engine(compiled("nic_pacing"), model=model, prompt=256)
+        assert report["workload"]["model"] == model and len(report["layers"]) > 0
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 1024, "num_attention_heads": 8,
+                               "num_key_value_heads": 2, "intermediate_size": 4096, "vocab_size": 32000}))
+    report, _ = run_engine(compiled("nic_pacing"), model=str(cfg), prompt=128)
+    assert len(report["layers"]) == 2
+    chunked, _ = run_engine(compiled("nic_pacing"), prompt=1024, chunk_tokens=256)
+    assert chunked["workload"]["chunk_tokens"] == 256
+
+
+def test_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    from fabric_ext.runtime.stats import plots
+    report, _ = run_engine(compiled("prefill_qos"))
+    files = plots(report, tmp_path)
+    assert all(open(f, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for f in files)
