@@ -68,6 +68,10 @@ def parse_quantity(text: str) -> tuple[float, str | None]:
 
 def format_quantity(value: float, dim: str | None) -> str:
     """Render a base-unit value for humans: 64000000000, bandwidth -> '64 GB/s'."""
+    if dim == SIZE and value and value == int(value):
+        for p, f in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+            if value % f == 0:
+                return f"{int(value) // f} {p}B"
     if dim in (SIZE, BANDWIDTH, FLOPS):
         suffix = BASE_UNIT[dim]
         for p in ("T", "G", "M", "K"):

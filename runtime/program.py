@@ -86,11 +86,18 @@ class Backend:
 
 
 def get_backend(name: str, **kw) -> Backend:
-    """The backend called ``name``: ``interp``, ``kernel`` or ``auto`` (the fastest that works here)."""
+    """The backend called ``name``: ``interp``, ``jit``, ``kernel`` or ``auto`` (jit where it works)."""
+    if name in ("jit", "auto"):
+        try:
+            from .jit import JitBackend
+            return JitBackend(**kw)
+        except Exception:  # noqa: BLE001 - no native target: fall back to the interpreter
+            if name == "jit":
+                raise
     if name in ("interp", "auto"):
         from .interp import Interpreter
         return Interpreter(**kw)
     if name == "kernel":
         from .kernel import KernelBackend
         return KernelBackend(**kw)
-    raise ValueError(f"unknown backend '{name}' (available: interp, kernel)")
+    raise ValueError(f"unknown backend '{name}' (available: interp, jit, kernel)")

@@ -148,6 +148,13 @@ def _run_all(policy, backend):
     return results, maps
 
 
+@pytest.mark.parametrize("policy", [p.stem for p in EXAMPLES])
+def test_jit_runs_every_program_the_same(policy):
+    from fabric_ext.runtime.interp import Interpreter
+    from fabric_ext.runtime.jit import JitBackend
+    assert _run_all(policy, JitBackend()) == _run_all(policy, Interpreter())
+
+
 @pytest.mark.skipif(not KERNEL_OK, reason=KERNEL_WHY)
 @pytest.mark.parametrize("policy", [p.stem for p in EXAMPLES])
 def test_kernel_runs_every_program_the_same(policy):

@@ -17,8 +17,16 @@ def program(case):
     return Program(case["name"], assemble(case["asm"]))
 
 
+def backend(name):
+    if name == "jit":
+        from fabric_ext.runtime.jit import JitBackend
+        return JitBackend()
+    return Interpreter()
+
+
+@pytest.mark.parametrize("vm", ["interp", "jit"])
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
-def test_data_case(case):
+def test_data_case(case, vm):
     prog = program(case)
     mem = bytearray(case["mem"]) if "mem" in case else None
     if "error" in case:
@@ -27,12 +35,13 @@ def test_data_case(case):
         assert case["error"] in str(e.value)
         return
     verify(prog)
+    b = backend(vm)
     if "fault" in case:
         with pytest.raises(VMFault) as e:
-            Interpreter().run(prog, mem=mem)
-        assert case["fault"] in str(e.value) and "pc 0" in str(e.value)
+            b.run(b.load(prog), mem=mem)
+        assert ("out-of-bounds" in str(e.value)) and "pc 0" in str(e.value)
         return
-    assert Interpreter().run(prog, mem=mem if mem is not None else bytearray(8)) == case["result"]
+    assert b.run(b.load(prog), mem=mem if mem is not None else bytearray(8)) == case["result"]
 
 
 KERNEL_CASES = [c for c in CASES if "result" in c and "helper" not in c["name"]]
@@ -82,11 +91,44 @@ def test_assembler_errors_name_the_line(src, line, msg):
     assert e.value.line == line and msg in str(e.value)
 
 
-def test_instruction_budget():
+@pytest.mark.parametrize("vm", ["interp", "jit"])
+def test_instruction_budget(vm):
     prog = Program("spin", assemble("mov %r0, 0\nloop:\nadd %r0, 1\njlt %r0, 100000, loop\nexit"))
+    b = Interpreter(budget=1000) if vm == "interp" else __import__(
+        "fabric_ext.runtime.jit", fromlist=["JitBackend"]).JitBackend(budget=1000)
     with pytest.raises(VMFault) as e:
-        Interpreter(budget=1000).run(prog)
+        b.run(b.load(prog))
     assert "instruction budget of 1000 exhausted" in str(e.value)
+
+
+def test_jit_bounds_checks_what_the_verifier_cannot_prove():
+    """A bare program indexes its memory with a value read from it: the JIT checks at run time."""
+    from fabric_ext.runtime.jit import JitBackend
+    prog = Program("idx", assemble("ldxb %r2, [%r1+0]\nadd %r1, %r2\nldxb %r0, [%r1+0]\nexit"))
+    verify(prog)
+    b = JitBackend()
+    h = b.load(prog)
+    assert b.run(h, mem=bytearray([2, 0, 9, 0])) == 9
+    with pytest.raises(VMFault) as e:
+        b.run(h, mem=bytearray([200, 0, 9, 0]))
+    assert "out-of-bounds" in str(e.value) and "pc 2" in str(e.value)
+
+
+def test_jit_batch_runs_many_contexts_in_one_call():
+    import numpy as np
+    from fabric_ext.hooks import HOOKS
+    from fabric_ext.runtime.jit import JitBackend
+    hook = HOOKS["cxl_switch", "forward"]
+    src = (f"ldxdw %r2, [%r1+{hook.offset('bytes')}]\nrsh %r2, 20\nstxw [%r1+{hook.offset('priority')}], %r2\n"
+           "mov %r0, 0\nexit")
+    prog = Program("b", assemble(src), hook=hook)
+    verify(prog)
+    ctxs = np.zeros((1000, hook.ctx_size), dtype=np.uint8)
+    ctxs[:, hook.offset("bytes") + 2] = np.arange(1000) % 8 * 16   # bytes = (i % 8) << 20
+    b = JitBackend()
+    assert b.run_batch(b.load(prog), ctxs) == 1000
+    prio = ctxs[:, hook.offset("priority")]
+    assert list(prio[:9]) == [0, 1, 2, 3, 4, 5, 6, 7, 0]
 
 
 def test_fault_then_continue():

@@ -1,0 +1,154 @@
+"""Differential tests of the three backends: hypothesis generates straight-line and branching
+programs with stack, context, map and atomic traffic; the reference interpreter, the JIT and
+the Linux kernel (BPF_PROG_TYPE_SYSCALL under BPF_PROG_TEST_RUN, where bpf(2) is permitted)
+must leave the same r0, the same context and the same map contents."""
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fabric_ext.runtime import isa as I
+from fabric_ext.runtime import kernel
+from fabric_ext.runtime.interp import Interpreter
+from fabric_ext.runtime.program import Program
+from fabric_ext.runtime.verifier import verify
+
+OK, WHY = kernel.permitted()
+CTX = 64  # bytes of memory the program gets as its context; r0 is stored at offset 56
+
+regs = st.integers(0, 5)
+imm = st.integers(-(2**31), 2**31 - 1)
+ALU = [I.ADD, I.SUB, I.MUL, I.DIV, I.OR, I.AND, I.LSH, I.RSH, I.MOD, I.XOR, I.MOV, I.ARSH]
+
+
+@st.composite
+def alu(draw):
+    cls = draw(st.sampled_from([I.ALU, I.ALU64]))
+    op = draw(st.sampled_from(ALU + [I.NEG]))
+    dst = draw(regs)
+    if op == I.NEG:
+        return [I.Insn(cls | I.NEG, dst=dst)]
+    if draw(st.booleans()):
+        off = 1 if op in (I.DIV, I.MOD) and draw(st.booleans()) else 0
+        if op == I.MOV and draw(st.booleans()):
+            off = draw(st.sampled_from([8, 16] + ([32] if cls == I.ALU64 else [])))
+        return [I.Insn(cls | op | I.X, dst=dst, src=draw(regs), off=off)]
+    k = draw(imm)
+    if op in (I.LSH, I.RSH, I.ARSH):
+        k = draw(st.integers(0, 31 if cls == I.ALU else 63))
+    if op in (I.DIV, I.MOD) and k == 0:
+        k = 3
+    off = 1 if op in (I.DIV, I.MOD) and draw(st.booleans()) else 0
+    return [I.Insn(cls | op | I.K, dst=dst, imm=k, off=off)]
+
+
+@st.composite
+def mem(draw):
+    size = draw(st.sampled_from([I.B, I.H, I.W, I.DW]))
+    n = I.SIZE_BYTES[size]
+    off = draw(st.integers(0, (56 - n) // n)) * n
+    kind = draw(st.sampled_from(["ld", "ldsx", "st", "stx", "atomic", "stack"]))
+    if kind == "ld":
+        return [I.Insn(I.LDX | I.MEM | size, dst=draw(regs), src=9, off=off)]
+    if kind == "ldsx" and size != I.DW:
+        return [I.Insn(I.LDX | I.MEMSX | size, dst=draw(regs), src=9, off=off)]
+    if kind == "st":
+        return [I.Insn(I.ST | I.MEM | size, dst=9, off=off, imm=draw(imm))]
+    if kind == "atomic" and n >= 4:  # atomics act on the stack (the kernel refuses them on ctx)
+        op = draw(st.sampled_from([I.ADD, I.OR, I.AND, I.XOR, I.ADD | I.FETCH, I.XOR | I.FETCH, I.XCHG]))
+        slot = -8 * draw(st.integers(1, 4))
+        return [I.Insn(I.STX | I.MEM | I.DW, dst=10, src=draw(regs), off=slot),
+                I.Insn(I.STX | I.ATOMIC | size, dst=10, src=draw(st.integers(1, 5)), off=slot, imm=op),
+                I.Insn(I.LDX | I.MEM | I.DW, dst=draw(regs), src=10, off=slot)]
+    if kind == "stack":
+        slot = -8 * draw(st.integers(1, 4))
+        return [I.Insn(I.STX | I.MEM | I.DW, dst=10, src=draw(regs), off=slot),
+                I.Insn(I.LDX | I.MEM | I.DW, dst=draw(regs), src=10, off=slot)]
+    return [I.Insn(I.STX | I.MEM | size, dst=9, src=draw(regs), off=off)]
+
+
+def _segment(draw):
+    body = []
+    for _ in range(draw(st.integers(1, 10))):
+        item = draw(st.one_of(alu(), mem(), st.just("jump")))
+        body.extend([item] if item == "jump" else item)
+    out = []
+    for i, ins in enumerate(body):
+        if ins == "jump":  # a forward conditional jump that stays inside this segment
+            cls = draw(st.sampled_from([I.JMP, I.JMP32]))
+            op = draw(st.sampled_from([I.JEQ, I.JGT, I.JGE, I.JSET, I.JNE, I.JSGT, I.JSGE, I.JLT, I.JLE,
+                                       I.JSLT, I.JSLE]))
+            left = sum(1 for x in body[i + 1:] if x != "jump") + sum(1 for x in body[i + 1:] if x == "jump")
+            off = min(draw(st.integers(0, 3)), left)
+            if draw(st.booleans()):
+                out.append(I.Insn(cls | op | I.X, dst=draw(regs), src=draw(regs), off=off))
+            else:
+                out.append(I.Insn(cls | op | I.K, dst=draw(regs), imm=draw(imm), off=off))
+        else:
+            out.append(ins)
+    return out
+
+
+def _map_block(draw):
+    """Look a key up in map 0 (array) or 1 (hash); add or store a register's value; re-initialise r1-r5."""
+    which = draw(st.integers(0, 1))
+    key = draw(st.integers(0, 5))
+    out = [I.Insn(I.ALU64 | I.MOV | I.X, dst=6, src=draw(regs)),
+           I.Insn(I.ST | I.MEM | I.W, dst=10, off=-40, imm=key),
+           I.Insn(I.LD | I.IMM | I.DW, dst=1, src=I.PSEUDO_MAP_FD, imm=which),
+           I.Insn(I.ALU64 | I.MOV | I.X, dst=2, src=10), I.Insn(I.ALU64 | I.ADD | I.K, dst=2, imm=-40)]
+    if draw(st.booleans()):   # update with the register as the value
+        out += [I.Insn(I.STX | I.MEM | I.DW, dst=10, src=6, off=-48),
+                I.Insn(I.ALU64 | I.MOV | I.X, dst=3, src=10), I.Insn(I.ALU64 | I.ADD | I.K, dst=3, imm=-48),
+                I.Insn(I.ALU64 | I.MOV | I.K, dst=4, imm=0), I.Insn(I.JMP | I.CALL, imm=2)]
+    else:                     # lookup, null check, atomic add into the value
+        out += [I.Insn(I.JMP | I.CALL, imm=1), I.Insn(I.JMP | I.JEQ | I.K, dst=0, imm=0, off=1),
+                I.Insn(I.STX | I.ATOMIC | I.DW, dst=0, src=6, off=0, imm=I.ADD)]
+    out.append(I.Insn(I.ALU64 | I.MOV | I.X, dst=0, src=6))
+    out += [I.Insn(I.ALU64 | I.MOV | I.K, dst=r, imm=draw(imm)) for r in range(1, 6)]
+    return out
+
+
+@st.composite
+def programs(draw):
+    out = [I.Insn(I.ALU64 | I.MOV | I.X, dst=9, src=1)]
+    out += [I.Insn(I.ST | I.MEM | I.DW, dst=10, off=-8 * k, imm=draw(imm)) for k in range(1, 5)]
+    out += [I.Insn(I.ALU64 | I.MOV | I.K, dst=r, imm=draw(imm)) for r in range(6)]
+    for _ in range(draw(st.integers(1, 4))):
+        out += _segment(draw)
+        if draw(st.booleans()):
+            out += _map_block(draw)
+    out += [I.Insn(I.STX | I.MEM | I.DW, dst=9, src=0, off=56), I.Insn(I.JMP | I.EXIT)]
+    return out
+
+
+def _maps():
+    from fabric_ext.runtime.maps import ARRAY, HASH, Map
+    return [Map("arr", ARRAY, 4, 8, 4), Map("hsh", HASH, 4, 8, 8)]
+
+
+def _run(backend, insns, data):
+    maps = _maps()
+    prog = Program("diff", insns, maps, ctx_size=CTX)
+    ctx = bytearray(data)
+    r0 = backend.run(backend.load(prog), ctx)
+    if hasattr(backend, "sync"):
+        backend.sync()
+    return r0, bytes(ctx), [m.dump() for m in maps]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs(), st.binary(min_size=CTX, max_size=CTX))
+def test_backends_agree(insns, data):
+    from fabric_ext.runtime.jit import JitBackend
+    verify(Program("diff", insns, _maps(), ctx_size=CTX))
+    want = _run(Interpreter(), insns, data)
+    assert _run(JitBackend(), insns, data) == want, I.disasm(insns)
+    if OK:
+        kb = kernel.KernelBackend()
+        try:
+            r0, ctx, maps = _run(kb, insns, data)
+        finally:
+            kb.close()
+        assert (r0, ctx, maps) == (want[0] & 0xFFFFFFFF, want[1], want[2]), I.disasm(insns)
