@@ -6,7 +6,7 @@
 import "fabrics/dgx_cxl.fx"
 
 workload prefill {
-  model: "llama3-8b"; prompt: 8192; batch: 1; tp: 4
+  model: "llama3-8b"; prompt: 8192; batch: 1; tp: 8
   weights: pool0; kv: pool0; kv_export: nic0; chunk: 2MiB
 }
 

@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from fabric_ext.hooks import hook as find_hook
-
 from . import compute
 from .fabric_model import Fabric, HookSite, Sim, Transfer
 from .figures import default, figures
@@ -143,9 +141,8 @@ class Engine(HookSite):
         shim = self.shims.get(island)
         if shim is None or not shim.has(hook):
             return None
-        h = find_hook(self.islands[island]["kind"], hook)
         t0 = self.sim.now
-        d = shim.deliver(hook, {k: v for k, v in fields.items() if h.field(k) is not None}, t0)
+        d = shim.deliver(hook, fields, t0)
         if self.opts.trace:
             self.spans.append((island, hook, t0, 0.0))
         if not d:
@@ -209,16 +206,17 @@ class Engine(HookSite):
     def _tick(self, island, period, last):
         if self.finished is not None:
             return
-        dev = island
-        ports = self.fabric.ports(dev)
-        for i, peer in enumerate(ports):
-            srv = self.fabric.server(dev, peer)
+        rows = []
+        for i, peer in enumerate(self.fabric.ports(island)):
+            srv = self.fabric.server(island, peer)
             sent = srv.bytes - last.get(peer, 0)
             last[peer] = srv.bytes
             util = min(100, round(sent / (srv.bw * period / 1e9) * 100)) if srv.bw else 0
-            self._run(island, "tick", {"now": self.sim.now, "port": i, "peer": self.ids["devices"].get(peer, 0),
-                                       "util_pct": util, "bytes": sent, "queue_bytes": srv.queued_bytes,
-                                       "period": period})
+            rows.append({"now": self.sim.now, "port": i, "peer": self.ids["devices"].get(peer, 0),
+                         "util_pct": util, "bytes": sent, "queue_bytes": srv.queued_bytes, "period": period})
+        self.shims[island].deliver_many("tick", rows, self.sim.now)
+        if self.opts.trace:
+            self.spans.append((island, "tick", self.sim.now, 0.0))
         self.sim.at(self.sim.now + period, self._tick, island, period, last)
 
     # -- the prefill ------------------------------------------------------------------------------

@@ -671,7 +671,9 @@ class JitBackend(Backend):
         e.stack = ctypes.addressof(c.stack)
         e.rec = e.rec_len = 0
         keep = []
-        if ctx is not None:
+        if isinstance(ctx, ctypes.Array):      # a codec's reusable buffer: no copy, no wrapper
+            e.ctx, e.ctx_len = ctypes.addressof(ctx), len(ctx)
+        elif ctx is not None:
             cbuf = (ctypes.c_char * len(ctx)).from_buffer(ctx)
             keep.append(cbuf)
             e.ctx, e.ctx_len = ctypes.addressof(cbuf), len(ctx)

@@ -88,7 +88,7 @@ class Shim:
         if handle is None:
             return None
         codec = self.codecs[hook]
-        ctx = codec.pack(fields)
+        ctx = codec.fill(fields)
         t0 = time.perf_counter_ns()
         try:
             self.backend.run(handle, ctx)
@@ -102,6 +102,27 @@ class Shim:
         for k, v in changed.items():
             self.decisions[f"{hook}.{k}"][v] += 1
         return changed
+
+    def deliver_many(self, hook: str, rows: list[dict], now: float = 0.0) -> None:
+        """Deliver several events whose decisions nobody reads (telemetry ticks), in one
+        batch call where the backend has one."""
+        handle = self.handles.get(hook)
+        if handle is None:
+            return
+        batch = getattr(self.backend, "run_batch", None)
+        if batch is None:
+            for r in rows:
+                self.deliver(hook, r, now)
+            return
+        ctxs = self.codecs[hook].pack_many(rows)
+        t0 = time.perf_counter_ns()
+        try:
+            batch(handle, ctxs)
+        except VMFault as e:
+            self._fault(hook, e, now)
+        finally:
+            self.ns[hook] += time.perf_counter_ns() - t0
+            self.invocations[hook] += len(rows)
 
     def _fault(self, hook, e: VMFault, now):
         src = e.program.source_line(e.pc)

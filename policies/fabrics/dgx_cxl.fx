@@ -1,7 +1,7 @@
-// A DGX-class node with a CXL memory pool behind a CXL switch and a DPU
-// that exports KV cache to a decode node.  Figures: fabric_ext/runtime/data/figures.json.
+// A DGX-class node (8 GPUs) with a CXL memory pool behind a CXL switch and a DPU
+// that exports KV cache to a decode node.  Figures: runtime/data/figures.json.
 fabric dgx_cxl {
-  gpu gpu0, gpu1, gpu2, gpu3 { hbm: 80GiB; hbm_bw: 3.35TB/s; bf16: 989TFLOPs }
+  gpu gpu0, gpu1, gpu2, gpu3, gpu4, gpu5, gpu6, gpu7 { hbm: 80GiB; hbm_bw: 3.35TB/s; bf16: 989TFLOPs }
   cxl_switch sw0             { ports: 16; hop: 100ns }
   cxl_mem pool0 at sw0       { capacity: 1TiB; bw: 64GB/s; latency: 250ns }
   dpu nic0                   { line_rate: 400Gbps }
@@ -12,6 +12,10 @@ fabric dgx_cxl {
   link gpu1 <-> sw0 { bw: 63GB/s; latency: 600ns; kind: cxl }
   link gpu2 <-> sw0 { bw: 63GB/s; latency: 600ns; kind: cxl }
   link gpu3 <-> sw0 { bw: 63GB/s; latency: 600ns; kind: cxl }
+  link gpu4 <-> sw0 { bw: 63GB/s; latency: 600ns; kind: cxl }
+  link gpu5 <-> sw0 { bw: 63GB/s; latency: 600ns; kind: cxl }
+  link gpu6 <-> sw0 { bw: 63GB/s; latency: 600ns; kind: cxl }
+  link gpu7 <-> sw0 { bw: 63GB/s; latency: 600ns; kind: cxl }
   link nic0 <-> sw0 { bw: 63GB/s; latency: 600ns; kind: pcie }
   link cpu0 <-> sw0 { bw: 63GB/s; latency: 600ns; kind: pcie }
 
@@ -20,7 +24,29 @@ fabric dgx_cxl {
   link gpu0 <-> gpu1 { bw: 450GB/s; latency: 1us; kind: nvlink }
   link gpu0 <-> gpu2 { bw: 450GB/s; latency: 1us; kind: nvlink }
   link gpu0 <-> gpu3 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu0 <-> gpu4 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu0 <-> gpu5 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu0 <-> gpu6 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu0 <-> gpu7 { bw: 450GB/s; latency: 1us; kind: nvlink }
   link gpu1 <-> gpu2 { bw: 450GB/s; latency: 1us; kind: nvlink }
   link gpu1 <-> gpu3 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu1 <-> gpu4 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu1 <-> gpu5 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu1 <-> gpu6 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu1 <-> gpu7 { bw: 450GB/s; latency: 1us; kind: nvlink }
   link gpu2 <-> gpu3 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu2 <-> gpu4 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu2 <-> gpu5 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu2 <-> gpu6 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu2 <-> gpu7 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu3 <-> gpu4 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu3 <-> gpu5 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu3 <-> gpu6 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu3 <-> gpu7 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu4 <-> gpu5 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu4 <-> gpu6 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu4 <-> gpu7 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu5 <-> gpu6 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu5 <-> gpu7 { bw: 450GB/s; latency: 1us; kind: nvlink }
+  link gpu6 <-> gpu7 { bw: 450GB/s; latency: 1us; kind: nvlink }
 }
