@@ -149,6 +149,10 @@ class _Lifter:
         self.regs = [b.alloca(I64, name=f"r{i}") for i in range(11)]
         for r in self.regs:
             b.store(I64(0), r)
+        # the instruction count lives in a register; env holds it across calls and at exit
+        self.count = b.alloca(I64, name="executed")
+        b.store(self.env_get("executed"), self.count)
+        self.budget = self.env_get("budget")
         if entry == 0:
             b.store(self.env_get("stack"), self.regs[10])
             b.store(b.add(self.env_get("stack"), I64(STACK_SIZE)), self.regs[10])
@@ -194,15 +198,22 @@ class _Lifter:
 
     def _count(self, n, pc):
         b = self.b
-        ex = b.add(self.env_get("executed"), I64(n))
-        b.store(ex, self.env_ptr("executed"))
-        over = b.icmp_unsigned(">", ex, self.env_get("budget"))
-        with b.if_then(over, likely=False):
+        ex = b.add(b.load(self.count, typ=I64), I64(n))
+        b.store(ex, self.count)
+        with b.if_then(b.icmp_unsigned(">", ex, self.budget), likely=False):
             self._set_fault(FAULT_BUDGET, pc, I64(0))
             b.ret(I64(0))
 
+    def _sync_count(self):
+        self.b.store(self.b.load(self.count, typ=I64), self.env_ptr("executed"))
+
+    def _ret(self, value):
+        self._sync_count()
+        self.b.ret(value)
+
     def _set_fault(self, code, pc, addr):
         b = self.b
+        self._sync_count()
         b.store(I64(code), self.env_ptr("fault"))
         b.store(I64(pc), self.env_ptr("fault_pc"))
         b.store(addr, self.env_ptr("fault_addr"))
@@ -284,7 +295,7 @@ class _Lifter:
             return False
         op = ins.op
         if op == I.EXIT:
-            b.ret(self.reg(0))
+            self._ret(self.reg(0))
             return True
         if op == I.CALL:
             if ins.src == I.PSEUDO_CALL:
@@ -294,9 +305,11 @@ class _Lifter:
                 with b.if_then(b.icmp_unsigned(">", r10, limit), likely=False):
                     self._set_fault(FAULT_DEPTH, pc, I64(0))
                     b.ret(I64(0))
+                self._sync_count()
                 r0 = b.call(self.funcs[target], [self.env] + [self.reg(i) for i in range(1, 6)] + [r10])
                 with b.if_then(b.icmp_unsigned("!=", self.env_get("fault"), I64(0)), likely=False):
                     b.ret(I64(0))
+                b.store(self.env_get("executed"), self.count)
                 self.set(0, r0)
             else:
                 self.set(0, self._helper(pc, ins.imm))
@@ -539,6 +552,7 @@ class _Lifter:
         b.position_at_end(body)
         ctx_p = b.gep(env, [I64(ENV_INDEX["ctx"] * 8)], source_etype=I8)
         b.store(b.add(base, b.mul(i, stride)), ctx_p)
+        b.store(I64(0), b.gep(env, [I64(ENV_INDEX["executed"] * 8)], source_etype=I8))  # a budget per run
         b.call(self.funcs[0], [env])
         fault = b.load(b.gep(env, [I64(ENV_INDEX["fault"] * 8)], source_etype=I8), typ=I64)
         nxt = b.add(i, I64(1))

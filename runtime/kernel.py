@@ -119,18 +119,34 @@ def map_keys(fd: int, key_size: int) -> list[bytes]:
 
 def load_program(insns: list[I.Insn], name: str, prog_type: int = PROG_TYPE_SYSCALL,
                  license: str = "GPL") -> int:
+    """Load into the kernel; on rejection, load again with a verifier log and raise it."""
+    try:
+        return _prog_load(insns, name, prog_type, license, 0)
+    except KernelError as e:
+        first = e
+    try:
+        _prog_load(insns, name, prog_type, license, 1)
+    except KernelVerifierError as e:
+        raise e from None
+    raise KernelVerifierError(name, first.errno, "") from None
+
+
+def _prog_load(insns, name, prog_type, license, log_level) -> int:
     code = I.encode(insns)
     buf = ctypes.create_string_buffer(code, len(code))
     lic = ctypes.create_string_buffer(license.encode())
-    log = ctypes.create_string_buffer(1 << 20)
+    log = ctypes.create_string_buffer(16 << 20 if log_level else 1)
     attr = ctypes.create_string_buffer(160)
     flags = F_SLEEPABLE if prog_type == PROG_TYPE_SYSCALL else 0
     struct.pack_into("<IIQQIIQII", attr, 0, prog_type, len(code) // 8, ctypes.addressof(buf),
-                     ctypes.addressof(lic), 1, len(log), ctypes.addressof(log), 0, flags)
+                     ctypes.addressof(lic), log_level, len(log) if log_level else 0,
+                     ctypes.addressof(log) if log_level else 0, 0, flags)
     attr[48:48 + 15] = re.sub(r"[^A-Za-z0-9_.]", "_", name).encode()[:15].ljust(15, b"\0")
     try:
         return bpf(PROG_LOAD, attr)
     except KernelError as e:
+        if not log_level:
+            raise
         raise KernelVerifierError(name, e.errno, log.value.decode(errors="replace")) from None
 
 
