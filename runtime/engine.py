@@ -121,10 +121,12 @@ class Engine(HookSite):
     # -- transfers --------------------------------------------------------------------------
     def transfer(self, cls, operator, src, dst, nbytes, layer, on_done) -> Transfer:
         m = self._movement(cls, operator, src, dst)
+        chunk = int(m["chunk"]) if m and m.get("chunk") else self.workload.transfer_chunk
+        if operator == "collective":
+            chunk = max(chunk, -(-int(nbytes) // figures()["defaults"]["collective_chunks"]))
         t = Transfer(m["name"] if m else f"({cls}{'/' + operator if operator else ''})",
                      m["id"] if m else 0, cls, operator or "", src, dst, int(nbytes), layer,
-                     bool(m and m["critical"]), on_done,
-                     int(m["chunk"]) if m and m.get("chunk") else self.workload.transfer_chunk)
+                     bool(m and m["critical"]), on_done, chunk)
         self.fabric.start(t)
         return t
 
@@ -199,25 +201,18 @@ class Engine(HookSite):
     def _start_ticks(self):
         for island, shim in self.shims.items():
             for entry in self.man["programs"]:
-                if entry["island"] == island and entry["hook"] == "tick":
+                if entry["island"] == island and entry["hook"] == "tick" and shim.has("tick"):
                     for period in entry.get("tick_periods_ns") or []:
-                        self.sim.at(period, self._tick, island, period, {})
+                        self.sim.at(period, self._tick, _TickState(self, island, period))
 
-    def _tick(self, island, period, last):
+    def _tick(self, ts: "_TickState"):
+        """One period's telemetry for every port of an island, delivered as one batch."""
         if self.finished is not None:
             return
-        rows = []
-        for i, peer in enumerate(self.fabric.ports(island)):
-            srv = self.fabric.server(island, peer)
-            sent = srv.bytes - last.get(peer, 0)
-            last[peer] = srv.bytes
-            util = min(100, round(sent / (srv.bw * period / 1e9) * 100)) if srv.bw else 0
-            rows.append({"now": self.sim.now, "port": i, "peer": self.ids["devices"].get(peer, 0),
-                         "util_pct": util, "bytes": sent, "queue_bytes": srv.queued_bytes, "period": period})
-        self.shims[island].deliver_many("tick", rows, self.sim.now)
+        self.shims[ts.island].deliver_batch("tick", ts.contexts(self.sim.now), self.sim.now)
         if self.opts.trace:
-            self.spans.append((island, "tick", self.sim.now, 0.0))
-        self.sim.at(self.sim.now + period, self._tick, island, period, last)
+            self.spans.append((ts.island, "tick", self.sim.now, 0.0))
+        self.sim.at(self.sim.now + ts.period, self._tick, ts)
 
     # -- the prefill ------------------------------------------------------------------------------
     def _placement(self):
@@ -368,3 +363,32 @@ class Engine(HookSite):
     def _collect(self) -> dict:
         from .stats import collect
         return collect(self)
+
+
+class _TickState:
+    """The contexts of one island's tick, kept in a numpy array: only the counters change."""
+
+    def __init__(self, eng: Engine, island: str, period: int):
+        import numpy as np
+        self.np, self.island, self.period = np, island, period
+        peers = eng.fabric.ports(island)
+        self.servers = [eng.fabric.server(island, p) for p in peers]
+        codec = eng.shims[island].codecs["tick"]
+        self.codec = codec
+        self.rows = codec.pack_many([{"port": i, "peer": eng.ids["devices"].get(p, 0), "period": period}
+                                     for i, p in enumerate(peers)])
+        self.bw = np.array([s.bw for s in self.servers], dtype=float)
+        self.last = np.zeros(len(peers))
+        self.cols = {n: codec.hook.offset(n) for n in ("now", "util_pct", "bytes", "queue_bytes")}
+
+    def contexts(self, now):
+        np = self.np
+        sent_total = np.array([s.bytes for s in self.servers], dtype=float)
+        sent, self.last = sent_total - self.last, sent_total
+        util = np.minimum(100, np.rint(sent / (self.bw * self.period / 1e9) * 100))
+        rows, n, c = self.rows.copy(), len(self.servers), self.cols
+        for name, vals, width, dt in (("now", np.full(n, now), 8, "<u8"), ("util_pct", util, 4, "<u4"),
+                                      ("bytes", sent, 8, "<u8"),
+                                      ("queue_bytes", [s.queued_bytes for s in self.servers], 8, "<u8")):
+            rows[:, c[name]:c[name] + width] = np.asarray(vals).astype(dt).view(np.uint8).reshape(n, width)
+        return rows

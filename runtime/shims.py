@@ -103,26 +103,25 @@ class Shim:
             self.decisions[f"{hook}.{k}"][v] += 1
         return changed
 
-    def deliver_many(self, hook: str, rows: list[dict], now: float = 0.0) -> None:
-        """Deliver several events whose decisions nobody reads (telemetry ticks), in one
-        batch call where the backend has one."""
+    def deliver_batch(self, hook: str, ctxs, now: float = 0.0) -> None:
+        """Deliver events whose decisions nobody reads (telemetry ticks): a 2-D uint8 array
+        of contexts, run in one native call where the backend has a batch entry."""
         handle = self.handles.get(hook)
         if handle is None:
             return
-        batch = getattr(self.backend, "run_batch", None)
-        if batch is None:
-            for r in rows:
-                self.deliver(hook, r, now)
-            return
-        ctxs = self.codecs[hook].pack_many(rows)
         t0 = time.perf_counter_ns()
         try:
-            batch(handle, ctxs)
+            batch = getattr(self.backend, "run_batch", None)
+            if batch is not None:
+                batch(handle, ctxs)
+            else:
+                for row in ctxs:
+                    self.backend.run(handle, bytearray(row.tobytes()))
         except VMFault as e:
             self._fault(hook, e, now)
         finally:
             self.ns[hook] += time.perf_counter_ns() - t0
-            self.invocations[hook] += len(rows)
+            self.invocations[hook] += len(ctxs)
 
     def _fault(self, hook, e: VMFault, now):
         src = e.program.source_line(e.pc)

@@ -1,0 +1,61 @@
+"""fabric-run wall time and simulated events per second, with and without the policy.
+
+    python bench/run_bench.py [--backend jit,interp] [--quick]
+
+Configurations: Llama-3-8B 8k-token and Llama-3-70B 32k-token prefill, TP 8, on
+policies/prefill_qos.fx (weights streamed from the CXL pool), each with the policy's
+programs attached and with none (every island on its defaults); the ratio of the two wall
+times is the policy's overhead.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+from fabric_ext.codegen.driver import build, write_output  # noqa: E402
+from fabric_ext.runtime.bundle import load_manifest  # noqa: E402
+from fabric_ext.runtime.cli import _fresh_maps  # noqa: E402
+from fabric_ext.runtime.engine import Engine, RunOptions  # noqa: E402
+from fabric_ext.runtime.program import get_backend  # noqa: E402
+
+CONFIGS = [("llama3-8b", 8192, 8), ("llama3-70b", 32768, 8)]
+
+
+def run_once(folder, man, backend_name, model, prompt, tp, attach):
+    backend = get_backend(backend_name)
+    t0 = time.perf_counter()
+    eng = Engine(folder, man, _fresh_maps(man), backend, RunOptions(model, prompt, None, tp, None, attach))
+    report = eng.run()
+    wall = time.perf_counter() - t0
+    backend.close()
+    return wall, report
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--backend", default="jit", help="comma-separated backends (jit, interp, kernel)")
+    ap.add_argument("--quick", action="store_true", help="only the 8B configuration")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        res = build(ROOT / "policies" / "prefill_qos.fx")
+        folder = Path(tmp) / "out"
+        write_output(res, folder)
+        man = load_manifest(folder)
+        print(f"{'backend':<8}{'model':<12}{'prompt':>7}{'tp':>4}{'policy wall s':>15}{'events/s':>11}"
+              f"{'none wall s':>13}{'events/s':>11}{'overhead':>10}{'TTFT ms':>10}{'base TTFT':>11}")
+        for backend in args.backend.split(","):
+            for model, prompt, tp in CONFIGS[:1] if args.quick else CONFIGS:
+                w1, r1 = run_once(folder, man, backend, model, prompt, tp, True)
+                w0, r0 = run_once(folder, man, backend, model, prompt, tp, False)
+                print(f"{backend:<8}{model:<12}{prompt:>7}{tp:>4}{w1:>15.2f}{r1['events'] / w1:>11.0f}"
+                      f"{w0:>13.2f}{r0['events'] / w0:>11.0f}{w1 / w0 - 1:>9.0%}{r1['ttft_ms']:>10.1f}"
+                      f"{r0['ttft_ms']:>11.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
