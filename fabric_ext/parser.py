@@ -30,7 +30,11 @@ _TOKEN_NAMES = {
 @lru_cache(maxsize=1)
 def _lark() -> lark.Lark:
     grammar = (Path(__file__).with_name("grammar.lark")).read_text()
-    return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+    opts = dict(parser="lalr", propagate_positions=True, maybe_placeholders=True)
+    try:  # cache=True keeps the built LALR tables in the temporary folder, keyed by the grammar
+        return lark.Lark(grammar, cache=True, **opts)
+    except OSError:
+        return lark.Lark(grammar, **opts)
 
 
 def _expected_names(expected) -> list[str]:
