@@ -366,29 +366,37 @@ class Engine(HookSite):
 
 
 class _TickState:
-    """The contexts of one island's tick, kept in a numpy array: only the counters change."""
+    """The contexts of one island's tick, kept in one buffer: only the counters change."""
 
     def __init__(self, eng: Engine, island: str, period: int):
+        import struct
         import numpy as np
-        self.np, self.island, self.period = np, island, period
+        self.island, self.period = island, period
         peers = eng.fabric.ports(island)
         self.servers = [eng.fabric.server(island, p) for p in peers]
-        codec = eng.shims[island].codecs["tick"]
-        self.codec = codec
-        self.rows = codec.pack_many([{"port": i, "peer": eng.ids["devices"].get(p, 0), "period": period}
-                                     for i, p in enumerate(peers)])
-        self.bw = np.array([s.bw for s in self.servers], dtype=float)
-        self.last = np.zeros(len(peers))
-        self.cols = {n: codec.hook.offset(n) for n in ("now", "util_pct", "bytes", "queue_bytes")}
+        hook = eng.shims[island].codecs["tick"].hook
+        self.size = hook.ctx_size
+        self.static = [(i, eng.ids["devices"].get(p, 0)) for i, p in enumerate(peers)]
+        self.buf = bytearray(eng.shims[island].codecs["tick"].pack_many(
+            [{"period": period}] * len(peers)).tobytes())
+        self.rows = np.frombuffer(self.buf, dtype=np.uint8).reshape(len(peers), self.size)
+        # now, port, peer, util_pct, bytes, queue_bytes in one struct per row, padding where the layout has it
+        names = ["now", "port", "peer", "util_pct", "bytes", "queue_bytes"]
+        fmt, pos = "<", 0
+        for n in names:
+            off, f = hook.layout[n]
+            fmt += "x" * (off - pos) + ("I" if f.size == 4 else "Q")
+            pos = off + f.size
+        self.row = struct.Struct(fmt)
+        self.last = [0] * len(peers)
 
     def contexts(self, now):
-        np = self.np
-        sent_total = np.array([s.bytes for s in self.servers], dtype=float)
-        sent, self.last = sent_total - self.last, sent_total
-        util = np.minimum(100, np.rint(sent / (self.bw * self.period / 1e9) * 100))
-        rows, n, c = self.rows.copy(), len(self.servers), self.cols
-        for name, vals, width, dt in (("now", np.full(n, now), 8, "<u8"), ("util_pct", util, 4, "<u4"),
-                                      ("bytes", sent, 8, "<u8"),
-                                      ("queue_bytes", [s.queued_bytes for s in self.servers], 8, "<u8")):
-            rows[:, c[name]:c[name] + width] = np.asarray(vals).astype(dt).view(np.uint8).reshape(n, width)
-        return rows
+        row, size, last = self.row, self.size, self.last
+        now = int(now)
+        for k, srv in enumerate(self.servers):
+            sent = srv.bytes - last[k]
+            last[k] = srv.bytes
+            util = min(100, round(sent / (srv.bw * self.period / 1e9) * 100)) if srv.bw else 0
+            port, peer = self.static[k]
+            row.pack_into(self.buf, k * size, now, port, peer, util, sent, srv.queued_bytes)
+        return self.rows
