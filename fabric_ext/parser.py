@@ -41,9 +41,14 @@ def _expected_names(expected) -> list[str]:
     names = []
     for t in sorted(expected):
         name = _TOKEN_NAMES.get(t)
+        if name is None and t == "$END":
+            name = "end of file"
         if name is None:
-            p = _lark().get_terminal(t).pattern
-            name = f"'{p.value}'" if p.type == "str" else t.lower()
+            try:
+                p = _lark().get_terminal(t).pattern
+                name = f"'{p.value}'" if p.type == "str" else t.lower()
+            except KeyError:
+                name = t.lower()
         if name not in names:
             names.append(name)
     return names

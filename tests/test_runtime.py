@@ -216,3 +216,19 @@ def test_plots(tmp_path):
     report, _ = run_engine(compiled("prefill_qos"))
     files = plots(report, tmp_path)
     assert all(open(f, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for f in files)
+
+
+def test_stored_compute_fit_matches_a_refit():
+    """The coefficients in figures.json are what calibrate.py fits from the shared Vidur data."""
+    from pathlib import Path
+    from fabric_ext.runtime.compute import fit
+    from fabric_ext.runtime.figures import figures
+    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "vidur"
+    files = sorted(data.glob("h100_*_mlp.csv"))
+    if not files:
+        pytest.skip(f"no Vidur profiles at {data}")
+    gpu = figures()["gpu"]["h100_sxm"]
+    got, stored = fit(files, gpu["bf16"], gpu["hbm_bw"]), figures()["compute"]
+    assert got["e_max"] == pytest.approx(stored["e_max"], rel=1e-3)
+    assert got["x_half"] == pytest.approx(stored["x_half"], rel=1e-3)
+    assert got["median_rel_err"] < 0.15

@@ -1,0 +1,73 @@
+"""Property test: mutated example policies either check clean or give exit 1 with at least one
+FILE:LINE:COL: error: line, never a traceback."""
+import re
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import EXAMPLES, POLICIES
+
+TOKEN = re.compile(r"\d+(?:\.\d+)?[A-Za-z%/]*|[A-Za-z_][A-Za-z0-9_]*|<->|->|\.\.|[{}()\[\];:,.=<>+\-*/%!?&|]|\"[^\"]*\"")
+
+
+def tokens(text):
+    return [m for m in TOKEN.finditer(text)]
+
+
+@st.composite
+def mutants(draw):
+    path = draw(st.sampled_from(EXAMPLES))
+    text = path.read_text()
+    toks = tokens(text)
+    kind = draw(st.sampled_from(["delete", "duplicate", "swap", "truncate", "misspell"]))
+    i = draw(st.integers(0, len(toks) - 2))
+    t, u = toks[i], toks[i + 1]
+    if kind == "delete":
+        text = text[:t.start()] + text[t.end():]
+    elif kind == "duplicate":
+        text = text[:t.end()] + " " + t.group() + text[t.end():]
+    elif kind == "swap":
+        text = text[:t.start()] + u.group() + text[t.end():u.start()] + t.group() + text[u.end():]
+    elif kind == "truncate":
+        text = text[:draw(st.integers(0, len(text)))]
+    else:
+        word = t.group()
+        j = draw(st.integers(0, max(0, len(word) - 1)))
+        text = text[:t.start()] + word[:j] + draw(st.sampled_from("xqz_")) + word[j + 1:] + text[t.end():]
+    return path.name, text
+
+
+class _Result:
+    def __init__(self, returncode, stderr):
+        self.returncode, self.stderr = returncode, stderr
+
+
+def check_many(files):
+    """fabricc check in this process (its error handling is the same as the command's)."""
+    import contextlib
+    import io
+    from fabric_ext import cli
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        rc = cli.main(["check", *map(str, files)])
+    return _Result(rc, err.getvalue())
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.lists(mutants(), min_size=8, max_size=8))
+def test_mutants_check_clean_or_fail_cleanly(tmp_path_factory, batch):
+    d = tmp_path_factory.mktemp("mut")
+    (d / "fabrics").mkdir()
+    (d / "fabrics" / "dgx_cxl.fx").write_text((POLICIES / "fabrics" / "dgx_cxl.fx").read_text())
+    files = []
+    for k, (name, text) in enumerate(batch):
+        f = d / f"m{k}_{name}"
+        f.write_text(text)
+        files.append(f)
+    for f in files:   # one process per file, so each exit status is its own
+        r = check_many([f])
+        assert "Traceback" not in r.stderr and "internal error" not in r.stderr, (f.read_text(), r.stderr)
+        if r.returncode == 0:
+            continue
+        assert r.returncode == 1, r.stderr
+        assert re.search(rf"{re.escape(f.name)}:\d+:\d+: error: ", r.stderr), r.stderr

@@ -1,0 +1,76 @@
+"""fabric-vm and the bpf_conformance plugin protocol of fabric-vm-plugin, on every backend."""
+import subprocess
+import sys
+
+import pytest
+
+from fabric_ext.runtime import kernel
+
+BACKENDS = ["interp", "jit"] + (["kernel"] if kernel.permitted()[0] else [])
+
+
+def plugin(args, stdin):
+    return subprocess.run([sys.executable, "-c", "import sys; from fabric_ext.runtime.vm_cli import plugin_main; "
+                           "sys.exit(plugin_main())", *args], input=stdin, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_plugin_spaced_hex_and_r0_in_hex(backend):
+    # mov r0, 3; ldxb r1, [r1+1]; add r0, r1; exit  -- with the memory given in argv[1]
+    prog = "b7 00 00 00 03 00 00 00 71 11 01 00 00 00 00 00 0f 10 00 00 00 00 00 00 95 00 00 00 00 00 00 00"
+    r = plugin(["00 10", "--backend", backend] if backend != "kernel" else ["", "--backend", backend],
+               prog if backend != "kernel" else "b7000000030000009500000000000000")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == ("13" if backend != "kernel" else "3")
+
+
+def test_plugin_run_together_hex_and_empty_memory():
+    r = plugin([""], "b7000000ffffffff9500000000000000\n")
+    assert r.returncode == 0 and r.stdout.strip() == "ffffffffffffffff"
+
+
+@pytest.mark.parametrize("args,stdin,msg", [
+    (["", "--nope"], "9500000000000000", "unknown option"),
+    (["", "--backend", "gpu"], "9500000000000000", "unknown backend"),
+    ([""], "07000000010000009500000000000000", "r0 is read before it is written"),
+    ([""], "zz", "fabric-vm-plugin"),
+    (["0102"], "7910000000000000 9500000000000000", "out-of-bounds"),
+])
+def test_plugin_errors_exit_1(args, stdin, msg):
+    r = plugin(args, stdin)
+    assert r.returncode == 1 and msg in (r.stdout + r.stderr)
+
+
+def vm(*args):
+    return subprocess.run([sys.executable, "-m", "fabric_ext.runtime.vm_cli", *map(str, args)],
+                          capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fabric_vm_run_asm(tmp_path, backend):
+    f = tmp_path / "p.asm"
+    f.write_text("mov %r0, 7\nexit\n")
+    r = vm("run", f, "--backend", backend)
+    assert r.returncode == 0 and "r0 = 0x7 (7)" in r.stdout
+
+
+def test_fabric_vm_run_object_prints_maps_and_ctx(tmp_path):
+    from policy_helpers import compiled
+    from fabric_ext.hooks import HOOKS
+    from fabric_ext.runtime.context import ContextCodec
+    ctx = ContextCodec(HOOKS["dpu", "tx"]).pack(movement=1, bytes=4096, queue_bytes=1 << 30)
+    r = vm("run", compiled("nic_pacing") / "nic0.bpf.o", "--program", "nic0_tx", "--ctx", bytes(ctx).hex())
+    assert r.returncode == 0, r.stderr
+    assert "map tx_bytes (percpu_array): {0: 4096}" in r.stdout and "ctx = " in r.stdout
+
+
+def test_fabric_vm_disasm_and_errors(tmp_path):
+    from policy_helpers import compiled
+    r = vm("disasm", compiled("nic_pacing") / "nic0.bpf.o")
+    assert r.returncode == 0 and "nic0_tx (section syscall):" in r.stdout and "exit" in r.stdout
+    bad = tmp_path / "bad.asm"
+    bad.write_text("mov %r0, 1\nbogus\n")
+    r = vm("run", bad)
+    assert r.returncode == 1 and "line 2: unknown instruction 'bogus'" in r.stderr and "Traceback" not in r.stderr
+    r = vm("run", tmp_path / "missing.o")
+    assert r.returncode == 2 and "no such file" in r.stderr
