@@ -10,7 +10,6 @@ times is the policy's overhead.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path

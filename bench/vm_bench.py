@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 

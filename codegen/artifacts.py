@@ -39,7 +39,7 @@ def manifest(analysis, ids, compiled, opt: int, mcpu: str, files: dict[str, byte
 
     ``compiled`` is [(island, [(ProgramIR, ProgramSpec)])]; ``files`` the other
     artifacts by name, whose hashes the runtime checks."""
-    sym, mg = analysis.symbols, analysis.graph
+    sym = analysis.symbols
     g = graph_json(analysis)
     devices = [dict(d, id=ids.devices[d["name"]], props=_props(sym.devices[d["name"]].props))
                for d in g["devices"]]

@@ -13,7 +13,6 @@ import traceback
 from pathlib import Path
 
 from . import __version__
-from .diagnostics import Diagnostics
 
 EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 

@@ -101,7 +101,6 @@ def run(args) -> int:
         try:
             reports = {}
             for attach in ([True, False] if args.baseline else [True]):
-                from .bundle import load_bundle
                 maps = _fresh_maps(man)
                 show = _progress() if attach else None
                 opts = RunOptions(args.model, args.prompt, args.batch, args.tp, args.chunk, attach, show,

@@ -9,6 +9,7 @@ as one-entry array maps, ``license``, and line info from ``.BTF.ext``.
 from __future__ import annotations
 
 import io
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,7 +117,7 @@ def load_object(source: str | Path | bytes, name: str | None = None) -> ElfObjec
         return _Loader(path, data).load()
     except ObjectError:
         raise
-    except (ELFError, BTFError, ValueError, KeyError, IndexError, AssertionError, TypeError) as e:
+    except (ELFError, BTFError, ValueError, KeyError, IndexError, AssertionError, TypeError, struct.error) as e:
         raise ObjectError(f"{path}: corrupt or unsupported object: {e}") from None
 
 

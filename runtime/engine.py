@@ -12,7 +12,7 @@ fabric model; the run's figures come back as a dict (`stats.py` formats it).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import networkx as nx
 

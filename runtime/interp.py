@@ -159,7 +159,6 @@ class Interpreter(Backend):
             regs[1] = CTX_BASE
         elif mem is not None:
             regs[1], regs[2] = MEM_BASE, len(mem)
-        pc = 0
         try:
             return self._loop(prog, m, regs)
         except _Fault as e:

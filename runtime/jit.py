@@ -17,13 +17,11 @@ single native call.
 from __future__ import annotations
 
 import ctypes
-import struct
 
 import llvmlite.binding as llvm
 import llvmlite.ir as L
 import numpy as np
 
-from . import helpers as Hl
 from . import isa as I
 from .interp import ctx_write_mask
 from .maps import ARRAY, HASH, LRU_HASH, PERCPU_ARRAY, PERCPU_HASH, RINGBUF, USED, EMPTY

@@ -172,11 +172,7 @@ def plots(report: dict, folder) -> list[str]:
     ax.set_ylabel("utilisation (%)")
     ax.legend(fontsize=7)
     ax.set_title("link utilisation")
-    p = folder / "link_utilisation.png"
-    fig.tight_layout()
-    fig.savefig(p, dpi=100)
-    plt.close(fig)
-    out.append(str(p))
+    out.append(_save(plt, fig, folder / "link_utilisation.png"))
     fig, ax = plt.subplots(figsize=(10, 4))
     L = [x["layer"] for x in report["layers"]]
     parts = [("attention_ms", "attention"), ("ffn_ms", "FFN"), ("attention_stall_ms", "stall before attention"),
@@ -190,12 +186,15 @@ def plots(report: dict, folder) -> list[str]:
     ax.set_ylabel("ms")
     ax.legend(fontsize=7)
     ax.set_title("per-layer compute and stall")
-    p = folder / "layers.png"
-    fig.tight_layout()
-    fig.savefig(p, dpi=100)
-    plt.close(fig)
-    out.append(str(p))
+    out.append(_save(plt, fig, folder / "layers.png"))
     return out
+
+
+def _save(plt, fig, path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
 
 
 def write_json(path, data) -> None:

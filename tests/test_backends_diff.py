@@ -2,9 +2,7 @@
 programs with stack, context, map and atomic traffic; the reference interpreter, the JIT and
 the Linux kernel (BPF_PROG_TYPE_SYSCALL under BPF_PROG_TEST_RUN, where bpf(2) is permitted)
 must leave the same r0, the same context and the same map contents."""
-import os
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -134,12 +134,10 @@ def _contexts(policy):
 
 
 def _run_all(policy, backend):
-    from fabric_ext.runtime.context import ContextCodec
     r = Runner(policy, backend)
     results = []
     for island, hook, fields in _contexts(policy):
         prog = r.bundle.islands[island].programs[hook]
-        codec = ContextCodec(prog.hook)
         f = {k: v for k, v in fields.items() if prog.hook.field(k) is not None}
         results.append(r.run(island, hook, **f))
     if hasattr(backend, "sync"):

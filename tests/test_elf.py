@@ -1,5 +1,4 @@
 """ELF loading of clang-built libbpf-style objects (committed fixtures, rebuilt when clang is present)."""
-import os
 import platform
 import shutil
 import struct
@@ -95,7 +94,7 @@ def test_fixtures_rebuild_with_clang(tmp_path, name):
     assert [(m.name, m.type) for m in fresh.maps] == [(m.name, m.type) for m in committed.maps]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 7751), st.integers(0, 255)), min_size=1, max_size=8))
 def test_corrupted_bytes_never_crash_the_loader(flips):
     data = bytearray((FIX / "counter.bpf.o").read_bytes())

@@ -220,8 +220,6 @@ def test_missing_import(tmp_path):
 
 # ---- graph and placement -----------------------------------------------------------
 def test_routes_by_latency_and_via(analyze_src):
-    a = analyze_src("", with_fabric=False) if False else None
-    from fabric_ext.frontend import analyze
     src = """fabric f { gpu a, b  cxl_switch s1, s2
       link a <-> s1 { latency: 100ns } link s1 <-> b { latency: 100ns }
       link a <-> s2 { latency: 1us } link s2 <-> b { latency: 1us } }
