@@ -17,6 +17,8 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
+from fabric_ext.schema import MAX_MAP_BYTES
+
 from . import isa as I
 from .btf import BTFError, map_def, parse_btf, parse_btf_ext_lines
 from .maps import ARRAY, PERCPU_ARRAY, RINGBUF, Map, TYPE_KIND
@@ -58,8 +60,8 @@ class MapSpec:
             return "key and value sizes must be at least 1"
         if self.type in (ARRAY, PERCPU_ARRAY) and self.key_size != 4:
             return "array maps need a 4-byte key"
-        if self.value_size * self.max_entries > 1 << 30 or self.key_size > 512 or self.value_size > 1 << 20:
-            return "map is too large"
+        if (self.key_size + self.value_size) * self.max_entries > MAX_MAP_BYTES or self.key_size > 512:
+            return f"map is too large (the runtime allows {MAX_MAP_BYTES >> 20} MiB per map)"
         return None
 
     def create(self, **kw) -> Map:
