@@ -389,14 +389,17 @@ class _TickState:
             pos = off + f.size
         self.row = struct.Struct(fmt)
         self.last = [0] * len(peers)
+        # per port: bytes that make 1 % of the period's capacity
+        self.per_pct = [s.bw * period / 1e9 / 100 if s.bw else float("inf") for s in self.servers]
 
     def contexts(self, now):
-        row, size, last = self.row, self.size, self.last
+        row, size, last, buf, per_pct = self.row, self.size, self.last, self.buf, self.per_pct
         now = int(now)
         for k, srv in enumerate(self.servers):
-            sent = srv.bytes - last[k]
-            last[k] = srv.bytes
-            util = min(100, round(sent / (srv.bw * self.period / 1e9) * 100)) if srv.bw else 0
+            total = srv.bytes
+            sent = total - last[k]
+            last[k] = total
+            util = int(sent / per_pct[k] + 0.5)
             port, peer = self.static[k]
-            row.pack_into(self.buf, k * size, now, port, peer, util, sent, srv.queued_bytes)
+            row.pack_into(buf, k * size, now, port, peer, util if util < 100 else 100, sent, srv.queued_bytes)
         return self.rows
