@@ -38,8 +38,12 @@ def to_dot(a) -> str:
     for n, d in a.symbols.devices.items():
         out.append(f'  "{n}" [label="{n}\\n{d.kind}", fillcolor={colors.get(d.kind, "white")}];')
     for u, v, e in sorted(mg.g.edges(data=True), key=lambda t: (t[0], t[1])):
+        back = mg.g.edges[v, u] if mg.g.has_edge(v, u) else None
+        if back is not None and u > v and back.get("bw") == e.get("bw"):
+            continue  # drawn once, both ways, from the other end
         label = f"{e['bw'] / 1e9:g} GB/s" if e.get("bw") else ""
-        out.append(f'  "{u}" -> "{v}" [label="{label}", color=grey];')
+        both = ', dir=both' if back is not None and back.get("bw") == e.get("bw") else ""
+        out.append(f'  "{u}" -> "{v}" [label="{label}", color=grey{both}];')
     for name, flows in mg.flows.items():
         for f in flows[:1]:  # one representative flow per movement keeps the picture readable
             for u, v in zip(f.path, f.path[1:]):

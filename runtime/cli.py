@@ -149,11 +149,20 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from .bundle import BundleError
     from .elf import ObjectError
+    from .kernel import KernelError, KernelVerifierError
     from .workload import WorkloadError
     try:
         return run(args)
     except (BundleError, ObjectError, WorkloadError) as e:
         print(f"fabric-run: {e}", file=sys.stderr)
+        return EXIT_INPUT
+    except KernelVerifierError as e:
+        tail = "\n".join(e.log.strip().splitlines()[-4:])
+        print(f"fabric-run: {e}\n{tail}\nhint: 'fabricc compile --kernel-verify' maps the log to .fx lines",
+              file=sys.stderr)
+        return EXIT_INPUT
+    except KernelError as e:
+        print(f"fabric-run: --backend kernel: {e.strerror or e}", file=sys.stderr)
         return EXIT_INPUT
     except KeyboardInterrupt:
         return 130

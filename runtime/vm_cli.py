@@ -54,11 +54,23 @@ def _load(path: str, program: str | None) -> Program:
 
 def cmd_run(args) -> int:
     prog = _load(args.file, args.program)
+    if args.hook:
+        from fabric_ext.hooks import HOOKS
+        kind, _, name = args.hook.partition(".")
+        if (kind, name) not in HOOKS:
+            raise SystemExit(_fail(f"fabric-vm: unknown hook '{args.hook}' (e.g. cxl_switch.forward)", 2))
+        prog.hook = HOOKS[kind, name]
+        prog.ctx_size = prog.hook.ctx_size
     ctx = None
     if args.ctx:
         raw = Path(args.ctx[1:]).read_bytes() if args.ctx.startswith("@") else _hex(args.ctx, "--ctx")
         ctx = bytearray(raw)
+        if prog.hook is not None and len(ctx) != prog.hook.ctx_size:
+            raise SystemExit(_fail(f"fabric-vm: --ctx has {len(ctx)} bytes; {args.hook} needs {prog.hook.ctx_size}", 2))
         prog.ctx_size = len(ctx)
+    elif prog.hook is not None:
+        from .context import ContextCodec
+        ctx = ContextCodec(prog.hook).pack()
     mem = bytearray(_hex(args.mem, "--mem")) if args.mem is not None else None
     verify(prog)
     backend = get_backend(args.backend)
@@ -69,7 +81,11 @@ def cmd_run(args) -> int:
             backend.sync()
         backend.close()
     print(f"r0 = {r0:#x} ({r0})")
-    if ctx is not None:
+    if prog.hook is not None:
+        from .context import ContextCodec
+        for name, value in ContextCodec(prog.hook).decisions(ctx).items():
+            print(f"decision {name} = {value}")
+    elif ctx is not None:
         print(f"ctx = {bytes(ctx).hex()}")
     if mem is not None:
         print(f"mem = {bytes(mem).hex()}")
@@ -98,6 +114,8 @@ def main(argv=None) -> int:
     r.add_argument("--program", help="program (function) name in an object")
     r.add_argument("--ctx", help="context bytes as hex, or @FILE")
     r.add_argument("--mem", help="memory bytes as hex (r1 = memory, r2 = length)")
+    r.add_argument("--hook", metavar="KIND.HOOK", help="the hook the program is for (e.g. dpu.tx): its "
+                   "context rules apply and its decisions are printed by name")
     r.add_argument("--backend", choices=BACKENDS, default="interp")
     r.set_defaults(func=cmd_run)
     d = sub.add_parser("disasm", help="disassemble every program of an object")

@@ -62,6 +62,10 @@ def test_fabric_vm_run_object_prints_maps_and_ctx(tmp_path):
     r = vm("run", compiled("nic_pacing") / "nic0.bpf.o", "--program", "nic0_tx", "--ctx", bytes(ctx).hex())
     assert r.returncode == 0, r.stderr
     assert "map tx_bytes (percpu_array): {0: 4096}" in r.stdout and "ctx = " in r.stdout
+    r = vm("run", compiled("nic_pacing") / "nic0.bpf.o", "--program", "nic0_tx", "--hook", "dpu.tx",
+           "--ctx", bytes(ctx).hex(), "--backend", "jit")
+    assert r.returncode == 0, r.stderr
+    assert "decision rate = 20000000000" in r.stdout and "decision coalesce = 262144" in r.stdout
 
 
 def test_fabric_vm_disasm_and_errors(tmp_path):
