@@ -105,8 +105,8 @@ def render(report: dict, baseline: dict | None = None) -> str:
         rows.append([m["name"], m["class"], f"{m['bytes'] / 2**20:.1f}", f"{m['avg_gbps']:.2f}",
                      f"{m['queue_p50_us']:.2f}", f"{m['queue_p99_us']:.2f}", f"{m['stall_ms']:.3f}"]
                     + ([f"{b['stall_ms']:.3f}" if b else "-"] if baseline else []))
-    out.append(_table(rows, ["movement", "class", "MiB", "GB/s", "queue p50 us", "queue p99 us", "stall ms"]
-                      + (["baseline stall ms"] if baseline else [])))
+    out.append(_table(rows, ["movement", "class", "MiB", "GB/s", "queue p50 us", "queue p99 us", "GPU stall ms"]
+                      + (["baseline GPU stall ms"] if baseline else [])))
     out.append("")
     busy = sorted(report["links"], key=lambda x: -x["util_avg"])[:8]
     out.append(_table([[l["name"], f"{l['bytes'] / 2**20:.1f}", f"{l['util_avg'] * 100:.1f}%",
