@@ -26,7 +26,18 @@ class ContextCodec:
         for n, off, st, default in self._decisions:
             st.pack_into(self._template, off, default)
         self.buffer = ctypes.create_string_buffer(self.size)   # reused by `fill`
+        self._template_bytes = bytes(self._template)
         self._plans: dict[tuple, tuple] = {}
+        # every decision read back with one unpack, compared with the defaults at once
+        if self._decisions:
+            start = self._decisions[0][1]
+            fmt, pos = "<", start
+            for n, off, st, _ in self._decisions:
+                fmt += "x" * (off - pos) + st.format[-1]
+                pos = off + st.size
+            self._dec_struct, self._dec_start = struct.Struct(fmt), start
+            self._dec_names = [n for n, *_ in self._decisions]
+            self._dec_defaults = tuple(d for *_, d in self._decisions)
 
     def pack(self, values: dict[str, int] | None = None, **kw) -> bytearray:
         """A new context with the given inputs and every decision at its default."""
@@ -38,7 +49,7 @@ class ContextCodec:
     def fill(self, values: dict[str, int]):
         """The codec's own reusable buffer, filled: no allocation per event."""
         buf = self.buffer
-        ctypes.memmove(buf, bytes(self._template), self.size)
+        ctypes.memmove(buf, self._template_bytes, self.size)
         self._write(buf, values)
         return buf
 
@@ -88,9 +99,9 @@ class ContextCodec:
 
     def changed(self, buf) -> dict[str, int]:
         """Decisions whose value differs from the default (what the program decided)."""
-        out = {}
-        for n, off, st, default in self._decisions:
-            v = st.unpack_from(buf, off)[0]
-            if v != default:
-                out[n] = v
-        return out
+        if not self._decisions:
+            return {}
+        values = self._dec_struct.unpack_from(buf, self._dec_start)
+        if values == self._dec_defaults:
+            return {}
+        return {n: v for n, v, d in zip(self._dec_names, values, self._dec_defaults) if v != d}
