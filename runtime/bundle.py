@@ -115,12 +115,16 @@ def load_bundle(folder: Path, shared_maps: bool = False, verify_programs: bool =
                     raise BundleError(f"{folder / obj_name}: {e}") from None
             ip.programs[entry["hook"]] = prog
             ip.tick_periods[entry["hook"]] = entry.get("tick_periods_ns", [])
-    for m in man["maps"]:   # maps no program uses are still created, so reports show them
-        if m["name"] not in maps:
-            from .maps import KIND_TYPE
-            maps[m["name"]] = MapSpec(m["name"], KIND_TYPE[m["kind"]], m["key_size"], m["value_size"],
-                                      m["max_entries"]).create(shared=shared_maps)
+    maps.update(create_maps(man, shared_maps, skip=set(maps)))   # unused maps too, so reports show them
     return Bundle(folder, man, maps, islands)
+
+
+def create_maps(manifest: dict, shared: bool = False, skip=()) -> dict[str, Map]:
+    """One store per map of the manifest (but those in ``skip``): what every island using it sees."""
+    from .maps import KIND_TYPE
+    return {m["name"]: MapSpec(m["name"], KIND_TYPE[m["kind"]], m["key_size"], m["value_size"],
+                               m["max_entries"]).create(shared=shared)
+            for m in manifest["maps"] if m["name"] not in skip}
 
 
 def load_runtime_json(path: Path) -> tuple[list[MapSpec], dict[str, list[isa.Insn]]]:

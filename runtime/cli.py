@@ -138,10 +138,8 @@ def run(args) -> int:
 
 
 def _fresh_maps(man):
-    from .elf import MapSpec
-    from .maps import KIND_TYPE
-    return {m["name"]: MapSpec(m["name"], KIND_TYPE[m["kind"]], m["key_size"], m["value_size"],
-                               m["max_entries"]).create() for m in man["maps"]}
+    from .bundle import create_maps
+    return create_maps(man)
 
 
 def main(argv=None) -> int:
