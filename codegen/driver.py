@@ -14,6 +14,7 @@ from pathlib import Path
 from fabric_ext.diagnostics import Diagnostics
 from fabric_ext.frontend import analyze
 from fabric_ext.fsutil import replace_dir
+from fabric_ext.loader import display_path
 from fabric_ext.runtime import isa
 from fabric_ext.runtime.elf import load_object
 from fabric_ext.runtime.verifier import VerifierError, verify
@@ -40,15 +41,7 @@ def _span_of(spec, pc, fallback):
             best = spec.line_info[slot]
     if best is None:
         return fallback
-    return Span(best.file if not Path(best.file).is_absolute() else _rel(best.file), best.line, best.col,
-                best.line, best.col + 1)
-
-
-def _rel(p):
-    try:
-        return str(Path(p).relative_to(Path.cwd()))
-    except ValueError:
-        return p
+    return Span(display_path(Path(best.file)), best.line, best.col, best.line, best.col + 1)
 
 
 def build(path: Path, opt: int = 2, mcpu: str = "v3", emit=(), kernel_verify: bool = False,

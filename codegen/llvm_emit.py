@@ -15,14 +15,15 @@ import llvmlite.binding as llvm
 import llvmlite.ir as L
 
 from fabric_ext import __version__
+from fabric_ext.runtime.helpers import HELPERS
+from fabric_ext.runtime.maps import KIND_TYPE
 
 from . import ir
 
 I1, I8, I32, I64 = L.IntType(1), L.IntType(8), L.IntType(32), L.IntType(64)
 PTR = L.PointerType()
 INT = {1: I8, 2: L.IntType(16), 4: I32, 8: I64}
-HELPER = {"lookup": 1, "update": 2, "delete": 3, "ringbuf_output": 130}
-MAP_TYPE_NUM = {"hash": 1, "array": 2, "percpu_hash": 5, "percpu_array": 6, "lru_hash": 9, "ringbuf": 27}
+HELPER = {h.name: h.id for h in HELPERS.values()}
 _initialised = False
 
 
@@ -204,7 +205,7 @@ class _FnEmitter:
         return kp
 
     def lookup(self, mapname, key):
-        return self.helper("lookup", PTR, [self.mod.map_globals[mapname], self.key_ptr(mapname, key)])
+        return self.helper("map_lookup_elem", PTR, [self.mod.map_globals[mapname], self.key_ptr(mapname, key)])
 
     def load_value(self, mapname, ptr):
         n = self.mod.maps[mapname].value_size
@@ -237,7 +238,7 @@ class _FnEmitter:
         if s.op == "=":
             vp = self.vals[n]
             b.store(b.trunc(val, INT[n]) if n < 8 else val, vp)
-            self.helper("update", I64, [g, self.key_ptr(s.map, key), vp, I64(0)])
+            self.helper("map_update_elem", I64, [g, self.key_ptr(s.map, key), vp, I64(0)])
             return
         ptr = self.lookup(s.map, key)
         found = b.icmp_unsigned("!=", ptr, PTR(None))
@@ -253,7 +254,7 @@ class _FnEmitter:
                 new = self.combine(s.op, I64(0), val)
                 vp = self.vals[n]
                 b.store(b.trunc(new, INT[n]) if n < 8 else new, vp)
-                self.helper("update", I64, [g, self.key_ptr(s.map, key), vp, I64(0)])
+                self.helper("map_update_elem", I64, [g, self.key_ptr(s.map, key), vp, I64(0)])
 
     def combine(self, op, old, val):
         b = self.b
@@ -302,7 +303,7 @@ class _FnEmitter:
 
     def s_MapDelete(self, s):
         key = self.value(s.key)
-        self.helper("delete", I64, [self.mod.map_globals[s.map], self.key_ptr(s.map, key)])
+        self.helper("map_delete_elem", I64, [self.mod.map_globals[s.map], self.key_ptr(s.map, key)])
 
     def s_Emit(self, s):
         b = self.b
@@ -419,7 +420,7 @@ class _ModuleEmitter:
 
     def map_global(self, name, info):
         dbg = self.dbg
-        fields = [("type", MAP_TYPE_NUM[info.kind])]
+        fields = [("type", KIND_TYPE[info.kind])]
         if info.kind == "ringbuf":
             fields.append(("max_entries", info.max_entries))
             dtypes = [(n, dbg.ptr(dbg.array(dbg.base["int"], v, 32)), 64) for n, v in fields]

@@ -10,22 +10,13 @@ from __future__ import annotations
 from collections import defaultdict
 
 from fabric_ext import ast as A
+from fabric_ext.checker import CONST_OPS, M64, const_value
 from fabric_ext.diagnostics import Diagnostics
+
+from fabric_ext.runtime.isa import STACK_SIZE as STACK_LIMIT
 
 from . import ir
 from .ids import IdTables
-
-M64 = (1 << 64) - 1
-STACK_LIMIT = 512
-_FOLD = {
-    "+": lambda a, b: (a + b) & M64, "-": lambda a, b: max(a - b, 0), "*": lambda a, b: (a * b) & M64,
-    "/": lambda a, b: a // b if b else 0, "%": lambda a, b: a % b if b else a,
-    "&": lambda a, b: a & b, "|": lambda a, b: a | b, "^": lambda a, b: a ^ b,
-    "<<": lambda a, b: (a << (b & 63)) & M64, ">>": lambda a, b: a >> (b & 63),
-    "==": lambda a, b: int(a == b), "!=": lambda a, b: int(a != b), "<": lambda a, b: int(a < b),
-    ">": lambda a, b: int(a > b), "<=": lambda a, b: int(a <= b), ">=": lambda a, b: int(a >= b),
-    "&&": lambda a, b: int(bool(a) and bool(b)), "||": lambda a, b: int(bool(a) or bool(b)),
-}
 
 
 def fold(e):
@@ -33,7 +24,7 @@ def fold(e):
     if isinstance(e, ir.Bin):
         a, b = fold(e.left), fold(e.right)
         if isinstance(a, ir.Const) and isinstance(b, ir.Const):
-            return ir.Const(_FOLD[e.op](a.value, b.value))
+            return ir.Const(CONST_OPS[e.op](a.value, b.value))
         return ir.Bin(e.op, a, b)
     if isinstance(e, ir.Not):
         a = fold(e.operand)
@@ -134,7 +125,6 @@ class _Lowerer:
             self.maps.add(s.map.name)
             return [ir.Emit(s.map.name, [self.expr(a) for a in s.args], s.span)]
         if isinstance(s, A.For):
-            from fabric_ext.checker import const_value
             v = self._new_var(s.var.name)
             self.scopes.append({s.var.name: v})
             body = self.stmts(s.body)

@@ -54,17 +54,29 @@ class Symbols:
         return DEVICE_ISLAND_KIND.get(d.kind) if d else None
 
 
+M64 = (1 << 64) - 1
+#: the language's operators on constants: unsigned 64-bit, subtraction stops at 0, x / 0 = 0, x % 0 = x.
+#: The checker folds with it, and so does the code generator (codegen/lower.py).
+CONST_OPS = {
+    "+": lambda a, b: (a + b) & M64, "-": lambda a, b: max(a - b, 0), "*": lambda a, b: (a * b) & M64,
+    "/": lambda a, b: a // b if b else 0, "%": lambda a, b: a % b if b else a,
+    "&": lambda a, b: a & b, "|": lambda a, b: a | b, "^": lambda a, b: a ^ b,
+    "<<": lambda a, b: (a << (b & 63)) & M64, ">>": lambda a, b: a >> (b & 63),
+    "==": lambda a, b: int(a == b), "!=": lambda a, b: int(a != b), "<": lambda a, b: int(a < b),
+    ">": lambda a, b: int(a > b), "<=": lambda a, b: int(a <= b), ">=": lambda a, b: int(a >= b),
+    "&&": lambda a, b: int(bool(a) and bool(b)), "||": lambda a, b: int(bool(a) or bool(b)),
+}
+
+
 def const_value(e: A.Node) -> int | float | None:
     """The value of a constant expression, or None if it depends on run-time data."""
     if isinstance(e, A.Num):
         return e.value
     if isinstance(e, A.BinOp):
         a, b = const_value(e.left), const_value(e.right)
-        if a is None or b is None:
+        if not isinstance(a, int) or not isinstance(b, int):
             return None
-        ops = {"+": lambda: a + b, "-": lambda: max(a - b, 0), "*": lambda: a * b,
-               "/": lambda: a // b if b else 0, "%": lambda: a % b if b else a}
-        return ops[e.op]() if e.op in ops else None
+        return CONST_OPS[e.op](a, b)
     return None
 
 

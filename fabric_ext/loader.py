@@ -30,7 +30,8 @@ class Program:
         return [m.path for m in self.modules]
 
 
-def _display(path: Path) -> str:
+def display_path(path: Path) -> str:
+    """A path as the user should read it: relative to the working folder when inside it."""
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
@@ -40,13 +41,13 @@ def _display(path: Path) -> str:
 def load(root: str | Path, diags: Diagnostics) -> Program:
     """Parse ``root`` and everything it imports; errors go to ``diags``."""
     root = Path(root)
-    prog = Program(root=_display(root))
+    prog = Program(root=display_path(root))
     done: set[Path] = set()
 
     def visit(path: Path, chain: list[Path], at: Span | None) -> None:
         real = path.resolve()
         if real in chain:
-            cycle = " -> ".join(_display(p) for p in chain[chain.index(real):] + [real])
+            cycle = " -> ".join(display_path(p) for p in chain[chain.index(real):] + [real])
             diags.error(at, f"import cycle: {cycle}", "move the shared declarations into one file both import")
             return
         if real in done:
@@ -56,10 +57,10 @@ def load(root: str | Path, diags: Diagnostics) -> Program:
         except OSError as e:
             if at is None:
                 raise
-            diags.error(at, f"cannot import '{_display(path)}': {e.strerror.lower()}",
+            diags.error(at, f"cannot import '{display_path(path)}': {e.strerror.lower()}",
                         "import paths are relative to the importing file")
             return
-        name = _display(path)
+        name = display_path(path)
         module = parse(text, name, diags)
         prog.sources[name] = text
         if module is None:

@@ -15,13 +15,12 @@ from . import isa as I
 from .program import Backend, Program, VMFault
 
 M64, M32 = I.MASK64, I.MASK32
-STACK_SIZE, MAX_FRAMES = 512, 8
+STACK_SIZE, MAX_FRAMES, MAP_HANDLE = I.STACK_SIZE, I.MAX_FRAMES, I.MAP_HANDLE
 STACK_BASE = 0x7F00_0000_0000
 CTX_BASE = 0x1000_0000_0000
 MEM_BASE = 0x2000_0000_0000
 MAP_BASE = 0x5000_0000_0000        # + map index << 32
 RECORD_BASE = 0x6000_0000_0000     # ringbuf records, + n << 24
-MAP_HANDLE = 0xFFFF_0000_0000_0000  # lddw src 1 yields MAP_HANDLE | index
 _PACK = {1: struct.Struct("<B"), 2: struct.Struct("<H"), 4: struct.Struct("<I"), 8: struct.Struct("<Q")}
 _SPACK = {1: struct.Struct("<b"), 2: struct.Struct("<h"), 4: struct.Struct("<i"), 8: struct.Struct("<q")}
 
@@ -325,27 +324,19 @@ class Interpreter(Backend):
             regs[ins.src] = old
 
 
+# conditional jumps: (unsigned a, unsigned b, signed a, signed b) -> taken?
+_TAKEN = {
+    I.JEQ: lambda a, b, sa, sb: a == b, I.JNE: lambda a, b, sa, sb: a != b,
+    I.JGT: lambda a, b, sa, sb: a > b, I.JGE: lambda a, b, sa, sb: a >= b,
+    I.JLT: lambda a, b, sa, sb: a < b, I.JLE: lambda a, b, sa, sb: a <= b,
+    I.JSET: lambda a, b, sa, sb: bool(a & b),
+    I.JSGT: lambda a, b, sa, sb: sa > sb, I.JSGE: lambda a, b, sa, sb: sa >= sb,
+    I.JSLT: lambda a, b, sa, sb: sa < sb, I.JSLE: lambda a, b, sa, sb: sa <= sb,
+}
+
+
 def _taken(code, a, b, sa, sb) -> bool:
-    if code == I.JEQ:
-        return a == b
-    if code == I.JNE:
-        return a != b
-    if code == I.JGT:
-        return a > b
-    if code == I.JGE:
-        return a >= b
-    if code == I.JLT:
-        return a < b
-    if code == I.JLE:
-        return a <= b
-    if code == I.JSET:
-        return bool(a & b)
-    if code == I.JSGT:
-        return sa > sb
-    if code == I.JSGE:
-        return sa >= sb
-    if code == I.JSLT:
-        return sa < sb
-    if code == I.JSLE:
-        return sa <= sb
-    raise _Fault(f"unsupported jump operation {code:#x}")
+    test = _TAKEN.get(code)
+    if test is None:
+        raise _Fault(f"unsupported jump operation {code:#x}")
+    return test(a, b, sa, sb)

@@ -39,6 +39,11 @@ JMP_NAMES = {JA: "ja", JEQ: "jeq", JGT: "jgt", JGE: "jge", JSET: "jset", JNE: "j
 JMP_SYMBOLS = {JEQ: "==", JGT: ">", JGE: ">=", JSET: "&", JNE: "!=", JSGT: "s>", JSGE: "s>=",
                JLT: "<", JLE: "<=", JSLT: "s<", JSLE: "s<="}
 
+# the machine's limits: a frame's stack, how deep local calls nest
+STACK_SIZE, MAX_FRAMES = 512, 8
+# what `lddw` src 1 leaves in a register at run time: a tag and the map's index
+MAP_HANDLE = 0xFFFF_0000_0000_0000
+
 MASK64 = (1 << 64) - 1
 MASK32 = (1 << 32) - 1
 

@@ -29,8 +29,7 @@ from .program import Backend, Program, VMFault
 
 I1, I8, I32, I64 = L.IntType(1), L.IntType(8), L.IntType(32), L.IntType(64)
 PTR = L.PointerType()
-STACK_SIZE, MAX_FRAMES = 512, 8
-MAP_HANDLE = 0xFFFF_0000_0000_0000
+STACK_SIZE, MAX_FRAMES, MAP_HANDLE = I.STACK_SIZE, I.MAX_FRAMES, I.MAP_HANDLE
 FAULT_OOB, FAULT_BUDGET, FAULT_HELPER, FAULT_DEPTH = 1, 2, 3, 4
 FAULTS = {FAULT_OOB: "out-of-bounds access", FAULT_BUDGET: "instruction budget exhausted",
           FAULT_HELPER: "helper failed", FAULT_DEPTH: "call depth exceeds 8 frames"}

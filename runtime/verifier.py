@@ -23,7 +23,7 @@ from .program import Program
 
 M64, M32 = I.MASK64, I.MASK32
 FULL = (0, M64)
-STACK = 512
+STACK = I.STACK_SIZE
 VALID_OPCODES = set()
 for _c in (I.ALU, I.ALU64):
     for _op in (I.ADD, I.SUB, I.MUL, I.DIV, I.OR, I.AND, I.LSH, I.RSH, I.MOD, I.XOR, I.MOV, I.ARSH):
@@ -278,8 +278,8 @@ class Verifier:
             return ret.ret_pc
         if op == I.CALL:
             if ins.src == I.PSEUDO_CALL:
-                if len(st.frames) >= 8:
-                    self.fail(pc, "call depth exceeds 8 frames")
+                if len(st.frames) >= I.MAX_FRAMES:
+                    self.fail(pc, f"call depth exceeds {I.MAX_FRAMES} frames")
                 regs_new = [UNINIT] * 11
                 for r in range(1, 6):
                     regs_new[r] = regs[r]
@@ -431,7 +431,7 @@ class Verifier:
         if kind == "stack":
             lo, hi = ptr[2] + off, ptr[3] + off
             if lo < 0 or hi + size > STACK:
-                self.fail(pc, f"stack access at r10{lo - STACK:+d} of {size} bytes is outside the 512-byte stack")
+                self.fail(pc, f"stack access at r10{lo - STACK:+d} of {size} bytes is outside the {STACK}-byte stack")
             if lo != hi:
                 self.fail(pc, "stack access with a variable offset")
             return
