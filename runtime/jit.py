@@ -578,7 +578,6 @@ class _Compiled:
 class JitBackend(Backend):
     """Native code through LLVM.  ``budget``, ``clock`` and ``seed`` as for the interpreter."""
     name = "jit"
-    _cache: dict = {}
 
     def __init__(self, budget: int = 1_000_000, clock=None, seed: int = 1, cpu: int = 0):
         from .interp import Interpreter
@@ -586,6 +585,7 @@ class JitBackend(Backend):
         self.helper_vm = Interpreter(budget, clock, seed, cpu)   # clock, prandom and printk state
         self.current = None
         self.records: dict[int, tuple] = {}
+        self.compiled: dict[tuple, _Compiled] = {}   # per backend: helper callbacks are bound to it
 
     # -- the Python side of helper calls ----------------------------------------------------------
     def _region_ok(self, addr, n):
@@ -654,15 +654,12 @@ class JitBackend(Backend):
     def load(self, prog: Program) -> _Compiled:
         key = (prog.code, tuple((m.values.ctypes.data, m.values.nbytes) for m in prog.maps),
                ctx_write_mask(prog.hook, prog.ctx_size) if prog.ctx_size else b"")
-        hit = self._cache.get(key)
-        if hit is not None and hit[0]() is not None:
-            compiled = hit[0]()
-            if compiled.owner is self:
-                return compiled
+        if key in self.compiled:
+            return self.compiled[key]
         engine, tm = _jit_engine()
         cb = CALLBACK(self._callback)
         cb_addr = ctypes.cast(cb, ctypes.c_void_p).value
-        name = f"fx{len(self._cache)}_{abs(hash(key)) & 0xFFFFFF:x}"
+        name = f"fx{id(self) & 0xFFFFFF:x}_{len(self.compiled)}"
         module = _Lifter(prog, name, cb_addr).build()
         mod = llvm.parse_assembly(str(module))
         mod.verify()
@@ -673,9 +670,7 @@ class JitBackend(Backend):
         engine.finalize_object()
         compiled = _Compiled(prog, engine.get_function_address(f"{name}_f0"),
                              engine.get_function_address(f"{name}_batch"), mod, cb)
-        compiled.owner = self
-        import weakref
-        self._cache[key] = (weakref.ref(compiled),)
+        self.compiled[key] = compiled
         return compiled
 
     def _prepare(self, c: _Compiled, ctx, mem):

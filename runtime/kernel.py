@@ -70,6 +70,17 @@ def create_map(map_type: int, key_size: int, value_size: int, max_entries: int, 
     return bpf(MAP_CREATE, attr)
 
 
+def _found(cmd: int, attr) -> bool:
+    """Run a map command; False where the kernel answers ENOENT (no such key, or no next key)."""
+    try:
+        bpf(cmd, attr)
+    except KernelError as e:
+        if e.errno == errno.ENOENT:
+            return False
+        raise
+    return True
+
+
 def _elem(fd, key: bytes, value_buf, flags=0):
     attr = ctypes.create_string_buffer(128)
     kb = ctypes.create_string_buffer(key, len(key))
@@ -80,13 +91,7 @@ def _elem(fd, key: bytes, value_buf, flags=0):
 def map_lookup(fd: int, key: bytes, value_size: int) -> bytes | None:
     out = ctypes.create_string_buffer(value_size)
     attr, _kb = _elem(fd, key, out)
-    try:
-        bpf(MAP_LOOKUP, attr)
-    except KernelError as e:
-        if e.errno == errno.ENOENT:
-            return None
-        raise
-    return out.raw
+    return out.raw if _found(MAP_LOOKUP, attr) else None
 
 
 def map_update(fd: int, key: bytes, value: bytes, flags: int = 0) -> int:
@@ -107,12 +112,8 @@ def map_keys(fd: int, key_size: int) -> list[bytes]:
         kb = ctypes.create_string_buffer(prev or b"\0" * key_size, key_size)
         struct.pack_into("<IIQQ", attr, 0, fd, 0, ctypes.addressof(kb) if prev is not None else 0,
                          ctypes.addressof(nxt))
-        try:
-            bpf(MAP_NEXT_KEY, attr)
-        except KernelError as e:
-            if e.errno == errno.ENOENT:
-                return keys
-            raise
+        if not _found(MAP_NEXT_KEY, attr):
+            return keys
         prev = nxt.raw
         keys.append(prev)
 
