@@ -4,10 +4,11 @@ Registers are allocas that mem2reg promotes; basic blocks come from the jump
 targets; every instruction keeps its exact semantics (32-bit results
 zero-extend, shifts mask, x / 0 = 0, x % 0 = x, signed overflow defined).
 Local calls become native functions with their own frame.  Memory safety is
-the verifier's proof plus a run-time bounds check on every load and store:
-an address must lie in the stack, the context (writes only to decision
-bytes), the given memory, a map's value buffer or the reserved ringbuf record,
-so compiled code can never touch anything else.  Array lookups and updates
+the verifier's proof plus a run-time bounds check on every load and store it
+did not prove (all of them for a program that was not verified): an address
+must lie in the stack, the context (writes only to decision bytes), the given
+memory, a map's value buffer or the reserved ringbuf record, so compiled code
+can never touch anything else.  Array lookups and updates
 are address arithmetic, hash and LRU lookups a native probe of the map's own
 buffers; other helpers call back into Python.  An instruction budget holds as
 in the interpreter (counted per basic block).  Compiled code is cached per
@@ -78,8 +79,8 @@ def _crc_table_global(m):
 class _Lifter:
     """Builds the LLVM module for one program."""
 
-    def __init__(self, prog: Program, name: str, callback_addr: int):
-        self.p, self.name = prog, name
+    def __init__(self, prog: Program, name: str, callback_addr: int, proof: dict | None):
+        self.p, self.name, self.proof = prog, name, proof
         self.m = L.Module(name=name)
         self.m.triple = llvm.get_default_triple()
         self.cb_addr = callback_addr
@@ -232,8 +233,14 @@ class _Lifter:
         return b.and_(b.icmp_unsigned(">=", addr, lo), b.icmp_unsigned("<=", end, b.add(lo, length)))
 
     def checked(self, pc, addr, size, write):
-        """Fault unless [addr, addr+size) is memory the program may touch; returns a pointer."""
+        """Fault unless [addr, addr+size) is memory the program may touch; returns a pointer.
+
+        No check where the verifier proved the access on every path (see `verify`); a
+        pointer into memory given at run time is always checked."""
         b = self.b
+        kinds = self.proof.get(pc) if self.proof is not None else None
+        if kinds and "mem" not in kinds:
+            return b.inttoptr(addr, PTR)
         ok = self._within(addr, size, self.env_get("stack"), I64(STACK_SIZE * MAX_FRAMES))
         ctx = self.env_get("ctx")
         in_ctx = self._within(addr, size, ctx, self.env_get("ctx_len"))
@@ -573,6 +580,7 @@ class _Compiled:
         self.env_addr = ctypes.addressof(self.env)
         self.stack = ctypes.create_string_buffer(STACK_SIZE * MAX_FRAMES)
         self.fast = False     # env holds the fixed fields (budget, stack, no memory) of the hot path
+        self.min_ctx = 0      # contexts shorter than this run the checked variant
 
 
 class JitBackend(Backend):
@@ -652,15 +660,18 @@ class JitBackend(Backend):
 
     # -- backend interface ---------------------------------------------------------------------------------
     def load(self, prog: Program) -> _Compiled:
+        return self._compile(prog, prog.proof)
+
+    def _compile(self, prog: Program, proof: dict | None) -> _Compiled:
         key = (prog.code, tuple((m.values.ctypes.data, m.values.nbytes) for m in prog.maps),
-               ctx_write_mask(prog.hook, prog.ctx_size) if prog.ctx_size else b"")
+               ctx_write_mask(prog.hook, prog.ctx_size) if prog.ctx_size else b"", proof is not None)
         if key in self.compiled:
             return self.compiled[key]
         engine, tm = _jit_engine()
         cb = CALLBACK(self._callback)
         cb_addr = ctypes.cast(cb, ctypes.c_void_p).value
         name = f"fx{id(self) & 0xFFFFFF:x}_{len(self.compiled)}"
-        module = _Lifter(prog, name, cb_addr).build()
+        module = _Lifter(prog, name, cb_addr, proof).build()
         mod = llvm.parse_assembly(str(module))
         mod.verify()
         pto = llvm.create_pipeline_tuning_options(speed_level=2)
@@ -670,8 +681,13 @@ class JitBackend(Backend):
         engine.finalize_object()
         compiled = _Compiled(prog, engine.get_function_address(f"{name}_f0"),
                              engine.get_function_address(f"{name}_batch"), mod, cb)
+        # the proof assumes a whole context: a shorter one runs the checked code
+        compiled.min_ctx = prog.ctx_size if proof is not None else 0
         self.compiled[key] = compiled
         return compiled
+
+    def _checked(self, c: _Compiled) -> _Compiled:
+        return self._compile(c.prog, None)
 
     def _prepare(self, c: _Compiled, ctx, mem):
         e = c.env
@@ -696,6 +712,8 @@ class JitBackend(Backend):
         return keep
 
     def run(self, c: _Compiled, ctx=None, mem=None) -> int:
+        if c.min_ctx and (ctx is None or len(ctx) < c.min_ctx):
+            c = self._checked(c)
         self.current = c
         e = c.env
         if mem is None and isinstance(ctx, ctypes.Array):   # the shims' hot path: a reused buffer
@@ -719,6 +737,8 @@ class JitBackend(Backend):
         """Run the program on every row of a 2-D uint8 array of contexts, in place; returns rows run."""
         if ctxs.ndim != 2 or ctxs.dtype != np.uint8 or not ctxs.flags.c_contiguous:
             raise ValueError("contexts must be a C-contiguous 2-D uint8 array")
+        if ctxs.shape[1] < c.min_ctx:
+            c = self._checked(c)
         self.current = c
         if not c.fast:
             self._prepare(c, None, None)

@@ -33,6 +33,7 @@ class Program:
     ctx_size: int = 0
     line_info: dict[int, SourceLine] = field(default_factory=dict)  # slot -> source
     section: str = ""
+    proof: dict | None = None   # set by the verifier: pc -> memory kinds its access is proven in
 
     def __post_init__(self):
         self.slots = isa.to_slots(self.insns)

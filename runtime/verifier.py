@@ -108,6 +108,7 @@ class Verifier:
         self.ctx_size = prog.ctx_size
         self.wmask = ctx_write_mask(prog.hook, self.ctx_size) if self.ctx_size else b""
         self.bare = not self.ctx_size if bare_mem is None else bare_mem
+        self.kinds: dict[int, set] = {}   # pc -> the kinds of memory its accesses were proven in
 
     def fail(self, pc, msg):
         raise VerifierError(self.p, pc, msg)
@@ -213,6 +214,7 @@ class Verifier:
                 if nxt is None:
                     break
                 pc = nxt
+        self.p.proof = {pc: frozenset(k) for pc, k in self.kinds.items()}
         return processed
 
     def _leaders(self):
@@ -414,6 +416,11 @@ class Verifier:
         return st.frames[ptr[1]]
 
     def check_access(self, pc, st, ptr, off, size, write):
+        kind = ptr[0]
+        self._check_access(pc, ptr, off, size, write)
+        self.kinds.setdefault(pc, set()).add(kind)
+
+    def _check_access(self, pc, ptr, off, size, write):
         kind = ptr[0]
         if kind == "scalar":
             self.fail(pc, f"{'write to' if write else 'read from'} a number, not a pointer")
@@ -690,5 +697,9 @@ class Verifier:
 
 
 def verify(prog: Program, max_insns: int = 100_000) -> int:
-    """Verify ``prog``; returns the number of instructions explored or raises VerifierError."""
+    """Verify ``prog``; returns the number of instructions explored or raises VerifierError.
+
+    On success ``prog.proof`` maps each memory instruction's pc to the kinds of memory
+    (stack, ctx, map_value, record, mem) it was proven to stay within on every path;
+    the JIT drops the run-time check where no kind is ``mem`` (checked only at run time)."""
     return Verifier(prog, max_insns).run()

@@ -1,7 +1,9 @@
 """Differential tests of the three backends: hypothesis generates straight-line and branching
 programs with stack, context, map and atomic traffic; the reference interpreter, the JIT and
 the Linux kernel (BPF_PROG_TYPE_SYSCALL under BPF_PROG_TEST_RUN, where bpf(2) is permitted)
-must leave the same r0, the same context and the same map contents."""
+must leave the same r0, the same context and the same map contents.  The JIT runs each program
+twice: unverified, with a run-time check on every access, and verified, with none where the
+verifier proved the access."""
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -126,9 +128,11 @@ def _maps():
     return [Map("arr", ARRAY, 4, 8, 4), Map("hsh", HASH, 4, 8, 8)]
 
 
-def _run(backend, insns, data):
+def _run(backend, insns, data, verified=False):
     maps = _maps()
     prog = Program("diff", insns, maps, ctx_size=CTX)
+    if verified:
+        verify(prog)    # the JIT then leaves out the checks the verifier proved
     ctx = bytearray(data)
     r0 = backend.run(backend.load(prog), ctx)
     if hasattr(backend, "sync"):
@@ -143,6 +147,7 @@ def test_backends_agree(insns, data):
     verify(Program("diff", insns, _maps(), ctx_size=CTX))
     want = _run(Interpreter(), insns, data)
     assert _run(JitBackend(), insns, data) == want, I.disasm(insns)
+    assert _run(JitBackend(), insns, data, verified=True) == want, I.disasm(insns)
     if OK:
         kb = kernel.KernelBackend()
         try:

@@ -114,6 +114,29 @@ def test_jit_bounds_checks_what_the_verifier_cannot_prove():
     assert "out-of-bounds" in str(e.value) and "pc 2" in str(e.value)
 
 
+def test_jit_drops_only_the_checks_the_verifier_proved():
+    """The verifier records where each access was proven; the JIT's code for a proven context
+    access has no check, so a context shorter than the hook's runs the checked code instead."""
+    from fabric_ext.hooks import HOOKS
+    from fabric_ext.runtime.jit import JitBackend
+    hook = HOOKS["cxl_switch", "forward"]
+    off = hook.offset("bytes")
+    prog = Program("p", assemble(f"ldxdw %r0, [%r1+{off}]\nexit"), hook=hook)
+    verify(prog)
+    assert prog.proof == {0: frozenset({"ctx"})}
+    b = JitBackend()
+    h = b.load(prog)
+    ctx = bytearray(hook.ctx_size)
+    ctx[off] = 42
+    assert b.run(h, ctx) == 42
+    with pytest.raises(VMFault) as e:
+        b.run(h, bytearray(off + 4))
+    assert "out-of-bounds" in str(e.value)
+    bare = Program("m", assemble("ldxb %r0, [%r1+0]\nexit"))
+    verify(bare)
+    assert bare.proof == {0: frozenset({"mem"})}     # memory given at run time: always checked
+
+
 def test_jit_batch_runs_many_contexts_in_one_call():
     import numpy as np
     from fabric_ext.hooks import HOOKS
