@@ -11,8 +11,7 @@ from fabric_ext import __version__
 from fabric_ext.graph import has_flag, prop_value
 from fabric_ext.graph_export import to_json as graph_json
 
-MANIFEST_SCHEMA = "fabric-manifest/1"
-DPUTIME_SCHEMA = "dputime/1"
+from fabric_ext.runtime.bundle import DPUTIME_SCHEMA, MANIFEST_SCHEMA
 PROG_TYPE_SYSCALL = 31
 
 
@@ -54,7 +53,9 @@ def manifest(analysis, ids, compiled, opt: int, mcpu: str, files: dict[str, byte
             periods = sorted({h.period for h in pir.handlers if h.period})
             programs.append({"island": island, "hook": pir.hook.name, "object": f"{island}.bpf.o",
                              "section": spec.section, "symbol": spec.name, "insns": len(spec.insns),
-                             "ctx_size": pir.hook.ctx_size, "tick_periods_ns": periods})
+                             "ctx_size": pir.hook.ctx_size, "tick_periods_ns": periods,
+                             "handlers": [{"movement": h.movement_id, "period": h.period, "maps": h.maps,
+                                           "reads": h.reads, "line": h.span.line} for h in pir.handlers]})
     maps = []
     for name, info in sym.maps.items():
         used = map_islands.get(name, [])

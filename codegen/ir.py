@@ -116,6 +116,8 @@ class HandlerIR:
     guard: object | None
     body: list
     span: Span
+    maps: list[str] = field(default_factory=list)   # maps the guard and body use, sorted
+    reads: list[str] = field(default_factory=list)  # context fields the guard and body read, sorted
 
 
 @dataclass

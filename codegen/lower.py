@@ -46,6 +46,7 @@ class _Lowerer:
         self.scopes: list[dict[str, ir.Var]] = []
         self.counter = 0
         self.maps: set[str] = set()
+        self.reads: set[str] = set()    # context fields the current handler reads
 
     def expr(self, e):
         out = self._expr(e)
@@ -58,15 +59,15 @@ class _Lowerer:
             return ir.Const(int(e.value))
         if isinstance(e, A.Name):
             if e.id == "now":
-                return self._field("now")
+                return self._read("now")
             for scope in reversed(self.scopes):
                 if e.id in scope:
                     return scope[e.id]
             if self.p.hook.field(e.id) is not None:
-                return self._field(e.id)
+                return self._read(e.id)
             return ir.Const(self.ids.devices[e.id])
         if isinstance(e, A.FieldRef):
-            return self._field(e.name.name)
+            return self._read(e.name.name)
         if isinstance(e, A.MapGet):
             self.maps.add(e.map.name)
             default = self._expr(e.default) if e.default is not None else ir.Const(0)
@@ -78,6 +79,10 @@ class _Lowerer:
         if isinstance(e, A.UnOp):
             return ir.Not(self._expr(e.operand)) if e.op == "!" else ir.Bin("-", ir.Const(0), self._expr(e.operand))
         raise TypeError(f"cannot lower {type(e).__name__}")
+
+    def _read(self, name):
+        self.reads.add(name)
+        return self._field(name)
 
     def _field(self, name):
         off, f = self.p.hook.layout[name]
@@ -158,8 +163,10 @@ def lower(analysis, ids: IdTables, opt: int, diags: Diagnostics) -> list[ir.Prog
         pls.sort(key=lambda p: p.order)
         prog = ir.ProgramIR(island, analysis.graph.islands[island].kind, pls[0].hook, [], [])
         low = _Lowerer(prog, ids, opt, diags)
+        used_maps: set[str] = set()
         for pl in pls:
             h = pl.handler
+            low.maps, low.reads = set(), set()
             guard = low.expr(h.when) if h.when is not None else None
             body = low.stmts(h.body)
             if opt >= 1:
@@ -170,8 +177,10 @@ def lower(analysis, ids: IdTables, opt: int, diags: Diagnostics) -> list[ir.Prog
                 if not body:
                     continue               # dead: nothing to do
             mid = ids.movements[pl.movement] if pl.movement else None
-            prog.handlers.append(ir.HandlerIR(pl.policy, mid, pl.period, guard, body, h.span))
-        prog.maps = sorted(low.maps)
+            prog.handlers.append(ir.HandlerIR(pl.policy, mid, pl.period, guard, body, h.span, sorted(low.maps),
+                                              sorted(low.reads)))
+            used_maps |= low.maps
+        prog.maps = sorted(used_maps)
         used = _stack_bytes(prog, max((_max_emit(h.body) for h in prog.handlers), default=0))
         if used > STACK_LIMIT:
             diags.error(pls[0].handler.span, f"the program for {island}.{prog.hook.name} needs {used} bytes "

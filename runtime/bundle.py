@@ -22,7 +22,8 @@ from .maps import Map
 from .program import Program
 from .verifier import VerifierError, verify
 
-MANIFEST_SCHEMA = "fabric-manifest/1"
+MANIFEST_SCHEMA = "fabric-manifest/2"   # 2: programs list their handlers
+DPUTIME_SCHEMA = "dputime/1"
 
 
 class BundleError(ValueError):
@@ -130,7 +131,7 @@ def create_maps(manifest: dict, shared: bool = False, skip=()) -> dict[str, Map]
 def load_runtime_json(path: Path) -> tuple[list[MapSpec], dict[str, list[isa.Insn]]]:
     """Maps and relocated instructions from a .bpftime.json or .dputime.json file."""
     data = _read_json(Path(path), Path(path).name)
-    if data.get("schema") == "dputime/1":
+    if data.get("schema") == DPUTIME_SCHEMA:
         maps = [MapSpec(m["name"], m["map_type"], m["key_size"], m["value_size"], m["max_entries"], m["flags"])
                 for m in data["maps"]]
         progs = {p["name"]: isa.decode(bytes.fromhex(p["insns"])) for p in data["programs"]}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import operator
 import struct
 
 import numpy as np
@@ -28,6 +29,7 @@ class ContextCodec:
         self.buffer = ctypes.create_string_buffer(self.size)   # reused by `fill`
         self._template_bytes = bytes(self._template)
         self._plans: dict[tuple, tuple] = {}
+        self._dtype = None
         # every decision read back with one unpack, compared with the defaults at once
         if self._decisions:
             start = self._decisions[0][1]
@@ -54,41 +56,70 @@ class ContextCodec:
         return buf
 
     def _layout_for(self, names: tuple):
-        """One struct covering the given fields in offset order (cached per set of names).
+        """One struct covering the given fields in offset order, and a getter that pulls
+        their values from a dict in that order (cached per set of names).
 
         Padding between them packs as zeros, which is safe: every hook lays its inputs out
         before its decisions, and only inputs are filled this way."""
         hit = self._plans.get(names)
         if hit is None:
             fields = sorted((self._offs[n][0], n, self._offs[n][1]) for n in names if n in self._offs)
-            fmt, pos, order, masks = "<", fields[0][0] if fields else 0, [], []
+            fmt, pos, order = "<", fields[0][0] if fields else 0, []
             start = pos
             for off, n, st in fields:
                 fmt += "x" * (off - pos) + st.format[-1]
                 pos = off + st.size
                 order.append(n)
-                masks.append(0xFFFFFFFF if st.size == 4 else 0xFFFFFFFFFFFFFFFF)
-            hit = self._plans[names] = (struct.Struct(fmt), start, order, masks)
+            getter = operator.itemgetter(*order) if len(order) > 1 else (
+                (lambda d, n=order[0]: (d[n],)) if order else (lambda d: ()))
+            masks = [0xFFFFFFFF if self._offs[n][1].size == 4 else 0xFFFFFFFFFFFFFFFF for n in order]
+            hit = self._plans[names] = (struct.Struct(fmt), start, getter, masks)
         return hit
 
     def _write(self, buf, values):
         if not values:
             return
-        st, start, order, masks = self._layout_for(tuple(values))
-        st.pack_into(buf, start, *[int(values[n]) & m for n, m in zip(order, masks)])
+        st, start, getter, masks = self._layout_for(tuple(values))
+        vals = getter(values)
+        try:
+            st.pack_into(buf, start, *vals)
+        except struct.error:       # a float, a negative or too large a value: as C would store it
+            st.pack_into(buf, start, *[int(v) & m for v, m in zip(vals, masks)])
 
-    def pack_many(self, rows: list[dict[str, int]]) -> np.ndarray:
-        """A 2-D uint8 array of contexts, one row per event (for batch runs); rows share keys."""
-        out = np.tile(np.frombuffer(bytes(self._template), dtype=np.uint8), (len(rows), 1))
-        if rows:
-            for name in rows[0]:
-                hit = self._offs.get(name)
-                if hit is None:
-                    continue
-                off, st = hit
-                col = np.array([r[name] for r in rows], dtype="<u4" if st.size == 4 else "<u8")
-                out[:, off:off + st.size] = col.view(np.uint8).reshape(len(rows), st.size)
-        return out
+    def pack_many(self, n: int, common: dict[str, int], columns: dict[str, object] | None = None) -> np.ndarray:
+        """A 2-D uint8 array of n contexts (for batch runs): every decision at its default,
+        ``common`` fields the same in every row, ``columns`` one value per row."""
+        ctx = np.empty(n, dtype=self.dtype())
+        ctx[:] = np.frombuffer(self._template_bytes, dtype=ctx.dtype)[0]
+        for name, value in list(common.items()) + list((columns or {}).items()):
+            if name in self._offs:
+                ctx[name] = value
+        return ctx.view(np.uint8).reshape(n, self.size)
+
+    def changed_many(self, rows: np.ndarray) -> list[dict[str, int] | None]:
+        """`changed` for every row of a batch; rows that decided alike share one dict."""
+        if not self._decisions:
+            return [None] * len(rows)
+        ctx = rows.reshape(-1).view(self.dtype())
+        values = np.stack([ctx[n].astype(np.uint64) for n in self._dec_names], axis=1)
+        combos, which = np.unique(values, axis=0, return_inverse=True)
+        shared = []
+        for combo in combos.tolist():
+            d = {n: v for n, v, dflt in zip(self._dec_names, combo, self._dec_defaults) if v != dflt}
+            shared.append(d or None)
+        return [shared[i] for i in which.reshape(-1).tolist()]
+
+    def dtype(self) -> np.dtype:
+        """The context struct as a numpy structured dtype, to build many contexts at once."""
+        if self._dtype is None:
+            self._dtype = self._make_dtype()
+        return self._dtype
+
+    def _make_dtype(self) -> np.dtype:
+        items = self.hook.layout.items()
+        return np.dtype({"names": [n for n, _ in items], "offsets": [off for _, (off, _) in items],
+                         "formats": ["<u4" if f.size == 4 else "<u8" for _, (_, f) in items],
+                         "itemsize": self.size})
 
     def get(self, buf, name: str) -> int:
         off, st = self._offs[name]

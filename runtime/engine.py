@@ -20,7 +20,12 @@ from . import compute
 from .fabric_model import Fabric, HookSite, Sim, Transfer
 from .figures import default, figures
 from .shims import SHIMS
+from .ticks import TickSource
 from .workload import Workload, WorkloadError, load_model
+
+
+# context fields that are the same for every chunk of a transfer (`Transfer.ctx`)
+TRANSFER_FIELDS = frozenset({"movement", "class", "operator", "src", "dst", "layer", "critical"})
 
 
 @dataclass
@@ -33,6 +38,7 @@ class RunOptions:
     attach: bool = True              # False: the baseline, every island on its defaults
     progress: object = None          # callable(fraction) or None
     trace: bool = False              # record spans for a Perfetto trace
+    eager_ticks: bool = False        # run each tick at its time instead of lazily (tests compare the two)
 
 
 class Engine(HookSite):
@@ -61,6 +67,9 @@ class Engine(HookSite):
         self.finished = None
         self.kv_done = 0.0
         self.spans: list[tuple[str, str, float, float]] = []   # (track, name, start ns, duration ns)
+        self.ticks: list[TickSource] = []
+        self._tick_deps: dict[tuple, list[TickSource]] = {}
+        self._plans: dict[tuple, tuple] = {}     # where an event happens -> (acting hooks, static)
 
     # -- setup ---------------------------------------------------------------------------
     def _workload(self) -> Workload:
@@ -127,92 +136,165 @@ class Engine(HookSite):
         t = Transfer(m["name"] if m else f"({cls}{'/' + operator if operator else ''})",
                      m["id"] if m else 0, cls, operator or "", src, dst, int(nbytes), layer,
                      bool(m and m["critical"]), on_done, chunk)
+        ids = self.ids
+        t.ctx = {"movement": t.movement_id, "class": ids["classes"].get(cls, 0),
+                 "operator": ids["operators"].get(t.operator, 0), "src": ids["devices"].get(src, 0),
+                 "dst": ids["devices"].get(dst, 0), "layer": layer, "critical": int(t.critical)}
         self.fabric.start(t)
         return t
 
     # -- the HookSite the fabric calls --------------------------------------------------------
-    def _chunk_fields(self, chunk, role):
-        t = chunk.transfer
-        ids = self.ids
-        return {"now": self.sim.now, "movement": t.movement_id, "class": ids["classes"].get(t.cls, 0),
-                "operator": ids["operators"].get(t.operator, 0), "src": ids["devices"].get(t.src, 0),
-                "dst": ids["devices"].get(t.dst, 0), "layer": t.layer, "chunk": chunk.index,
-                "bytes": chunk.bytes, "critical": int(t.critical), "hop": chunk.hop}
+    def _chunk_fields(self, chunk):
+        f = dict(chunk.transfer.ctx)
+        f["now"], f["chunk"], f["bytes"], f["hop"] = int(self.sim.now), chunk.index, chunk.bytes, chunk.hop
+        return f
 
-    def _run(self, island, hook, fields):
+
+    def _run(self, island, hook, fields) -> dict | None:
+        """The decisions the program on ``island``'s ``hook`` makes for an event (read-only;
+        device decisions as ids), or None when none acts on it."""
         shim = self.shims.get(island)
         if shim is None or not shim.has(hook):
             return None
-        t0 = self.sim.now
-        d = shim.deliver(hook, fields, t0)
+        if self.ticks:
+            self._ticks_before(island, hook, fields.get("movement"))
+        known = shim.decide(hook, fields, self.sim.now)
         if self.opts.trace:
-            self.spans.append((island, hook, t0, 0.0))
-        if not d:
-            return d
-        for k in ("route", "tier"):
-            if k in d:
-                d[k] = self.dev_by_id.get(d[k], 0)
+            self.spans.append((island, hook, self.sim.now, 0.0))
+        return known
+
+    def _devices(self, d: dict) -> dict:
+        """Route and tier decisions name devices by id; the fabric wants names."""
+        if "route" in d or "tier" in d:
+            d = dict(d)
+            for k in ("route", "tier"):
+                if k in d:
+                    d[k] = self.dev_by_id.get(d[k], 0)
         return d
 
-    def on_issue(self, chunk, island, role):
-        fields = self._chunk_fields(chunk, role)
-        here = chunk.path[0] if role == "src" else chunk.path[-1]
-        if role == "src" and len(chunk.path) > 1:
-            fields["out_port"] = self.fabric.port_index(here, chunk.path[1])
-            fields["queue_bytes"] = self.fabric.server(chunk.path[0], chunk.path[1]).queued_bytes
-        d = self._run(island, "issue", fields)
-        if d and d.get("prefetch"):
-            self.prefetch[island] = d["prefetch"]
-        return d
+    def on_issue(self, chunks, island, role):
+        shim = self.shims.get(island)
+        t = chunks[0].transfer
+        if shim is None or shim.maps_for("issue", t.movement_id) is None:
+            return None
+        if self.ticks:
+            self._ticks_before(island, "issue", t.movement_id)
+        common = self._chunk_fields(chunks[0])
+        path = chunks[0].path
+        if role == "src" and len(path) > 1:
+            common["out_port"] = self.fabric.port_index(path[0], path[1])
+            common["queue_bytes"] = self.fabric.server(path[0], path[1]).queued_bytes
+        columns = {"chunk": [c.index for c in chunks], "bytes": [c.bytes for c in chunks]}
+        out = shim.deliver_many("issue", len(chunks), common, columns, self.sim.now)
+        if self.opts.trace:
+            self.spans.append((island, "issue", self.sim.now, 0.0))
+        out = [self._devices(d) if d else d for d in out or ()]
+        for d in out:
+            if d and d.get("prefetch"):
+                self.prefetch[island] = d["prefetch"]
+        return out
 
     def on_enter(self, chunk, island, role, port_in, port_out):
-        kind = self.islands[island]["kind"]
-        fields = self._chunk_fields(chunk, role)
+        t, path, hop = chunk.transfer, chunk.path, chunk.hop
+        where = (island, role, path[0], path[-1], t.movement_id)
+        plan = self._plans.get(where)
+        if plan is None:
+            plan = self._plans[where] = self._plan(island, self._enter_hooks(island, role, path[0], path[-1]),
+                                                   t.movement_id)
+        hooks, static = plan
+        if not hooks:
+            return None
+        shim = self.shims[island]
+        hit = t.decided.get(where) if static else None
+        if hit is not None and hit[2] == shim.generation:   # as for this transfer's first chunk
+            for known in hit[1]:
+                known.hits += 1
+            if self.opts.trace:
+                self.spans.extend((island, h, self.sim.now, 0.0) for h in hooks)
+            return dict(hit[0])
+        fields = self._chunk_fields(chunk)
         fields["in_port"], fields["out_port"] = port_in, port_out
-        path, hop = chunk.path, chunk.hop
         if hop + 1 < len(path):
             fields["queue_bytes"] = self.fabric.server(path[hop], path[hop + 1]).queued_bytes
         elif path[hop] in self.fabric.wires:
             fields["queue_bytes"] = self.fabric.wires[path[hop]].queued_bytes
-        hooks = []
-        if kind == "cxl_switch":
-            hooks = ["forward"]
-            ends = (path[0], path[-1])
-            if any(self.devices[e]["kind"] == "cxl_mem" and self.device_island.get(e) == island for e in ends):
-                fields["write"] = int(self.devices[path[-1]]["kind"] == "cxl_mem")
-                hooks.append("mem_access")
-        elif kind == "dpu":
-            hooks = ["rx"] if role == "src" else ["tx"]
-        merged = {}
+        if "mem_access" in hooks:
+            fields["write"] = int(self.devices[path[-1]]["kind"] == "cxl_mem")
+        merged, each = {}, []
         for h in hooks:
-            d = self._run(island, h, fields)
-            if d:
-                merged.update(d)
-        return merged
+            known = self._run(island, h, fields)
+            each.append(known)
+            if known is not None:
+                merged.update(known.decisions)
+        merged = self._devices(merged)
+        if static and None not in each:        # None: the program faulted
+            t.decided[where] = (merged, each, shim.generation)
+        return dict(merged)
+
+    def _plan(self, island, hooks, movement):
+        """The hooks of ``island`` whose program acts on this movement's events, and whether
+        all of them decide from the transfer's own fields alone (no map, nothing per chunk)."""
+        shim = self.shims.get(island)
+        acting = [(h, shim.acting(h, movement)) for h in hooks] if shim else []
+        acting = [(h, a) for h, a in acting if a is not None]
+        static = all(a.key_fields is not None and set(a.key_fields) <= TRANSFER_FIELDS for _, a in acting)
+        return tuple(h for h, _ in acting), static
+
+    def _enter_hooks(self, island, role, src, dst):
+        """The hooks a chunk from src to dst meets on entering ``island`` in ``role``."""
+        kind = self.islands[island]["kind"]
+        if kind == "cxl_switch":
+            mem = any(self.devices[e]["kind"] == "cxl_mem" and self.device_island.get(e) == island
+                      for e in (src, dst))
+            return ("forward", "mem_access") if mem else ("forward",)
+        if kind == "dpu":
+            return ("rx",) if role == "src" else ("tx",)
+        return ()
 
     def on_delivered(self, chunk, island, latency):
-        fields = self._chunk_fields(chunk, "dst")
-        fields["latency"] = latency
-        d = self._run(island, "complete", fields)
-        if d and d.get("prefetch"):
-            self.prefetch[island] = d["prefetch"]
+        where = (island, "complete", chunk.transfer.movement_id)
+        plan = self._plans.get(where)
+        if plan is None:
+            plan = self._plans[where] = self._plan(island, ("complete",), chunk.transfer.movement_id)
+        if not plan[0]:
+            return
+        fields = self._chunk_fields(chunk)
+        fields["latency"] = int(latency)
+        known = self._run(island, "complete", fields)
+        if known is not None and known.decisions.get("prefetch"):
+            self.prefetch[island] = known.decisions["prefetch"]
 
     # -- telemetry ticks ----------------------------------------------------------------------
     def _start_ticks(self):
         for island, shim in self.shims.items():
-            for entry in self.man["programs"]:
-                if entry["island"] == island and entry["hook"] == "tick" and shim.has("tick"):
-                    for period in entry.get("tick_periods_ns") or []:
-                        self.sim.at(period, self._tick, _TickState(self, island, period))
+            periods = sorted({p for e in self.man["programs"] if e["island"] == island and e["hook"] == "tick"
+                              for p in e.get("tick_periods_ns") or []})
+            if not periods or not shim.has("tick"):
+                continue
+            peers = self.fabric.ports(island)
+            src = TickSource(shim, island, periods, [self.fabric.server(island, p) for p in peers],
+                             [self.ids["devices"].get(p, 0) for p in peers], self.spans if self.opts.trace else None)
+            self.ticks.append(src)
+            if self.opts.eager_ticks:
+                for p in periods:
+                    self.sim.at(p, self._eager_tick, src, p)
 
-    def _tick(self, ts: "_TickState"):
-        """One period's telemetry for every port of an island, delivered as one batch."""
-        if self.finished is not None:
-            return
-        self.shims[ts.island].deliver_batch("tick", ts.contexts(self.sim.now), self.sim.now)
-        if self.opts.trace:
-            self.spans.append((ts.island, "tick", self.sim.now, 0.0))
-        self.sim.at(self.sim.now + ts.period, self._tick, ts)
+    def _eager_tick(self, src: TickSource, period: int):
+        if self.finished is None:
+            src.catch_up(self.sim.now)
+            self.sim.at(self.sim.now + period, self._eager_tick, src, period)
+
+    def _ticks_before(self, island, hook, movement):
+        """Run the pending ticks whose program shares a map with what this event's handlers touch."""
+        key = (island, hook, movement)
+        deps = self._tick_deps.get(key)
+        if deps is None:
+            touched = self.shims[island].maps_for(hook, movement) or frozenset()
+            deps = self._tick_deps[key] = [
+                t for t in self.ticks
+                if not (t.island == island and hook == "tick") and touched & (t.shim.maps_for("tick", None) or set())]
+        for t in deps:
+            t.catch_up(self.sim.now)
 
     # -- the prefill ------------------------------------------------------------------------------
     def _placement(self):
@@ -225,11 +307,12 @@ class Engine(HookSite):
                 where = w.weights
                 if host is not None:
                     m = self._movement("weights", op, w.weights, self.gpus[0]) if w.weights in self.devices else None
-                    d = self._run(host, "alloc", {"now": 0, "movement": m["id"] if m else 0,
-                                                  "class": self.ids["classes"]["weights"], "layer": layer,
-                                                  "bytes": w.weight_bytes(op)})
-                    if d and d.get("tier"):
-                        where = "hbm" if self.devices[d["tier"]]["kind"] == "gpu" else d["tier"]
+                    known = self._run(host, "alloc", {"now": 0, "movement": m["id"] if m else 0,
+                                                      "class": self.ids["classes"]["weights"], "layer": layer,
+                                                      "bytes": w.weight_bytes(op)})
+                    tier = self.dev_by_id.get(known.decisions.get("tier")) if known is not None else None
+                    if tier:
+                        where = "hbm" if self.devices[tier]["kind"] == "gpu" else tier
                 src[(layer, op)] = where
         return src
 
@@ -250,6 +333,8 @@ class Engine(HookSite):
         self.sim.run()
         if self.finished is None:
             raise RuntimeError("the prefill did not finish: a transfer never completed")
+        for t in self.ticks:
+            t.catch_up(self.finished)
         return self._collect()
 
     def _issue_weights(self, g, current):
@@ -293,10 +378,11 @@ class Engine(HookSite):
         if stall > 0:
             m = self._movement("weights", op, self.weight_src[(layer, op)], g)
             self.stall_by_movement[m["name"] if m else f"(weights/{op})"] += stall
-        d = self._run(g, "launch", {"now": self.sim.now, "layer": layer, "operator": self.ids["operators"][op],
-                                    "flops": int(o.flops), "bytes": int(o.bytes), "stall": int(stall)})
-        if d and d.get("prefetch"):
-            self.prefetch[g] = d["prefetch"]
+        known = self._run(g, "launch", {"now": int(self.sim.now), "layer": layer,
+                                        "operator": self.ids["operators"][op], "flops": int(o.flops),
+                                        "bytes": int(o.bytes), "stall": int(stall)})
+        if known is not None and known.decisions.get("prefetch"):
+            self.prefetch[g] = known.decisions["prefetch"]
         self._issue_weights(g, u + 1)
         dur = compute.op_time(o.flops, o.bytes, self._gpu_figure(g, "bf16"), self._gpu_figure(g, "hbm_bw")) * 1e9
         if self.opts.trace:
@@ -358,48 +444,10 @@ class Engine(HookSite):
 
     def _finish(self):
         self.finished = self.sim.now
+        for t in self.ticks:
+            t.end = self.finished        # no ticks after the prefill's end
 
     # -- figures ------------------------------------------------------------------------------------
     def _collect(self) -> dict:
         from .stats import collect
         return collect(self)
-
-
-class _TickState:
-    """The contexts of one island's tick, kept in one buffer: only the counters change."""
-
-    def __init__(self, eng: Engine, island: str, period: int):
-        import struct
-        import numpy as np
-        self.island, self.period = island, period
-        peers = eng.fabric.ports(island)
-        self.servers = [eng.fabric.server(island, p) for p in peers]
-        hook = eng.shims[island].codecs["tick"].hook
-        self.size = hook.ctx_size
-        self.static = [(i, eng.ids["devices"].get(p, 0)) for i, p in enumerate(peers)]
-        self.buf = bytearray(eng.shims[island].codecs["tick"].pack_many(
-            [{"period": period}] * len(peers)).tobytes())
-        self.rows = np.frombuffer(self.buf, dtype=np.uint8).reshape(len(peers), self.size)
-        # now, port, peer, util_pct, bytes, queue_bytes in one struct per row, padding where the layout has it
-        names = ["now", "port", "peer", "util_pct", "bytes", "queue_bytes"]
-        fmt, pos = "<", 0
-        for n in names:
-            off, f = hook.layout[n]
-            fmt += "x" * (off - pos) + ("I" if f.size == 4 else "Q")
-            pos = off + f.size
-        self.row = struct.Struct(fmt)
-        self.last = [0] * len(peers)
-        # per port: bytes that make 1 % of the period's capacity
-        self.per_pct = [s.bw * period / 1e9 / 100 if s.bw else float("inf") for s in self.servers]
-
-    def contexts(self, now):
-        row, size, last, buf, per_pct = self.row, self.size, self.last, self.buf, self.per_pct
-        now = int(now)
-        for k, srv in enumerate(self.servers):
-            total = srv.bytes
-            sent = total - last[k]
-            last[k] = total
-            util = int(sent / per_pct[k] + 0.5)
-            port, peer = self.static[k]
-            row.pack_into(buf, k * size, now, port, peer, util if util < 100 else 100, sent, srv.queued_bytes)
-        return self.rows

@@ -70,6 +70,8 @@ class Transfer:
     chunks_total: int = 0
     chunks_done: int = 0
     queue_waits: list = field(default_factory=list)
+    ctx: dict = field(default_factory=dict)     # the hook site's context fields, the same for every chunk
+    decided: dict = field(default_factory=dict) # the hook site's decisions that hold for every chunk
 
     @property
     def flow(self) -> tuple:
@@ -104,10 +106,23 @@ class Server:
         self.bytes = 0
         self.intervals: list[tuple[float, float, int]] = []
         self.queued_bytes = 0          # bytes waiting, not yet on the link
+        self.watchers: list = []       # tick sources that log every change of the two counters
+
+    def watch(self, source, port: int) -> None:
+        """Log (time, port, bytes, queued_bytes) into ``source.log`` at every change."""
+        self.watchers.append((source.log, port, source))
+
+    def _log(self, now) -> None:
+        for log, port, source in self.watchers:
+            log.extend((now, port, self.bytes, self.queued_bytes))
+            if len(log) > source.limit:
+                source.catch_up(now)
 
     def enqueue(self, chunk: Chunk, done) -> None:
         chunk.enqueued = self.sim.now
         self.queued_bytes += chunk.bytes
+        if self.watchers:
+            self._log(chunk.enqueued)
         q = self.queues.setdefault(chunk.priority, OrderedDict())
         q.setdefault(chunk.transfer.flow, deque()).append((chunk, done))
         if not self.busy:
@@ -130,6 +145,8 @@ class Server:
             self.bytes += chunk.bytes
             self.queued_bytes -= chunk.bytes
             self.intervals.append((now, now + dt, chunk.bytes))
+            if self.watchers:
+                self._log(now)
             self.sim.at(now + dt, self._finish, chunk, done)
             return
         self.busy = False
@@ -142,7 +159,8 @@ class Server:
 class HookSite:
     """What the fabric asks at decision points; the engine implements it with shims."""
 
-    def on_issue(self, chunk: Chunk, island: str, role: str) -> dict | None:
+    def on_issue(self, chunks: list[Chunk], island: str, role: str) -> list | None:
+        """A transfer's chunks are issued at a GPU: each chunk's decisions (or None)."""
         return None
 
     def on_enter(self, chunk: Chunk, island: str, role: str, port_in: int, port_out: int) -> dict | None:
@@ -175,17 +193,30 @@ class Fabric:
         self.buckets: dict[tuple, float] = {}
         self.coalescing: dict[tuple, list] = {}
         self.transfers: list[Transfer] = []
+        self._ports: dict[str, list[str]] = {}
+        self._port_index: dict[tuple[str, str], int] = {}
+        self._routes: dict[tuple[str, str], list[str]] = {}
 
     # -- paths ------------------------------------------------------------------------
     def route(self, src: str, dst: str) -> list[str]:
-        return nx.shortest_path(self.g, src, dst, weight=lambda u, v, e: (e.get("latency") or 0) + 1)
+        """The lowest-latency path (fewest hops among equals); the graph is fixed, so cached."""
+        key = (src, dst)
+        if key not in self._routes:
+            self._routes[key] = nx.shortest_path(self.g, src, dst, weight=lambda u, v, e: (e.get("latency") or 0) + 1)
+        return list(self._routes[key])
 
     def ports(self, device: str) -> list[str]:
-        return sorted(self.g.successors(device))
+        """The devices a device's ports lead to, in port-index order."""
+        if device not in self._ports:
+            self._ports[device] = sorted(self.g.successors(device))
+        return self._ports[device]
 
     def port_index(self, device: str, peer: str) -> int:
-        ports = self.ports(device)
-        return ports.index(peer) if peer in ports else 0
+        key = (device, peer)
+        if key not in self._port_index:
+            ports = self.ports(device)
+            self._port_index[key] = ports.index(peer) if peer in ports else 0
+        return self._port_index[key]
 
     def role(self, chunk: Chunk, island: str) -> str:
         devs = self.device_island
@@ -207,17 +238,19 @@ class Fabric:
         n = max(1, -(-t.bytes // t.chunk_bytes))
         t.chunks_total = n
         self.transfers.append(t)
-        for i in range(n):
-            size = min(t.chunk_bytes, t.bytes - i * t.chunk_bytes) if t.bytes else 0
-            chunk = Chunk(t, i, size, t.path)
-            release = now
-            for end in {t.path[0], t.path[-1]}:
-                isl = self.device_island.get(end)
-                if isl is not None and self.island_kind.get(isl) == "gpu":
-                    d = self.hooks.on_issue(chunk, isl, "src" if end == t.path[0] else "dst")
-                    if d:
-                        release = max(release, self._apply(chunk, isl, d, release))
-            self.sim.at(release, self._arrive, chunk)
+        chunks = [Chunk(t, i, min(t.chunk_bytes, t.bytes - i * t.chunk_bytes) if t.bytes else 0, t.path)
+                  for i in range(n)]
+        release = [now] * n
+        ends = [(t.path[0], "src")] + ([(t.path[-1], "dst")] if t.path[-1] != t.path[0] else [])
+        for end, role in ends:      # the source GPU sees every chunk issued, then the destination
+            isl = self.device_island.get(end)
+            if isl is None or self.island_kind.get(isl) != "gpu":
+                continue
+            for i, d in enumerate(self.hooks.on_issue(chunks, isl, role) or ()):
+                if d:
+                    release[i] = max(release[i], self._apply(chunks[i], isl, d, release[i]))
+        for chunk, at in zip(chunks, release):
+            self.sim.at(at, self._arrive, chunk)
 
     def _apply(self, chunk: Chunk, island: str, d: dict, now: float) -> float:
         """Apply decisions; returns when the chunk may move on."""

@@ -747,7 +747,11 @@ class JitBackend(Backend):
         e.fault, e.ctx_len = 0, ctxs.shape[1]
         n = c.batch(c.env_addr, ctxs.ctypes.data, ctxs.shape[0], ctxs.shape[1])
         if e.fault:
-            self._check(c)
+            try:
+                self._check(c)
+            except VMFault as fault:
+                fault.row = int(n)
+                raise
         return n
 
     def _check(self, c):

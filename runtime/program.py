@@ -64,6 +64,7 @@ class VMFault(RuntimeError):
 
     def __init__(self, program: Program, pc: int, reason: str):
         self.program, self.pc, self.reason = program, pc, reason
+        self.row = 0      # in a batch run: the context that faulted
         super().__init__(f"{program.where(pc)}: {reason}")
 
 
@@ -81,6 +82,21 @@ class Backend:
 
     def run(self, handle, ctx: bytearray | None = None, mem: bytearray | None = None) -> int:
         raise NotImplementedError
+
+    def run_batch(self, handle, ctxs) -> int:
+        """Run the program on every row of a 2-D uint8 array of contexts, in order and in place
+        (decisions come back in the rows); returns the rows run.  A fault stops the batch: the
+        `VMFault` carries the faulting row as ``row``.  Backends with a native batch entry
+        override this loop."""
+        for i, row in enumerate(ctxs):
+            buf = bytearray(row.tobytes())
+            try:
+                self.run(handle, buf)
+            except VMFault as e:
+                e.row = i
+                raise
+            row[:] = memoryview(buf)
+        return len(ctxs)
 
     def close(self) -> None:
         pass

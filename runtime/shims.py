@@ -19,6 +19,7 @@ from fabric_ext.hooks import HOOKS
 
 from .bundle import BundleError, load_runtime_json
 from .context import ContextCodec
+from .dispatch import Acting, Known, acting
 from .program import Program, SourceLine, VMFault
 from .verifier import VerifierError, verify
 
@@ -32,11 +33,14 @@ class Shim:
         self.programs: dict[str, Program] = {}
         self.handles: dict[str, object] = {}
         self.codecs: dict[str, ContextCodec] = {}
-        self.invocations: Counter = Counter()
+        self.invocations: Counter = Counter()     # program runs, per hook
         self.ns: Counter = Counter()
-        self.decisions: dict[str, Counter] = defaultdict(Counter)
+        self.decisions: dict[tuple, Counter] = defaultdict(Counter)   # (hook, decision) -> value counts
         self.faults: list[dict] = []
         self.maps: dict = {}
+        self.handlers: dict[str, list[dict]] = {}     # hook -> the manifest's handler list
+        self._acting: dict[tuple, Acting | None] = {}
+        self.generation = 0         # bumped when a program is detached
 
     # -- loading ------------------------------------------------------------------------
     def load(self, folder: Path, manifest: dict, maps: dict) -> None:
@@ -66,27 +70,61 @@ class Shim:
                 verify(prog)
             except VerifierError as e:
                 raise BundleError(f"{path}: {e}") from None
-            self.attach(entry["hook"], prog)
+            self.attach(entry["hook"], prog, entry.get("handlers"))
 
-    def attach(self, hook: str, prog: Program) -> None:
+    def attach(self, hook: str, prog: Program, handlers: list[dict] | None = None) -> None:
+        """Attach ``prog`` to ``hook``; ``handlers`` (the manifest's list) says which movements
+        it acts on and which maps each touches (None: every event, every map it has)."""
         self.programs[hook] = prog
+        if handlers is not None:
+            self.handlers[hook] = handlers
+        self._acting.clear()
         self.codecs[hook] = ContextCodec(prog.hook)
         self.handles[hook] = self.backend.load(prog)
 
     def detach(self, hook: str) -> None:
         self.programs.pop(hook, None)
         self.handles.pop(hook, None)
+        self.generation += 1        # decisions callers remember from before no longer hold
 
     def has(self, hook: str) -> bool:
         return hook in self.handles
 
+    def acting(self, hook: str, movement: int | None) -> Acting | None:
+        """What the program on ``hook`` does for events of ``movement`` (None: nothing;
+        see `dispatch.py`)."""
+        key = (hook, movement)
+        if key not in self._acting:
+            prog = self.programs.get(hook)
+            self._acting[key] = acting(hook, prog, self.handlers.get(hook), movement) if prog else None
+        return self._acting[key]
+
+    def maps_for(self, hook: str, movement: int | None) -> frozenset | None:
+        """The maps the program on ``hook`` may touch for an event of ``movement``, or None
+        when no handler acts on it."""
+        a = self.acting(hook, movement)
+        return a.maps if a is not None else None
+
     # -- events ----------------------------------------------------------------------------
     def deliver(self, hook: str, fields: dict, now: float = 0.0) -> dict | None:
         """Run the program on ``hook`` with a context built from ``fields``; return the
-        decisions it changed (None if no program is attached or it faulted)."""
+        decisions it changed (None if no handler acts on the event or the program faulted)."""
+        known = self.decide(hook, fields, now)
+        return dict(known.decisions) if known is not None else None
+
+    def decide(self, hook: str, fields: dict, now: float = 0.0) -> Known | None:
+        """The decisions for an event as a `Known` (read-only; None if no handler acts on it
+        or the program faulted).  Decisions that depend only on the fields the handlers read
+        come from memory after the first run; ``Known.hits`` counts the events they served."""
         handle = self.handles.get(hook)
-        if handle is None:
+        act = self.acting(hook, fields.get("movement")) if handle is not None else None
+        if act is None:
             return None
+        key = act.key(fields)
+        known = act.recall(key)
+        if known is not None:
+            known.hits += 1
+            return known
         codec = self.codecs[hook]
         ctx = codec.fill(fields)
         t0 = time.perf_counter_ns()
@@ -99,29 +137,54 @@ class Shim:
             self.ns[hook] += time.perf_counter_ns() - t0
             self.invocations[hook] += 1
         changed = codec.changed(ctx)
-        for k, v in changed.items():
-            self.decisions[f"{hook}.{k}"][v] += 1
-        return changed
+        self._count(hook, changed)
+        return act.remember(key, changed) or Known(changed)
 
-    def deliver_batch(self, hook: str, ctxs, now: float = 0.0) -> None:
-        """Deliver events whose decisions nobody reads (telemetry ticks): a 2-D uint8 array
-        of contexts, run in one native call where the backend has a batch entry."""
+    def deliver_many(self, hook: str, n: int, common: dict, columns: dict, now: float = 0.0) -> list | None:
+        """Deliver n events at once (a transfer's chunks, issued together): ``common`` fields
+        are the same for all, ``columns`` give one value per event.  Runs in order, as n
+        `deliver` calls would; returns each event's changed decisions (None: unchanged), or
+        None if no handler acts on these events."""
+        act = self.acting(hook, common.get("movement")) if hook in self.handles else None
+        if act is None:
+            return None
+        key = act.key(common) if act.key_fields is not None and not set(act.key_fields) & set(columns) else None
+        known = act.recall(key)
+        if known is not None:
+            known.hits += n
+            return [dict(known.decisions) or None] * n
+        codec = self.codecs[hook]
+        rows = codec.pack_many(n, common, columns)
+        ran = self.deliver_batch(hook, rows, lambda row: now)
+        out = codec.changed_many(rows[:ran]) + [None] * (n - ran)   # a faulting event gets the defaults
+        for d in out[:ran]:
+            self._count(hook, d)
+        if ran == n:                 # every row decided alike where the key covers all they read
+            act.remember(key, out[0] or {})
+        return out
+
+    def _count(self, hook, decisions, n=1):
+        for k, v in (decisions or {}).items():
+            self.decisions[hook, k][v] += n
+
+    def deliver_batch(self, hook: str, ctxs, row_time=lambda row: 0.0) -> int:
+        """Run the program on ``hook`` over a 2-D uint8 array of contexts, in order and in
+        place, in one native call where the backend has one; returns the rows run (all of
+        them unless the program faulted; ``row_time(row)`` is when the faulting event was)."""
         handle = self.handles.get(hook)
         if handle is None:
-            return
+            return 0
         t0 = time.perf_counter_ns()
+        n = ran = len(ctxs)
         try:
-            batch = getattr(self.backend, "run_batch", None)
-            if batch is not None:
-                batch(handle, ctxs)
-            else:
-                for row in ctxs:
-                    self.backend.run(handle, bytearray(row.tobytes()))
+            self.backend.run_batch(handle, ctxs)
         except VMFault as e:
-            self._fault(hook, e, now)
+            ran, n = e.row, e.row + 1          # the faulting run counts as an invocation
+            self._fault(hook, e, row_time(e.row))
         finally:
             self.ns[hook] += time.perf_counter_ns() - t0
-            self.invocations[hook] += len(ctxs)
+            self.invocations[hook] += n
+        return ran
 
     def _fault(self, hook, e: VMFault, now):
         src = e.program.source_line(e.pc)
@@ -131,19 +194,27 @@ class Shim:
         self.detach(hook)
 
     def summary(self) -> dict:
-        """Invocations, ns per invocation in the VM, and decision counts per value (with units)."""
+        """Events per hook, program invocations (runs; the other events were served by
+        decisions already known), ns per invocation in the VM, and decision counts per
+        value (with units)."""
         from fabric_ext.units import format_quantity
         n = sum(self.invocations.values())
+        events = Counter(self.invocations)
+        decisions = defaultdict(Counter, {k: Counter(c) for k, c in self.decisions.items()})
+        for act in self._acting.values():
+            for known in act.known() if act is not None else ():
+                events[act.hook] += known.hits
+                for k, v in known.decisions.items():
+                    decisions[act.hook, k][v] += known.hits
 
-        def label(key, value):
-            hook, name = key.split(".", 1)
+        def label(hook, name, value):
             f = HOOKS[self.kind, hook].field(name)
             return format_quantity(value, f.dim).replace(" ", "") if f is not None and f.dim else str(value)
-        return {"name": self.island, "kind": self.kind, "runtime": self.runtime, "invocations": n,
-                "per_hook": dict(self.invocations),
+        return {"name": self.island, "kind": self.kind, "runtime": self.runtime,
+                "events": sum(events.values()), "invocations": n, "per_hook": dict(events),
                 "ns_per_invocation": round(sum(self.ns.values()) / n) if n else 0,
-                "decisions": {k: {label(k, v): c for v, c in sorted(cnt.items())}
-                              for k, cnt in sorted(self.decisions.items())}}
+                "decisions": {f"{h}.{k}": {label(h, k, v): c for v, c in sorted(cnt.items()) if c}
+                              for (h, k), cnt in sorted(decisions.items()) if any(cnt.values())}}
 
 
 class BpftimeShim(Shim):

@@ -27,7 +27,7 @@ def test_every_example_compiles_and_loads(policy):
     b = load_bundle(compiled(policy))
     assert b.islands and all(ip.programs for ip in b.islands.values())
     man = b.manifest
-    assert man["schema"] == "fabric-manifest/1" and man["ids"]["movements"]
+    assert man["schema"] == "fabric-manifest/2" and man["ids"]["movements"]
     assert all(p["insns"] > 0 for p in man["programs"])
 
 

@@ -1,0 +1,77 @@
+"""What a program will do with an event, known before it runs: the manifest's handler list.
+
+The code generator guards every handler with its movement id (and a tick handler
+with its period), and lists per handler the maps it uses and the context fields
+it reads.  So for an event of a given movement the shim knows:
+
+- whether any handler acts on it at all: if none does, the program would return
+  without touching anything, and the event is not delivered;
+- which maps the acting handlers may touch, which tells the engine when lazily
+  deferred ticks must run first (`ticks.py`);
+- whether they use no map at all: then their decisions are a function of the
+  fields they read (decisions start at their defaults on every run), and the
+  shim remembers them per value of those fields instead of running again.
+"""
+from __future__ import annotations
+
+MEMO_LIMIT = 256       # distinct field values per (hook, movement) before remembering stops
+
+
+class Known:
+    """Decisions known without running the program again, and how often they were reused."""
+    __slots__ = ("decisions", "hits")
+
+    def __init__(self, decisions: dict):
+        self.decisions = decisions      # read-only: callers copy before they change it
+        self.hits = 0                   # events served from here (the run that made it not counted)
+
+
+class Acting:
+    """The handlers of one program that act on one movement's events."""
+    __slots__ = ("hook", "maps", "key_fields", "memo", "retired")
+
+    def __init__(self, hook: str, maps: frozenset, key_fields: tuple | None):
+        self.hook = hook
+        self.maps = maps                 # maps the handlers may touch
+        self.key_fields = key_fields     # fields the decisions depend on; None: not a function of them
+        self.memo: dict[tuple, Known] = {}
+        self.retired: list[Known] = []   # remembered once, kept for their counts
+
+    def key(self, fields: dict) -> tuple | None:
+        if self.key_fields is None:
+            return None
+        return tuple([fields.get(f, 0) for f in self.key_fields])
+
+    def recall(self, key) -> Known | None:
+        return self.memo.get(key) if key is not None else None
+
+    def remember(self, key, decisions: dict) -> Known | None:
+        """Keep the decisions of a run for these field values (None if not remembered)."""
+        if key is None:
+            return None
+        if len(self.memo) >= MEMO_LIMIT:     # the fields vary per event (a time, a size): stop
+            self.retired.extend(self.memo.values())
+            self.key_fields, self.memo = None, {}
+            return None
+        known = self.memo[key] = Known(dict(decisions))
+        return known
+
+    def known(self):
+        """Every Known this has made, for the counts."""
+        return list(self.memo.values()) + self.retired
+
+
+def acting(hook: str, prog, handlers: list[dict] | None, movement: int | None) -> Acting | None:
+    """What ``prog`` does for events of ``movement``: None if no handler acts on them.
+
+    Without a handler list (a program attached by hand) every event is delivered, every
+    map of the program may be touched, and nothing is remembered."""
+    if handlers is None:
+        return Acting(hook, frozenset(m.name for m in prog.maps), None)
+    by_movement = prog.hook.field("movement") is not None
+    act = [h for h in handlers if not by_movement or h["movement"] in (None, movement)]
+    if not act:
+        return None
+    maps = frozenset(m for h in act for m in h["maps"])
+    pure = not maps and all("reads" in h for h in act)
+    return Acting(hook, maps, tuple(sorted({f for h in act for f in h["reads"]})) if pure else None)

@@ -1,0 +1,155 @@
+"""Telemetry ticks, run lazily: port counters logged as they change, ticks run in batches.
+
+A tick at time T gives its program one context per port of the island: the bytes
+the port sent over the last period (and that as a utilisation of its capacity),
+and the bytes queued at it, as they stood just before T — a tick runs before every
+other event at its time.  Tick programs decide nothing; their only effect is on
+maps.  So nothing can observe a tick until a program that shares a map with it
+runs, or the maps are read at the end: the engine lets ticks pile up and calls
+`TickSource.catch_up` at those moments, which builds every pending tick's contexts
+from the log at once and runs them in native batches.  The outcome is the same as
+running each tick at its time (`tests/test_ticks.py` checks both against each other
+and against counters computed one by one), at a small fraction of the cost: a 10 us
+tick on 11 ports over a 2 s prefill is 2.4 million program runs.
+"""
+from __future__ import annotations
+
+import array
+
+import numpy as np
+
+LOG_LIMIT = 1 << 16        # log entries (per island) that force a catch-up, bounding memory
+BLOCK = 4096               # ticks per batch
+
+
+class TickSource:
+    """Every tick period of one island's tick program, over the island's ports."""
+
+    def __init__(self, shim, island: str, periods: list[int], servers: list, peers: list[int], spans=None):
+        self.shim, self.island = shim, island
+        self.periods = sorted(int(p) for p in periods)
+        self.next_k = {p: 1 for p in self.periods}       # the next tick of period p is at k * p
+        self.end = float("inf")                          # no ticks after this time (the prefill's end)
+        self.spans = spans                               # a list to record trace spans in, or None
+        n = len(servers)
+        self.log = array.array("d")                      # (time, port, bytes sent, bytes queued) per change
+        self.limit = LOG_LIMIT * 4                       # in floats, four per entry
+        self.servers = servers
+        for i, srv in enumerate(servers):
+            srv.watch(self, i)
+        self.carried = np.zeros((2, n))                  # each port's (bytes, queued) before the log starts
+        self.sent_at_last = {p: np.zeros(n) for p in self.periods}
+        # bytes that make 1 % of a period's capacity; a port without a bandwidth reads 0 %
+        bw = np.array([srv.bw or 0.0 for srv in servers], dtype=np.float64)
+        self.per_pct = {p: np.where(bw > 0, bw * p / 1e9 / 100, np.inf) for p in self.periods}
+        codec = shim.codecs["tick"]
+        self.dtype = codec.dtype()
+        self.template = np.frombuffer(codec.pack(), dtype=self.dtype)[0]
+        self.ports = np.arange(n, dtype=np.uint32)
+        self.peers = np.asarray(peers, dtype=np.uint32)
+        self.buf = None
+
+    @property
+    def active(self) -> bool:
+        return self.shim.has("tick")
+
+    # -- running the ticks --------------------------------------------------------------------
+    def pending(self, t: float) -> tuple[np.ndarray, np.ndarray]:
+        """Times and periods of the ticks due at or before t, in time order (ties: shorter period first)."""
+        t = min(t, self.end)
+        times, periods = [], []
+        for p in self.periods:
+            k0, k1 = self.next_k[p], int(t // p)
+            if k1 >= k0:
+                times.append(np.arange(k0, k1 + 1, dtype=np.int64) * p)
+                periods.append(np.full(k1 - k0 + 1, p, dtype=np.int64))
+        if not times:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        times, periods = np.concatenate(times), np.concatenate(periods)
+        order = np.lexsort((periods, times))
+        return times[order], periods[order]
+
+    def catch_up(self, t: float) -> None:
+        """Run every tick due at or before t."""
+        if not self.active:          # detached after a fault: stop logging
+            for srv in self.servers:
+                srv.watchers = [w for w in srv.watchers if w[2] is not self]
+            del self.log[:]
+            return
+        times, periods = self.pending(t)
+        if not len(times):
+            self.limit *= 2          # all logged within one period: let the log grow
+            return
+        for p in self.periods:
+            due = periods == p
+            if due.any():
+                self.next_k[p] = int(times[due][-1] // p) + 1
+        for i in range(0, len(times), BLOCK):
+            if not self._run(times[i:i + BLOCK], periods[i:i + BLOCK]):
+                return
+        self.limit = LOG_LIMIT * 4
+
+    def _counters(self, times):
+        """Each port's (bytes sent, bytes queued) just before each time: arrays of (ticks, ports)."""
+        log = np.frombuffer(self.log, dtype=np.float64).reshape(-1, 4)
+        n_ports = len(self.ports)
+        before = np.searchsorted(log[:, 0], times, side="left")
+        # latest[i, port]: 1 + index of the port's last entry among the first i entries, 0 for none
+        latest = np.zeros((len(log) + 1, n_ports), dtype=np.int64)
+        if len(log):
+            latest[np.arange(1, len(log) + 1), log[:, 1].astype(np.int64)] = np.arange(1, len(log) + 1)
+            np.maximum.accumulate(latest, axis=0, out=latest)
+        at = latest[before]
+        rows = np.maximum(at - 1, 0)
+        known = at > 0
+        sent = np.where(known, log[rows, 2] if len(log) else 0.0, self.carried[0])
+        queued = np.where(known, log[rows, 3] if len(log) else 0.0, self.carried[1])
+        # what the next ticks start from: the state before the last of these, and the log after it
+        self.carried = np.stack([sent[-1], queued[-1]])
+        del log                          # release the view, so the log can shrink
+        del self.log[:4 * int(before[-1])]
+        return sent, queued
+
+    def _run(self, times, periods) -> bool:
+        """Build the contexts of these ticks and run them; False if the program faulted."""
+        total, queued = self._counters(times)
+        n_ports, k = len(self.ports), len(times)
+        if len(self.periods) == 1:
+            (p,) = self.periods
+            groups = [(p, slice(None))]
+        else:
+            groups = [(p, periods == p) for p in self.periods]
+        delta, util = np.empty_like(total), np.empty_like(total)
+        for p, due in groups:
+            t = total[due]
+            if not len(t):
+                continue
+            delta[due] = np.diff(t, axis=0, prepend=self.sent_at_last[p][None, :])
+            util[due] = np.minimum(np.floor(delta[due] / self.per_pct[p] + 0.5), 100)
+            self.sent_at_last[p] = t[-1]
+        ctx = self._buffer(k * n_ports)
+        ctx["now"] = np.repeat(times, n_ports)
+        if len(self.periods) > 1:
+            ctx["period"] = np.repeat(periods, n_ports)
+        ctx["util_pct"] = util.ravel()
+        ctx["bytes"] = delta.ravel()
+        ctx["queue_bytes"] = queued.ravel()
+        rows = ctx.view(np.uint8).reshape(len(ctx), -1)
+        ran = self.shim.deliver_batch("tick", rows, lambda row: float(times[row // n_ports]))
+        if self.spans is not None:
+            self.spans.extend((self.island, "tick", float(t), 0.0) for t in times[:(ran + n_ports - 1) // n_ports])
+        return ran == len(rows)
+
+    def _buffer(self, n):
+        """The first n rows of a context buffer whose fixed fields (port, peer, the period
+        when there is one) are filled once; tick programs write no context fields."""
+        if self.buf is None or len(self.buf) < n:
+            rows = max(n, 2 * len(self.buf) if self.buf is not None else 0)
+            buf = np.empty(rows, dtype=self.dtype)
+            buf[:] = self.template
+            reps = -(-rows // len(self.ports))
+            buf["port"] = np.tile(self.ports, reps)[:rows]
+            buf["peer"] = np.tile(self.peers, reps)[:rows]
+            buf["period"] = self.periods[0]
+            self.buf = buf
+        return self.buf[:n]
