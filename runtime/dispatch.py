@@ -19,11 +19,12 @@ MEMO_LIMIT = 256       # distinct field values per (hook, movement) before remem
 
 class Known:
     """Decisions known without running the program again, and how often they were reused."""
-    __slots__ = ("decisions", "hits")
+    __slots__ = ("decisions", "hits", "kept")
 
-    def __init__(self, decisions: dict):
+    def __init__(self, decisions: dict, kept: bool = True):
         self.decisions = decisions      # read-only: callers copy before they change it
         self.hits = 0                   # events served from here (the run that made it not counted)
+        self.kept = kept                # False: one run's decisions, not remembered (hits are not counted)
 
 
 class Acting:

@@ -227,7 +227,7 @@ class Engine(HookSite):
             if known is not None:
                 merged.update(known.decisions)
         merged = self._devices(merged)
-        if static and None not in each:        # None: the program faulted
+        if static and all(k is not None and k.kept for k in each):    # None: the program faulted
             t.decided[where] = (merged, each, shim.generation)
         return dict(merged)
 

@@ -138,7 +138,7 @@ class Shim:
             self.invocations[hook] += 1
         changed = codec.changed(ctx)
         self._count(hook, changed)
-        return act.remember(key, changed) or Known(changed)
+        return act.remember(key, changed) or Known(changed, kept=False)
 
     def deliver_many(self, hook: str, n: int, common: dict, columns: dict, now: float = 0.0) -> list | None:
         """Deliver n events at once (a transfer's chunks, issued together): ``common`` fields

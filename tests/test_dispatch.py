@@ -1,0 +1,80 @@
+"""What the runtime knows before running a program (the manifest's handler list): events no
+handler acts on are skipped, decisions of map-free handlers are remembered.  Both must be
+invisible: the program really does nothing for the skipped events, and a run that remembers
+nothing gives the same report."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fabric_ext.runtime import dispatch
+from fabric_ext.runtime.bundle import load_bundle, load_manifest
+from fabric_ext.runtime.context import ContextCodec
+from fabric_ext.runtime.interp import Interpreter
+from policy_helpers import compiled
+from test_runtime import compile_text, run_engine
+
+POLICIES = ["prefill_qos", "kv_tiering", "nic_pacing", "telemetry"]
+
+
+def _unhandled_cases():
+    for name in POLICIES:
+        man = load_manifest(compiled(name))
+        for entry in man["programs"]:
+            named = {h["movement"] for h in entry["handlers"]}
+            if None not in named and "movement" in {f["name"] for f in man["hooks"][_hook_key(man, entry)]["fields"]}:
+                yield name, entry["island"], entry["hook"], named
+
+
+def _hook_key(man, entry):
+    kind = next(i["kind"] for i in man["fabric"]["islands"] if i["name"] == entry["island"])
+    return next(k for k in man["hooks"] if k == f"{kind}.{entry['hook']}")
+
+
+CASES = list(_unhandled_cases())
+
+
+@pytest.mark.parametrize("name,island,hook,named", CASES, ids=[f"{c[0]}-{c[1]}.{c[2]}" for c in CASES])
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_a_program_does_nothing_for_a_movement_no_handler_names(name, island, hook, named, data):
+    bundle = load_bundle(compiled(name))
+    prog = bundle.islands[island].programs[hook]
+    codec = ContextCodec(prog.hook)
+    movement = data.draw(st.integers(0, 40).filter(lambda m: m not in named))
+    fields = {f: data.draw(st.integers(0, 2**32 - 1)) for f, (_, fl) in prog.hook.layout.items() if not fl.decision}
+    fields["movement"] = movement
+    ctx = codec.pack(fields)
+    before = bytes(ctx), [m.dump() for m in prog.maps]
+    Interpreter().run(prog, ctx)
+    assert (bytes(ctx), [m.dump() for m in prog.maps]) == before
+
+
+def _timeless(report):
+    return {**report, "islands": [{k: v for k, v in i.items() if k not in ("ns_per_invocation", "invocations")}
+                                  for i in report["islands"]]}
+
+
+@pytest.mark.parametrize("name", ["prefill_qos", "nic_pacing"])
+def test_remembering_decisions_changes_nothing_but_the_runs(name, monkeypatch):
+    from fabric_ext.runtime.jit import JitBackend
+    remembered, _ = run_engine(compiled(name), backend=JitBackend())
+    monkeypatch.setattr(dispatch, "MEMO_LIMIT", 0)
+    ran, _ = run_engine(compiled(name), backend=JitBackend())
+    assert _timeless(remembered) == _timeless(ran)
+    runs = {i["name"]: i["invocations"] for i in ran["islands"]}
+    fewer = {i["name"]: i["invocations"] for i in remembered["islands"]}
+    assert sum(fewer.values()) < sum(runs.values())
+
+
+def test_remembered_decisions_follow_the_fields_the_handler_reads(tmp_path):
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0; chunk: 3MiB }
+movement w_in = weights : pool0 -> gpu*
+policy p { on w_in.forward at sw0 { if ev.bytes >= 3MiB { priority = 7 } else { priority = 5 } } }""")
+    report, eng = run_engine(out)
+    sw0 = next(i for i in report["islands"] if i["name"] == "sw0")
+    prio = sw0["decisions"]["forward.priority"]
+    assert set(prio) == {"5", "7"}        # the last chunk of each transfer is shorter
+    assert sum(prio.values()) == sw0["per_hook"]["forward"]
+    assert sw0["invocations"] < sw0["per_hook"]["forward"]

@@ -1,0 +1,136 @@
+"""Lazy telemetry ticks: the contexts they build from the counter log, and runs that must
+come out the same whether each tick runs at its time or just before anything can see it."""
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fabric_ext.hooks import HOOKS
+from fabric_ext.runtime.context import ContextCodec
+from fabric_ext.runtime.fabric_model import Server, Sim
+from fabric_ext.runtime.ticks import TickSource
+from policy_helpers import compiled
+from test_runtime import compile_text, run_engine
+
+TICK = HOOKS["cxl_switch", "tick"]
+
+
+class RecordingShim:
+    """Stands in for a shim: keeps every context it is given."""
+
+    def __init__(self):
+        self.codecs = {"tick": ContextCodec(TICK)}
+        self.rows = []
+
+    def has(self, hook):
+        return True
+
+    def deliver_batch(self, hook, rows, row_time):
+        self.rows.extend(rows.copy().view(self.codecs["tick"].dtype()).reshape(-1))
+        return len(rows)
+
+
+changes = st.lists(st.tuples(st.integers(0, 400), st.integers(0, 2), st.integers(0, 5000), st.integers(0, 3000),
+                             st.booleans()), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(changes, st.sampled_from([7, 10, 25]), st.integers(0, 3))
+def test_tick_contexts_match_counters_read_one_tick_at_a_time(events, period, limit_shift):
+    """Each tick sees every port as it stood just before its time, however the catch-ups fall."""
+    import fabric_ext.runtime.ticks as ticks
+    ticks_limit = ticks.LOG_LIMIT
+    ticks.LOG_LIMIT = 1 << limit_shift          # tiny logs: catch-ups forced from inside the log
+    try:
+        sim, shim = Sim(), RecordingShim()
+        servers = [Server(sim, f"p{i}", bw) for i, bw in enumerate([100e9, 50e9, 0.0])]
+        src = TickSource(shim, "sw0", [period], servers, [11, 12, 13])
+        state = [[0, 0] for _ in servers]
+        history = []                     # (time, port, bytes, queued) after each change
+        for t, port, sent, queued, catch_up in sorted(events):
+            sim.now = float(t)
+            if catch_up:
+                src.catch_up(sim.now)
+            state[port] = [state[port][0] + sent, queued]
+            servers[port].bytes, servers[port].queued_bytes = state[port]
+            servers[port]._log(sim.now)
+            history.append((t, port, *state[port]))
+        end = 450
+        src.catch_up(end)
+    finally:
+        ticks.LOG_LIMIT = ticks_limit
+
+    def at(time, port):
+        last = [h for h in history if h[0] < time and h[1] == port]
+        return last[-1][2:] if last else (0, 0)
+    want = []
+    for k in range(1, end // period + 1):
+        for port, srv in enumerate(servers):
+            sent = at(k * period, port)[0] - at((k - 1) * period, port)[0]
+            util = min(100, int(sent / (srv.bw * period / 1e9 / 100) + 0.5)) if srv.bw else 0
+            want.append((k * period, port, 11 + port, util, sent, at(k * period, port)[1], period))
+    got = [tuple(int(r[n]) for n in ("now", "port", "peer", "util_pct", "bytes", "queue_bytes", "period"))
+           for r in shim.rows]
+    assert got == want
+
+
+def _same_run(folder, **kw):
+    from fabric_ext.runtime.jit import JitBackend
+    lazy, eng_lazy = run_engine(folder, backend=JitBackend(), **kw)
+    eager, eng_eager = run_engine(folder, backend=JitBackend(), eager_ticks=True, **kw)
+    for key in ("ttft_ms", "maps", "movements", "faults"):
+        assert lazy[key] == eager[key], key
+    timeless = [[{k: v for k, v in i.items() if k != "ns_per_invocation"} for i in r["islands"]]
+                for r in (lazy, eager)]
+    assert timeless[0] == timeless[1]
+    return lazy, eng_lazy
+
+
+def test_lazy_ticks_equal_ticks_at_their_time_when_the_map_is_read():
+    """prefill_qos: the switch's forward program reads what the tick writes."""
+    report, eng = _same_run(compiled("prefill_qos"))
+    sw0 = next(i for i in report["islands"] if i["name"] == "sw0")
+    periods = report["ttft_ms"] * 1e6 // 10_000
+    assert sw0["per_hook"]["tick"] == periods * len(eng.fabric.ports("sw0"))
+    assert sw0["decisions"]["forward.rate"]       # the tick-written utilisation paced some KV
+
+
+def test_lazy_ticks_equal_ticks_at_their_time_when_the_tick_reads_a_map(tmp_path):
+    """The tick reads (and resets) what the forward program counts, and another island reads
+    what the tick derives: ticks must run before the writes they would have preceded."""
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 2048; tp: 2; weights: pool0; kv: pool0 }
+movement w_in = weights : pool0 -> gpu*
+movement kv = kv : gpu* -> pool0
+map seen : array<u32, count>[16]
+map busy : array<u32, count>[16]
+map util : array<u32, percent>[16]
+map ticks : array<u32, count>[2]
+policy p {
+  on w_in.forward at sw0 { seen[ev.out_port] += 1 }
+  on sw0.tick(5us) { busy[ev.port] = seen[ev.port]; seen[ev.port] = 0; ticks[0] += 1 }
+  on sw0.tick(7us) { util[ev.port] = ev.util_pct; ticks[1] += 1 }
+  on kv.issue at gpu* { if busy[0] + busy[1] + busy[2] > 0 && util[1] < 50% { rate = 20GB/s } }
+}""")
+    report, _ = _same_run(out, prompt=2048)
+    assert report["maps"]["ticks"]["0"] > 0 and report["maps"]["ticks"]["1"] > 0
+
+
+def test_telemetry_ticks_nobody_reads_run_once_at_the_end():
+    report, _ = _same_run(compiled("telemetry"))
+    assert sum(report["maps"]["util_hist"].values()) > 0
+
+
+def test_a_faulting_tick_is_detached_at_its_time(tmp_path):
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0 }
+map m : array<u32, percent>[4]
+policy p { on sw0.tick(10us) { for i in 0..200 { m[i % 4] += ev.util_pct } } }""")
+    from fabric_ext.runtime.interp import Interpreter
+    report, _ = run_engine(out, backend=Interpreter(budget=1500))
+    (fault,) = report["faults"]
+    assert fault["hook"] == "tick" and "budget" in fault["reason"]
+    assert fault["time_ns"] == 10_000          # the first tick: the whole loop needs more
+    assert report["ttft_ms"] > 0
+    assert np.isfinite(report["ttft_ms"])
