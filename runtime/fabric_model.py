@@ -16,6 +16,7 @@ what comes back: ``priority``, ``rate`` (a token bucket at that island),
 """
 from __future__ import annotations
 
+import array
 import heapq
 import itertools
 from collections import OrderedDict, deque
@@ -106,23 +107,20 @@ class Server:
         self.bytes = 0
         self.intervals: list[tuple[float, float, int]] = []
         self.queued_bytes = 0          # bytes waiting, not yet on the link
-        self.watchers: list = []       # tick sources that log every change of the two counters
+        # once something watches: (time, bytes) of every transmission start and every enqueue,
+        # flat in arrays a reader can view without copying (tick sources rebuild the counters)
+        self.starts: array.array | None = None
+        self.enqueues: array.array | None = None
 
-    def watch(self, source, port: int) -> None:
-        """Log (time, port, bytes, queued_bytes) into ``source.log`` at every change."""
-        self.watchers.append((source.log, port, source))
-
-    def _log(self, now) -> None:
-        for log, port, source in self.watchers:
-            log.extend((now, port, self.bytes, self.queued_bytes))
-            if len(log) > source.limit:
-                source.catch_up(now)
+    def watch(self) -> None:
+        if self.starts is None:
+            self.starts, self.enqueues = array.array("d"), array.array("d")
 
     def enqueue(self, chunk: Chunk, done) -> None:
         chunk.enqueued = self.sim.now
         self.queued_bytes += chunk.bytes
-        if self.watchers:
-            self._log(chunk.enqueued)
+        if self.enqueues is not None:
+            self.enqueues.extend((chunk.enqueued, chunk.bytes))
         q = self.queues.setdefault(chunk.priority, OrderedDict())
         q.setdefault(chunk.transfer.flow, deque()).append((chunk, done))
         if not self.busy:
@@ -145,8 +143,8 @@ class Server:
             self.bytes += chunk.bytes
             self.queued_bytes -= chunk.bytes
             self.intervals.append((now, now + dt, chunk.bytes))
-            if self.watchers:
-                self._log(now)
+            if self.starts is not None:
+                self.starts.extend((now, chunk.bytes))
             self.sim.at(now + dt, self._finish, chunk, done)
             return
         self.busy = False

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from fabric_ext.hooks import HOOKS
 from fabric_ext.runtime.context import ContextCodec
-from fabric_ext.runtime.fabric_model import Server, Sim
+from fabric_ext.runtime.fabric_model import Chunk, Server, Sim, Transfer
 from fabric_ext.runtime.ticks import TickSource
 from policy_helpers import compiled
 from test_runtime import compile_text, run_engine
@@ -29,45 +29,38 @@ class RecordingShim:
         return len(rows)
 
 
-changes = st.lists(st.tuples(st.integers(0, 400), st.integers(0, 2), st.integers(0, 5000), st.integers(0, 3000),
-                             st.booleans()), max_size=60)
+arrivals = st.lists(st.tuples(st.integers(0, 300), st.integers(0, 2), st.integers(1, 40)), max_size=40)
+catch_ups = st.lists(st.integers(0, 400), max_size=6)
 
 
 @settings(max_examples=150, deadline=None)
-@given(changes, st.sampled_from([7, 10, 25]), st.integers(0, 3))
-def test_tick_contexts_match_counters_read_one_tick_at_a_time(events, period, limit_shift):
-    """Each tick sees every port as it stood just before its time, however the catch-ups fall."""
-    import fabric_ext.runtime.ticks as ticks
-    ticks_limit = ticks.LOG_LIMIT
-    ticks.LOG_LIMIT = 1 << limit_shift          # tiny logs: catch-ups forced from inside the log
-    try:
-        sim, shim = Sim(), RecordingShim()
-        servers = [Server(sim, f"p{i}", bw) for i, bw in enumerate([100e9, 50e9, 0.0])]
-        src = TickSource(shim, "sw0", [period], servers, [11, 12, 13])
-        state = [[0, 0] for _ in servers]
-        history = []                     # (time, port, bytes, queued) after each change
-        for t, port, sent, queued, catch_up in sorted(events):
-            sim.now = float(t)
-            if catch_up:
-                src.catch_up(sim.now)
-            state[port] = [state[port][0] + sent, queued]
-            servers[port].bytes, servers[port].queued_bytes = state[port]
-            servers[port]._log(sim.now)
-            history.append((t, port, *state[port]))
-        end = 450
-        src.catch_up(end)
-    finally:
-        ticks.LOG_LIMIT = ticks_limit
-
-    def at(time, port):
-        last = [h for h in history if h[0] < time and h[1] == port]
-        return last[-1][2:] if last else (0, 0)
+@given(arrivals, catch_ups, st.sampled_from([7, 10, 25]))
+def test_tick_contexts_match_counters_sampled_one_tick_at_a_time(chunks, catch_up_at, period):
+    """Chunks arrive at three ports and queue; each tick must see every port as it stood just
+    before its time, however the catch-ups fall."""
+    sim, shim = Sim(), RecordingShim()
+    # 1, 0.5 and 4 bytes per ns: every event falls on a quarter nanosecond
+    servers = [Server(sim, f"p{i}", bw) for i, bw in enumerate([1e9, 0.5e9, 4e9])]
+    src = TickSource(shim, "sw0", [period], servers, [11, 12, 13])
+    flow = Transfer("m", 1, "kv", "", "a", "b", 0)
+    for i, (t, port, size) in enumerate(chunks):
+        sim.at(t, servers[port].enqueue, Chunk(flow, i, size, ["a", "b"]), lambda c: None)
+    for t in catch_up_at:
+        sim.at(t, src.catch_up, t)
+    end = 420
+    samples = {}                          # tick time -> [(bytes, queued) per port] just before it
+    for k in range(1, end // period + 1):
+        sim.at(k * period - 0.1, lambda k=k: samples.__setitem__(
+            k * period, [(s.bytes, s.queued_bytes) for s in servers]))
+    sim.run(until=end)
+    src.catch_up(end)
     want = []
     for k in range(1, end // period + 1):
         for port, srv in enumerate(servers):
-            sent = at(k * period, port)[0] - at((k - 1) * period, port)[0]
-            util = min(100, int(sent / (srv.bw * period / 1e9 / 100) + 0.5)) if srv.bw else 0
-            want.append((k * period, port, 11 + port, util, sent, at(k * period, port)[1], period))
+            now, before = samples[k * period][port], samples.get((k - 1) * period, [(0, 0)] * 3)[port]
+            sent = now[0] - before[0]
+            util = min(100, int(sent / (srv.bw * period / 1e9 / 100) + 0.5))
+            want.append((k * period, port, 11 + port, util, sent, now[1], period))
     got = [tuple(int(r[n]) for n in ("now", "port", "peer", "util_pct", "bytes", "queue_bytes", "period"))
            for r in shim.rows]
     assert got == want
