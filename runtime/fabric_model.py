@@ -17,6 +17,7 @@ what comes back: ``priority``, ``rate`` (a token bucket at that island),
 from __future__ import annotations
 
 import array
+import bisect
 import heapq
 import itertools
 from collections import OrderedDict, deque
@@ -102,7 +103,8 @@ class Server:
 
     def __init__(self, sim: Sim, name: str, bw: float, overhead: float = 0.0):
         self.sim, self.name, self.bw, self.overhead = sim, name, bw, overhead
-        self.queues: dict[int, OrderedDict] = {}
+        self.queues: dict[int, OrderedDict] = {}   # class -> flow -> chunks, only classes with chunks
+        self.classes: list[int] = []               # those classes, negated and sorted: highest first
         self.busy = False
         self.bytes = 0
         self.intervals: list[tuple[float, float, int]] = []
@@ -121,33 +123,38 @@ class Server:
         self.queued_bytes += chunk.bytes
         if self.enqueues is not None:
             self.enqueues.extend((chunk.enqueued, chunk.bytes))
-        q = self.queues.setdefault(chunk.priority, OrderedDict())
+        q = self.queues.get(chunk.priority)
+        if q is None:
+            q = self.queues[chunk.priority] = OrderedDict()
+            bisect.insort(self.classes, -chunk.priority)
         q.setdefault(chunk.transfer.flow, deque()).append((chunk, done))
         if not self.busy:
             self._start()
 
     def _start(self) -> None:
-        for prio in sorted(self.queues, reverse=True):
-            q = self.queues[prio]
-            if not q:
-                continue
-            flow, d = next(iter(q.items()))
-            chunk, done = d.popleft()
-            q.move_to_end(flow)        # round robin between flows of one class
-            if not d:
-                del q[flow]
-            self.busy = True
-            now = self.sim.now
-            chunk.waited += now - chunk.enqueued
-            dt = chunk.bytes / self.bw * 1e9 + self.overhead
-            self.bytes += chunk.bytes
-            self.queued_bytes -= chunk.bytes
-            self.intervals.append((now, now + dt, chunk.bytes))
-            if self.starts is not None:
-                self.starts.extend((now, chunk.bytes))
-            self.sim.at(now + dt, self._finish, chunk, done)
+        if not self.classes:
+            self.busy = False
             return
-        self.busy = False
+        prio = -self.classes[0]                # the highest class with a chunk waiting
+        q = self.queues[prio]
+        flow, d = next(iter(q.items()))
+        chunk, done = d.popleft()
+        q.move_to_end(flow)                    # round robin between flows of one class
+        if not d:
+            del q[flow]
+            if not q:
+                del self.queues[prio]
+                self.classes.pop(0)
+        self.busy = True
+        now = self.sim.now
+        chunk.waited += now - chunk.enqueued
+        dt = chunk.bytes / self.bw * 1e9 + self.overhead
+        self.bytes += chunk.bytes
+        self.queued_bytes -= chunk.bytes
+        self.intervals.append((now, now + dt, chunk.bytes))
+        if self.starts is not None:
+            self.starts.extend((now, chunk.bytes))
+        self.sim.at(now + dt, self._finish, chunk, done)
 
     def _finish(self, chunk, done) -> None:
         done(chunk)
@@ -254,6 +261,8 @@ class Fabric:
         """Apply decisions; returns when the chunk may move on."""
         if "priority" in d:
             chunk.priority = d["priority"]
+            if len(d) == 1:
+                return now
         release = now + d.get("defer", 0)
         rate = d.get("rate", 0)
         if rate:

@@ -76,11 +76,52 @@ def _crc_table_global(m):
     return g
 
 
+def _acyclic(prog: Program) -> bool:
+    """The control-flow graph has no cycle and no local function is called."""
+    slots = prog.slots
+    succ = {}
+    for pc, ins in enumerate(slots):
+        if ins is None:
+            continue
+        nxt = pc + (2 if ins.is_lddw else 1)
+        if ins.cls not in (I.JMP, I.JMP32):
+            succ[pc] = [nxt]
+        elif ins.op == I.EXIT:
+            succ[pc] = []
+        elif ins.op == I.CALL:
+            if ins.src == I.PSEUDO_CALL:
+                return False
+            succ[pc] = [nxt]
+        elif ins.op == I.JA:
+            succ[pc] = [pc + 1 + (ins.imm if ins.cls == I.JMP32 else ins.off)]
+        else:
+            succ[pc] = [nxt, pc + 1 + ins.off]
+    state = {}                      # pc -> 1 on the current path, 2 done
+    stack = [(0, iter(succ.get(0, ())))]
+    state[0] = 1
+    while stack:
+        pc, it = stack[-1]
+        for t in it:
+            if state.get(t) == 1:
+                return False
+            if t not in state and t in succ:
+                state[t] = 1
+                stack.append((t, iter(succ[t])))
+                break
+        else:
+            state[pc] = 2
+            stack.pop()
+    return True
+
+
 class _Lifter:
     """Builds the LLVM module for one program."""
 
-    def __init__(self, prog: Program, name: str, callback_addr: int, proof: dict | None):
+    def __init__(self, prog: Program, name: str, callback_addr: int, proof: dict | None, budget: int):
         self.p, self.name, self.proof = prog, name, proof
+        # a program without cycles or calls runs each instruction at most once: within the
+        # budget it can never exhaust, so it needs no count
+        self.counted = not _acyclic(prog) or len(prog.slots) > budget
         self.m = L.Module(name=name)
         self.m.triple = llvm.get_default_triple()
         self.cb_addr = callback_addr
@@ -170,7 +211,8 @@ class _Lifter:
             end = leaders[i + 1] if i + 1 < len(leaders) else body.stop
             b.position_at_end(blocks[start])
             n = sum(1 for pc in range(start, end) if self.slots[pc] is not None)
-            self._count(n, start)
+            if self.counted:
+                self._count(n, start)
             terminated = False
             for pc in range(start, end):
                 ins = self.slots[pc]
@@ -671,7 +713,7 @@ class JitBackend(Backend):
         cb = CALLBACK(self._callback)
         cb_addr = ctypes.cast(cb, ctypes.c_void_p).value
         name = f"fx{id(self) & 0xFFFFFF:x}_{len(self.compiled)}"
-        module = _Lifter(prog, name, cb_addr, proof).build()
+        module = _Lifter(prog, name, cb_addr, proof, self.budget).build()
         mod = llvm.parse_assembly(str(module))
         mod.verify()
         pto = llvm.create_pipeline_tuning_options(speed_level=2)

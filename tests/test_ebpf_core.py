@@ -101,6 +101,20 @@ def test_instruction_budget(vm):
     assert "instruction budget of 1000 exhausted" in str(e.value)
 
 
+@pytest.mark.parametrize("vm", ["interp", "jit"])
+def test_budget_holds_for_straight_line_code(vm):
+    """The JIT counts nothing in a program without loops, unless it is longer than the budget."""
+    prog = Program("line", assemble("mov %r0, 1\nadd %r0, 1\nadd %r0, 1\nexit"))
+    big = Interpreter(budget=4) if vm == "interp" else __import__(
+        "fabric_ext.runtime.jit", fromlist=["JitBackend"]).JitBackend(budget=4)
+    assert big.run(big.load(prog)) == 3
+    small = Interpreter(budget=3) if vm == "interp" else __import__(
+        "fabric_ext.runtime.jit", fromlist=["JitBackend"]).JitBackend(budget=3)
+    with pytest.raises(VMFault) as e:
+        small.run(small.load(prog))
+    assert "instruction budget of 3 exhausted" in str(e.value)
+
+
 def test_jit_bounds_checks_what_the_verifier_cannot_prove():
     """A bare program indexes its memory with a value read from it: the JIT checks at run time."""
     from fabric_ext.runtime.jit import JitBackend
