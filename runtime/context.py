@@ -89,17 +89,20 @@ class ContextCodec:
     def pack_many(self, n: int, common: dict[str, int], columns: dict[str, object] | None = None) -> np.ndarray:
         """A 2-D uint8 array of n contexts (for batch runs): every decision at its default,
         ``common`` fields the same in every row, ``columns`` one value per row."""
-        ctx = np.empty(n, dtype=self.dtype())
-        ctx[:] = np.frombuffer(self._template_bytes, dtype=ctx.dtype)[0]
-        for name, value in list(common.items()) + list((columns or {}).items()):
+        rows = np.tile(np.frombuffer(bytes(self.pack(common)), dtype=np.uint8), (n, 1))
+        ctx = rows.reshape(-1).view(self.dtype())
+        for name, value in (columns or {}).items():
             if name in self._offs:
                 ctx[name] = value
-        return ctx.view(np.uint8).reshape(n, self.size)
+        return rows
 
     def changed_many(self, rows: np.ndarray) -> list[dict[str, int] | None]:
         """`changed` for every row of a batch; rows that decided alike share one dict."""
         if not self._decisions:
             return [None] * len(rows)
+        lo, hi = self._dec_start, self._dec_start + self._dec_struct.size
+        if len(rows) and (rows[:, lo:hi] == rows[0, lo:hi]).all():     # the usual case: all alike
+            return [self.changed(rows[0].tobytes()) or None] * len(rows)
         ctx = rows.reshape(-1).view(self.dtype())
         values = np.stack([ctx[n].astype(np.uint64) for n in self._dec_names], axis=1)
         combos, which = np.unique(values, axis=0, return_inverse=True)

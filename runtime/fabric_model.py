@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 DEFAULT_PRIORITY = 3
+APPLIED = frozenset({"priority", "defer", "rate", "route", "tier"})   # what `Fabric._apply` acts on
 
 
 class Sim:
@@ -109,20 +110,19 @@ class Server:
         self.bytes = 0
         self.intervals: list[tuple[float, float, int]] = []
         self.queued_bytes = 0          # bytes waiting, not yet on the link
-        # once something watches: (time, bytes) of every transmission start and every enqueue,
-        # flat in arrays a reader can view without copying (tick sources rebuild the counters)
-        self.starts: array.array | None = None
-        self.enqueues: array.array | None = None
+        self.record: array.array | None = None   # where a watcher wants every counter change
+        self.port = 0
 
-    def watch(self) -> None:
-        if self.starts is None:
-            self.starts, self.enqueues = array.array("d"), array.array("d")
+    def watch(self, record: array.array, port: int) -> None:
+        """Append (time, port, kind, bytes) to ``record`` at every enqueue (kind 1) and every
+        transmission start (kind 0): flat, so a tick source reads it without copying."""
+        self.record, self.port = record, port
 
     def enqueue(self, chunk: Chunk, done) -> None:
         chunk.enqueued = self.sim.now
         self.queued_bytes += chunk.bytes
-        if self.enqueues is not None:
-            self.enqueues.extend((chunk.enqueued, chunk.bytes))
+        if self.record is not None:
+            self.record.extend((chunk.enqueued, self.port, 1, chunk.bytes))
         q = self.queues.get(chunk.priority)
         if q is None:
             q = self.queues[chunk.priority] = OrderedDict()
@@ -152,8 +152,8 @@ class Server:
         self.bytes += chunk.bytes
         self.queued_bytes -= chunk.bytes
         self.intervals.append((now, now + dt, chunk.bytes))
-        if self.starts is not None:
-            self.starts.extend((now, chunk.bytes))
+        if self.record is not None:
+            self.record.extend((now, self.port, 0, chunk.bytes))
         self.sim.at(now + dt, self._finish, chunk, done)
 
     def _finish(self, chunk, done) -> None:
@@ -252,7 +252,7 @@ class Fabric:
             if isl is None or self.island_kind.get(isl) != "gpu":
                 continue
             for i, d in enumerate(self.hooks.on_issue(chunks, isl, role) or ()):
-                if d:
+                if d and not APPLIED.isdisjoint(d):
                     release[i] = max(release[i], self._apply(chunks[i], isl, d, release[i]))
         for chunk, at in zip(chunks, release):
             self.sim.at(at, self._arrive, chunk)
