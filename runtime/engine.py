@@ -188,10 +188,15 @@ class Engine(HookSite):
         out = shim.deliver_many("issue", len(chunks), common, columns, self.sim.now)
         if self.opts.trace:
             self.spans.append((island, "issue", self.sim.now, 0.0))
-        out = [self._devices(d) if d else d for d in out or ()]
-        for d in out:
+        converted = {}      # chunks that decided alike share one dict: convert each once
+        for i, d in enumerate(out or ()):
+            if d:
+                c = converted.get(id(d))
+                out[i] = c if c is not None else converted.setdefault(id(d), self._devices(d))
+        for d in reversed(out or ()):
             if d and d.get("prefetch"):
-                self.prefetch[island] = d["prefetch"]
+                self.prefetch[island] = d["prefetch"]      # the last chunk's word holds
+                break
         return out
 
     def on_enter(self, chunk, island, role, port_in, port_out):

@@ -110,18 +110,19 @@ class Server:
         self.bytes = 0
         self.intervals: list[tuple[float, float, int]] = []
         self.queued_bytes = 0          # bytes waiting, not yet on the link
-        self.record: array.array | None = None   # where a watcher wants every counter change
+        self.record: array.array | None = None   # where a watcher wants transmission starts
+        self.record_enqueues = False              # ... and enqueues
         self.port = 0
 
-    def watch(self, record: array.array, port: int) -> None:
-        """Append (time, port, kind, bytes) to ``record`` at every enqueue (kind 1) and every
-        transmission start (kind 0): flat, so a tick source reads it without copying."""
-        self.record, self.port = record, port
+    def watch(self, record: array.array, port: int, enqueues: bool = True) -> None:
+        """Append (time, port, kind, bytes) to ``record`` at every transmission start (kind 0)
+        and, if asked, every enqueue (kind 1): flat, so a tick source reads it without copying."""
+        self.record, self.port, self.record_enqueues = record, port, enqueues
 
     def enqueue(self, chunk: Chunk, done) -> None:
         chunk.enqueued = self.sim.now
         self.queued_bytes += chunk.bytes
-        if self.record is not None:
+        if self.record_enqueues:
             self.record.extend((chunk.enqueued, self.port, 1, chunk.bytes))
         q = self.queues.get(chunk.priority)
         if q is None:

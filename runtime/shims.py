@@ -148,7 +148,7 @@ class Shim:
         act = self.acting(hook, common.get("movement")) if hook in self.handles else None
         if act is None:
             return None
-        key = act.key(common) if act.key_fields is not None and not set(act.key_fields) & set(columns) else None
+        key = act.key(common) if act.key_fields is not None and columns.keys().isdisjoint(act.key_fields) else None
         known = act.recall(key)
         if known is not None:
             known.hits += n

@@ -35,8 +35,11 @@ class TickSource:
         n = len(servers)
         self.servers = servers
         self.record = array.array("d")                 # (time, port, kind, bytes) from every port's server
+        # the queue is rebuilt from enqueues only if a tick handler reads it (else it reads 0)
+        handlers = shim.handlers.get("tick")
+        self.queue_read = handlers is None or any("queue_bytes" in h["reads"] for h in handlers)
         for port, srv in enumerate(servers):
-            srv.watch(self.record, port)
+            srv.watch(self.record, port, enqueues=self.queue_read)
         self.cursor = 0                                  # the first record not before the last tick
         self.before = np.zeros((n, 2))                   # per port, bytes (started, enqueued) before it
         self.sent_at_last = {p: np.zeros(n) for p in self.periods}
@@ -104,7 +107,7 @@ class TickSource:
             del self.record[:4 * self.cursor]
             self.cursor = 0
         started, enqueued = sums[:, 0, :].T, sums[:, 1, :].T
-        return started, enqueued - started
+        return started, (enqueued - started if self.queue_read else np.zeros_like(started))
 
     def _run(self, times, periods) -> bool:
         """Build the contexts of these ticks and run them; False if the program faulted."""

@@ -19,6 +19,7 @@ class RecordingShim:
 
     def __init__(self):
         self.codecs = {"tick": ContextCodec(TICK)}
+        self.handlers = {}              # no handler list: every field is read
         self.rows = []
 
     def has(self, hook):
