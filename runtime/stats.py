@@ -1,5 +1,5 @@
 """Prefill dataflow statistics: collected from a finished run, shown as tables,
-written as JSON (schema ``fabric-run/1``), a Perfetto trace, or PNG plots."""
+written as JSON (schema ``fabric-run/2``), a Perfetto trace, or PNG plots."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import numpy as np
 
-SCHEMA = "fabric-run/1"
+SCHEMA = "fabric-run/2"
 TIMELINE_BINS = 100
 
 
@@ -114,10 +114,11 @@ def render(report: dict, baseline: dict | None = None) -> str:
                       ["link", "MiB", "util avg", "util peak"]))
     if report["islands"]:
         out.append("")
-        out.append(_table([[i["name"], i["kind"], i["runtime"], i["invocations"], i["ns_per_invocation"],
+        out.append(_table([[i["name"], i["kind"], i["runtime"], i["events"], i["invocations"],
+                            i["ns_per_invocation"],
                             ", ".join(f"{k}={'/'.join(v)}" for k, v in i["decisions"].items())[:70]]
-                           for i in report["islands"] if i["invocations"]],
-                          ["island", "kind", "runtime", "invocations", "ns/inv", "decisions"]))
+                           for i in report["islands"] if i["events"]],
+                          ["island", "kind", "runtime", "events", "runs", "ns/run", "decisions"]))
     if report["faults"]:
         out.append("")
         for f in report["faults"]:

@@ -182,7 +182,7 @@ def test_json_schema_and_trace(tmp_path):
                    "--json", j, "--trace", t, "-q")
     assert r.returncode == 0, r.stderr
     rep = json.loads(j.read_text())
-    assert rep["schema"] == "fabric-run/1"
+    assert rep["schema"] == "fabric-run/2"
     assert {"policy", "backend", "workload", "ttft_ms", "layers", "movements", "links", "islands", "maps",
             "faults", "baseline"} <= set(rep)
     assert {"model", "prompt", "batch", "tp"} <= set(rep["workload"])
