@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import numpy as np
 
-SCHEMA = "fabric-run/2"
+SCHEMA = "fabric-run/2"   # 2: islands report events and runs (invocations) apart
 TIMELINE_BINS = 100
 
 

@@ -189,7 +189,7 @@ def test_json_schema_and_trace(tmp_path):
     m = rep["movements"][0]
     assert {"name", "class", "operator", "bytes", "avg_gbps", "queue_p50_us", "queue_p99_us", "stall_ms"} <= set(m)
     assert {"name", "bytes", "util_avg", "util_peak"} <= set(rep["links"][0])
-    assert {"name", "kind", "runtime", "invocations", "ns_per_invocation", "decisions"} <= set(rep["islands"][0])
+    assert {"name", "kind", "runtime", "events", "invocations", "ns_per_invocation", "decisions"} <= set(rep["islands"][0])
     assert rep["baseline"]["islands"] == [] and rep["baseline"]["ttft_ms"] > 0
     tr = json.loads(t.read_text())
     names = {e["args"]["name"] for e in tr["traceEvents"] if e["ph"] == "M"}
