@@ -106,13 +106,14 @@ def recorded_streams(quick):
     from fabric_ext.runtime.bundle import load_manifest
     from fabric_ext.runtime.cli import _fresh_maps
     from fabric_ext.runtime.engine import Engine, RunOptions
-    from fabric_ext.runtime import shims
+    from fabric_ext.runtime import dispatch, shims
     out = []
+    memo_limit, dispatch.MEMO_LIMIT = dispatch.MEMO_LIMIT, 0    # every event reaches `decide`
     for policy in ("prefill_qos", "kv_tiering", "nic_pacing", "telemetry"):
         folder = compiled(policy)
         man = load_manifest(folder)
         streams = {}
-        orig = shims.Shim.deliver
+        orig = shims.Shim.decide
 
         def record(self, hook, fields, now=0.0, _orig=orig):
             key = (self.island, hook)
@@ -125,19 +126,20 @@ def recorded_streams(quick):
             rows = streams.setdefault((self.island, hook), [])
             rows.extend(bytes(r.tobytes()) for r in ctxs[: max(0, 2000 - len(rows))])
             return _orig(self, hook, ctxs, now)
-        shims.Shim.deliver = record
+        shims.Shim.decide = record
         shims.Shim.deliver_batch = record_batch
         try:
             eng = Engine(folder, man, _fresh_maps(man), Interpreter(),
                          RunOptions(prompt=512 if quick else 2048, tp=4))
             eng.run()
         finally:
-            shims.Shim.deliver = orig
+            shims.Shim.decide = orig
             shims.Shim.deliver_batch = orig_batch
         for (island, hook), ctxs in sorted(streams.items()):
             if ctxs and island in ("sw0", "gpu0", "nic0"):
                 prog = eng.shims[island].programs[hook]
                 out.append((f"{policy} {island}.{hook}", prog, ctxs))
+    dispatch.MEMO_LIMIT = memo_limit
     return out
 
 

@@ -19,6 +19,7 @@ import networkx as nx
 from . import compute
 from .fabric_model import Fabric, HookSite, Sim, Transfer
 from .figures import default, figures
+from .dispatch import Known
 from .shims import SHIMS
 from .ticks import TickSource
 from .workload import Workload, WorkloadError, load_model
@@ -149,10 +150,9 @@ class Engine(HookSite):
         f["now"], f["chunk"], f["bytes"], f["hop"] = int(self.sim.now), chunk.index, chunk.bytes, chunk.hop
         return f
 
-
-    def _run(self, island, hook, fields) -> dict | None:
-        """The decisions the program on ``island``'s ``hook`` makes for an event (read-only;
-        device decisions as ids), or None when none acts on it."""
+    def _run(self, island, hook, fields) -> Known | None:
+        """The decisions the program on ``island``'s ``hook`` makes for an event (a `Known`:
+        read-only, device decisions as ids), or None when none acts on it."""
         shim = self.shims.get(island)
         if shim is None or not shim.has(hook):
             return None
@@ -191,8 +191,9 @@ class Engine(HookSite):
         converted = {}      # chunks that decided alike share one dict: convert each once
         for i, d in enumerate(out or ()):
             if d:
-                c = converted.get(id(d))
-                out[i] = c if c is not None else converted.setdefault(id(d), self._devices(d))
+                if id(d) not in converted:
+                    converted[id(d)] = self._devices(d)
+                out[i] = converted[id(d)]
         for d in reversed(out or ()):
             if d and d.get("prefetch"):
                 self.prefetch[island] = d["prefetch"]      # the last chunk's word holds
@@ -204,8 +205,7 @@ class Engine(HookSite):
         where = (island, role, path[0], path[-1], t.movement_id)
         plan = self._plans.get(where)
         if plan is None:
-            plan = self._plans[where] = self._plan(island, self._enter_hooks(island, role, path[0], path[-1]),
-                                                   t.movement_id)
+            plan = self._plan(where, island, self._enter_hooks(island, role, path[0], path[-1]), t.movement_id)
         hooks, static = plan
         if not hooks:
             return None
@@ -236,14 +236,16 @@ class Engine(HookSite):
             t.decided[where] = (merged, each, shim.generation)
         return dict(merged)
 
-    def _plan(self, island, hooks, movement):
+    def _plan(self, where, island, hooks, movement):
         """The hooks of ``island`` whose program acts on this movement's events, and whether
-        all of them decide from the transfer's own fields alone (no map, nothing per chunk)."""
+        all of them decide from the transfer's own fields alone (no map, nothing per chunk);
+        kept for the next event at ``where``."""
         shim = self.shims.get(island)
         acting = [(h, shim.acting(h, movement)) for h in hooks] if shim else []
         acting = [(h, a) for h, a in acting if a is not None]
         static = all(a.key_fields is not None and set(a.key_fields) <= TRANSFER_FIELDS for _, a in acting)
-        return tuple(h for h, _ in acting), static
+        plan = self._plans[where] = (tuple(h for h, _ in acting), static)
+        return plan
 
     def _enter_hooks(self, island, role, src, dst):
         """The hooks a chunk from src to dst meets on entering ``island`` in ``role``."""
@@ -258,9 +260,7 @@ class Engine(HookSite):
 
     def on_delivered(self, chunk, island, latency):
         where = (island, "complete", chunk.transfer.movement_id)
-        plan = self._plans.get(where)
-        if plan is None:
-            plan = self._plans[where] = self._plan(island, ("complete",), chunk.transfer.movement_id)
+        plan = self._plans.get(where) or self._plan(where, island, ("complete",), chunk.transfer.movement_id)
         if not plan[0]:
             return
         fields = self._chunk_fields(chunk)
