@@ -75,7 +75,10 @@ class TickSource:
 
     def catch_up(self, t: float) -> None:
         """Run every tick due at or before t."""
-        if not self.active:          # detached after a fault
+        if not self.active:          # detached after a fault: stop recording
+            for srv in self.servers:
+                srv.record, srv.record_enqueues = None, False
+            del self.record[:]
             return
         times, periods = self.pending(t)
         for p in self.periods:
