@@ -18,8 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 from fabric_ext.codegen.driver import build, write_output  # noqa: E402
-from fabric_ext.runtime.bundle import load_manifest  # noqa: E402
-from fabric_ext.runtime.cli import _fresh_maps  # noqa: E402
+from fabric_ext.runtime.bundle import create_maps, load_manifest  # noqa: E402
 from fabric_ext.runtime.engine import Engine, RunOptions  # noqa: E402
 from fabric_ext.runtime.program import get_backend  # noqa: E402
 
@@ -29,7 +28,7 @@ CONFIGS = [("llama3-8b", 8192, 8), ("llama3-70b", 32768, 8)]
 def run_once(folder, man, backend_name, model, prompt, tp, attach):
     backend = get_backend(backend_name)
     t0 = time.perf_counter()
-    eng = Engine(folder, man, _fresh_maps(man), backend, RunOptions(model, prompt, None, tp, None, attach))
+    eng = Engine(folder, man, create_maps(man), backend, RunOptions(model, prompt, None, tp, None, attach))
     report = eng.run()
     wall = time.perf_counter() - t0
     backend.close()

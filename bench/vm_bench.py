@@ -103,8 +103,7 @@ def timeit(fn, n):
 def recorded_streams(quick):
     """(label, program, [ctx bytes]) for each program of each example, from a short fabric-run."""
     from policy_helpers import compiled
-    from fabric_ext.runtime.bundle import load_manifest
-    from fabric_ext.runtime.cli import _fresh_maps
+    from fabric_ext.runtime.bundle import create_maps, load_manifest
     from fabric_ext.runtime.engine import Engine, RunOptions
     from fabric_ext.runtime import dispatch, shims
     out = []
@@ -129,7 +128,7 @@ def recorded_streams(quick):
         shims.Shim.decide = record
         shims.Shim.deliver_batch = record_batch
         try:
-            eng = Engine(folder, man, _fresh_maps(man), Interpreter(),
+            eng = Engine(folder, man, create_maps(man), Interpreter(),
                          RunOptions(prompt=512 if quick else 2048, tp=4))
             eng.run()
         finally:

@@ -81,7 +81,7 @@ def _progress():
 
 
 def run(args) -> int:
-    from .bundle import load_manifest
+    from .bundle import create_maps, load_manifest
     from .engine import Engine, RunOptions
     from .program import get_backend
     from . import stats
@@ -101,7 +101,7 @@ def run(args) -> int:
         try:
             reports = {}
             for attach in ([True, False] if args.baseline else [True]):
-                maps = _fresh_maps(man)
+                maps = create_maps(man)
                 show = _progress() if attach else None
                 opts = RunOptions(args.model, args.prompt, args.batch, args.tp, args.chunk, attach, show,
                                   trace=bool(args.trace) and attach)
@@ -135,11 +135,6 @@ def run(args) -> int:
                 print("fabric-run: --plot needs matplotlib: pip install 'fabric-ext[plot]'", file=sys.stderr)
                 return EXIT_INPUT
     return EXIT_OK
-
-
-def _fresh_maps(man):
-    from .bundle import create_maps
-    return create_maps(man)
 
 
 def main(argv=None) -> int:

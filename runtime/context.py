@@ -72,7 +72,7 @@ class ContextCodec:
                 order.append(n)
             getter = operator.itemgetter(*order) if len(order) > 1 else (
                 (lambda d, n=order[0]: (d[n],)) if order else (lambda d: ()))
-            masks = [0xFFFFFFFF if self._offs[n][1].size == 4 else 0xFFFFFFFFFFFFFFFF for n in order]
+            masks = [_MASK[self._offs[n][1].format] for n in order]
             hit = self._plans[names] = (struct.Struct(fmt), start, getter, masks)
         return hit
 
@@ -123,10 +123,6 @@ class ContextCodec:
         return np.dtype({"names": [n for n, _ in items], "offsets": [off for _, (off, _) in items],
                          "formats": ["<u4" if f.size == 4 else "<u8" for _, (_, f) in items],
                          "itemsize": self.size})
-
-    def get(self, buf, name: str) -> int:
-        off, st = self._offs[name]
-        return st.unpack_from(buf, off)[0]
 
     def decisions(self, buf) -> dict[str, int]:
         return {n: st.unpack_from(buf, off)[0] for n, off, st, _ in self._decisions}

@@ -203,7 +203,7 @@ class Interpreter(Backend):
                     pc = continue_pc
                     continue
                 if code == I.JA:
-                    pc += 1 + (ins.imm if cls == I.JMP32 else ins.off)
+                    pc += 1 + ins.jump_offset
                     continue
                 a = regs[ins.dst]
                 b = regs[ins.src] if op & I.X else ins.imm & M64

@@ -82,6 +82,11 @@ class Insn:
         return self.opcode & 0xE0
 
     @property
+    def jump_offset(self) -> int:
+        """A jump's target, relative to the next instruction (gotol keeps it in imm)."""
+        return self.imm if self.opcode == (JMP32 | JA) else self.off
+
+    @property
     def is_lddw(self) -> bool:
         return self.opcode == (LD | IMM | DW)
 
@@ -176,7 +181,7 @@ def disasm_insn(ins: Insn, pc: int | None = None) -> str:
             return "exit"
         if op == CALL:
             return f"call {ins.imm:+d}" if ins.src == PSEUDO_CALL else f"call {ins.imm}"
-        target = ins.imm if (op == JA and c == JMP32) else ins.off
+        target = ins.jump_offset
         where = f"goto {target:+d}" if pc is None else f"goto {pc + 1 + target}"
         if op == JA:
             return ("gotol " if c == JMP32 else "goto ") + f"{target:+d}"

@@ -93,9 +93,9 @@ def _acyclic(prog: Program) -> bool:
                 return False
             succ[pc] = [nxt]
         elif ins.op == I.JA:
-            succ[pc] = [pc + 1 + (ins.imm if ins.cls == I.JMP32 else ins.off)]
+            succ[pc] = [pc + 1 + ins.jump_offset]
         else:
-            succ[pc] = [nxt, pc + 1 + ins.off]
+            succ[pc] = [nxt, pc + 1 + ins.jump_offset]
     state = {}                      # pc -> 1 on the current path, 2 done
     stack = [(0, iter(succ.get(0, ())))]
     state[0] = 1
@@ -179,8 +179,7 @@ class _Lifter:
                 if ins.op == I.CALL:
                     leaders.add(pc + 1)
                 continue
-            off = ins.imm if (ins.op == I.JA and ins.cls == I.JMP32) else ins.off
-            leaders |= {pc + 1 + off, pc + 1}
+            leaders |= {pc + 1 + ins.jump_offset, pc + 1}
         leaders = sorted(x for x in leaders if x in body)
         b0 = fn.append_basic_block("entry")
         b = L.IRBuilder(b0)
@@ -361,8 +360,7 @@ class _Lifter:
                 self.set(0, self._helper(pc, ins.imm))
             return False
         if op == I.JA:
-            off = ins.imm if c == I.JMP32 else ins.off
-            b.branch(self.blocks[pc + 1 + off])
+            b.branch(self.blocks[pc + 1 + ins.jump_offset])
             return True
         a = self.reg(ins.dst)
         x = self.reg(ins.src) if ins.opcode & I.X else I64(ins.imm & I.MASK64)

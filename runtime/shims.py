@@ -1,7 +1,7 @@
 """Device shims: where an island's programs are loaded, attached and run.
 
-One small interface (`Shim`): attach a program to a hook, deliver an event as
-a context struct and get the decisions back, expose the maps, count
+One small interface (`Shim`): attach a program to a hook, `decide` an event
+(delivered as a context struct, the decisions read back), expose the maps, count
 invocations and time spent.  `BpftimeShim` (gpu and host islands) loads the
 island's ``.bpftime.json`` handler table, as ``bpftimetool import`` would;
 `DputimeShim` (dpu/nic and cxl_switch islands) loads ``.dputime.json``.  Both
@@ -106,12 +106,6 @@ class Shim:
         return a.maps if a is not None else None
 
     # -- events ----------------------------------------------------------------------------
-    def deliver(self, hook: str, fields: dict, now: float = 0.0) -> dict | None:
-        """Run the program on ``hook`` with a context built from ``fields``; return the
-        decisions it changed (None if no handler acts on the event or the program faulted)."""
-        known = self.decide(hook, fields, now)
-        return dict(known.decisions) if known is not None else None
-
     def decide(self, hook: str, fields: dict, now: float = 0.0) -> Known | None:
         """The decisions for an event as a `Known` (read-only; None if no handler acts on it
         or the program faulted).  Decisions that depend only on the fields the handlers read
@@ -143,7 +137,7 @@ class Shim:
     def deliver_many(self, hook: str, n: int, common: dict, columns: dict, now: float = 0.0) -> list | None:
         """Deliver n events at once (a transfer's chunks, issued together): ``common`` fields
         are the same for all, ``columns`` give one value per event.  Runs in order, as n
-        `deliver` calls would; returns each event's changed decisions (None: unchanged), or
+        `decide` calls would; returns each event's changed decisions (None: unchanged), or
         None if no handler acts on these events."""
         act = self.acting(hook, common.get("movement")) if hook in self.handles else None
         if act is None:

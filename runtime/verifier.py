@@ -153,8 +153,7 @@ class Verifier:
                         self.fail(pc, f"unknown helper {ins.imm}: the runtime provides "
                                   + ", ".join(f"{h.id} ({h.name})" for h in Hl.HELPERS.values()))
                     continue
-                off = ins.imm if (op == I.JA and c == I.JMP32) else ins.off
-                t = pc + 1 + off
+                t = pc + 1 + ins.jump_offset
                 self._target(pc, t)
                 if t <= pc:
                     self.loop_heads.add(t)
@@ -225,8 +224,7 @@ class Verifier:
             if ins.op == I.CALL and ins.src == I.PSEUDO_CALL:
                 out |= {pc + 1 + ins.imm, pc + 1}
             elif ins.op not in (I.CALL, I.EXIT):
-                off = ins.imm if (ins.op == I.JA and ins.cls == I.JMP32) else ins.off
-                out |= {pc + 1 + off, pc + 1}
+                out |= {pc + 1 + ins.jump_offset, pc + 1}
         return out
 
     # -- one instruction; returns the next pc or None when the path ends ---------------
@@ -291,7 +289,7 @@ class Verifier:
             self.helper(pc, ins.imm, st)
             return pc + 1
         if op == I.JA:
-            return pc + 1 + (ins.imm if c == I.JMP32 else ins.off)
+            return pc + 1 + ins.jump_offset
         return self.branch(pc, ins, st, work, depth)
 
     def read(self, pc, regs, r):

@@ -9,8 +9,7 @@ import pytest
 from conftest import POLICIES
 from fabric_ext.codegen.driver import build, write_output
 from fabric_ext.diagnostics import Diagnostics
-from fabric_ext.runtime.bundle import BundleError, load_manifest
-from fabric_ext.runtime.cli import _fresh_maps
+from fabric_ext.runtime.bundle import BundleError, create_maps, load_manifest
 from fabric_ext.runtime.engine import Engine, RunOptions
 from fabric_ext.runtime.interp import Interpreter
 from policy_helpers import compiled
@@ -21,7 +20,7 @@ SMALL = dict(model="llama3-8b", prompt=512, tp=2)
 def run_engine(folder, backend=None, attach=True, trace=False, **overrides):
     man = load_manifest(folder)
     opts = RunOptions(**{**SMALL, **overrides}, attach=attach, trace=trace)
-    eng = Engine(folder, man, _fresh_maps(man), backend or Interpreter(), opts)
+    eng = Engine(folder, man, create_maps(man), backend or Interpreter(), opts)
     return eng.run(), eng
 
 
