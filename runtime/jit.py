@@ -23,6 +23,7 @@ import llvmlite.binding as llvm
 import llvmlite.ir as L
 import numpy as np
 
+from . import helpers as Hl
 from . import isa as I
 from .interp import ctx_write_mask
 from .maps import ARRAY, HASH, LRU_HASH, PERCPU_ARRAY, PERCPU_HASH, RINGBUF, USED, EMPTY
@@ -609,6 +610,55 @@ class _Lifter:
         b.ret(res)
 
 
+class _NativeMemory:
+    """A native run's memory as `helpers.call` sees an interpreter's: maps by handle, reads
+    checked against the run's regions, one reserved ringbuf record at a time (the compiled
+    bounds checks know one)."""
+
+    def __init__(self, backend: "JitBackend", c: "_Compiled"):
+        self.backend, self.c, self.e = backend, c, c.env
+
+    def _ok(self, addr, n):
+        e = self.e
+        for lo, ln in ((e.stack, STACK_SIZE * MAX_FRAMES), (e.ctx, e.ctx_len), (e.mem, e.mem_len), (e.rec, e.rec_len)):
+            if lo and lo <= addr and addr + n <= lo + ln:
+                return True
+        return any(m.type != RINGBUF and m.values.ctypes.data <= addr
+                   and addr + n <= m.values.ctypes.data + m.values.nbytes for m in self.c.prog.maps)
+
+    def read_bytes(self, addr, n) -> bytes:
+        if n == 0:
+            return b""
+        if not self._ok(addr, n):
+            raise ValueError(f"helper argument {addr:#x} ({n} bytes) is outside the program's memory")
+        return ctypes.string_at(addr, n)
+
+    def map_of(self, handle):
+        maps = self.c.prog.maps
+        if handle & MAP_HANDLE != MAP_HANDLE or (handle & 0xFFFFFFFF) >= len(maps):
+            raise ValueError(f"{handle:#x} is not a map")
+        return maps[handle & 0xFFFFFFFF]
+
+    def map_value_addr(self, index, m, slot) -> int:
+        return m.values.ctypes.data + m.value_offset(slot)
+
+    def new_record(self, m, size) -> int:
+        if self.e.rec:
+            return 0
+        buf = ctypes.create_string_buffer(max(size, 1))
+        self.e.rec, self.e.rec_len = ctypes.addressof(buf), size
+        self.backend.records[self.e.rec] = (m, buf)
+        return self.e.rec
+
+    def end_record(self, addr, submit: bool):
+        if addr != self.e.rec or addr not in self.backend.records:
+            raise ValueError(f"{addr:#x} is not a reserved ringbuf record")
+        m, buf = self.backend.records.pop(addr)
+        if submit:
+            m.ringbuf_output(buf.raw[:self.e.rec_len])
+        self.e.rec = self.e.rec_len = 0
+
+
 class _Compiled:
     def __init__(self, prog, fn_addr, batch_addr, module_ref, callback):
         self.prog = prog
@@ -636,65 +686,14 @@ class JitBackend(Backend):
         self.compiled: dict[tuple, _Compiled] = {}   # per backend: helper callbacks are bound to it
 
     # -- the Python side of helper calls ----------------------------------------------------------
-    def _region_ok(self, addr, n):
-        c = self.current
-        e = c.env
-        for lo, ln in ((e.stack, STACK_SIZE * MAX_FRAMES), (e.ctx, e.ctx_len), (e.mem, e.mem_len), (e.rec, e.rec_len)):
-            if lo and lo <= addr and addr + n <= lo + ln:
-                return True
-        return any(m.type != RINGBUF and m.values.ctypes.data <= addr and addr + n <= m.values.ctypes.data
-                   + m.values.nbytes for m in c.prog.maps)
-
-    def _read(self, addr, n):
-        if not self._region_ok(addr, n):
-            raise ValueError(f"helper argument {addr:#x} ({n} bytes) is outside the program's memory")
-        return ctypes.string_at(addr, n)
-
     def _callback(self, hid, r1, r2, r3, r4, r5):
-        c = self.current
+        """Helpers not done natively run the interpreter's implementations (`helpers.call`)
+        on the native run's memory."""
         try:
-            maps = c.prog.maps
-            if hid in (1, 2, 3, 130, 131):
-                if r1 & MAP_HANDLE != MAP_HANDLE or (r1 & 0xFFFFFFFF) >= len(maps):
-                    raise ValueError("not a map")
-                m = maps[r1 & 0xFFFFFFFF]
-            if hid == 1:
-                slot = m.lookup_slot(self._read(r2, m.key_size))
-                return 0 if slot is None else m.values.ctypes.data + m.value_offset(slot)
-            if hid == 2:
-                return m.update(self._read(r2, m.key_size), self._read(r3, m.value_size), r4) & I.MASK64
-            if hid == 3:
-                return m.delete(self._read(r2, m.key_size)) & I.MASK64
-            if hid == 5:
-                return int(self.helper_vm.clock()) & I.MASK64
-            if hid == 6:
-                text = self._read(r1, r2).split(b"\0", 1)[0].decode(errors="replace")
-                self.helper_vm.printk.append(text)
-                return len(text)
-            if hid == 7:
-                return self.helper_vm.rng.next()
-            if hid == 8:
-                return self.helper_vm.cpu
-            if hid == 130:
-                return m.ringbuf_output(self._read(r2, r3)) & I.MASK64
-            if hid == 131:
-                if c.env.rec or m.type != RINGBUF:
-                    return 0
-                buf = ctypes.create_string_buffer(max(r2, 1))
-                c.env.rec, c.env.rec_len = ctypes.addressof(buf), r2
-                self.records[c.env.rec] = (m, buf)
-                return c.env.rec
-            if hid in (132, 133):
-                if r1 != c.env.rec or r1 not in self.records:
-                    raise ValueError("not a reserved record")
-                m, buf = self.records.pop(r1)
-                if hid == 132:
-                    m.ringbuf_output(buf.raw[:c.env.rec_len])
-                c.env.rec = c.env.rec_len = 0
-                return 0
-            raise ValueError(f"unknown helper {hid}")
+            return Hl.call(self.helper_vm, _NativeMemory(self, self.current), hid, [0, r1, r2, r3, r4, r5]) \
+                & I.MASK64
         except Exception as e:  # noqa: BLE001 - reported as a fault of the program
-            c.env.fault = FAULT_HELPER
+            self.current.env.fault = FAULT_HELPER
             self.helper_error = str(e)
             return 0
 
