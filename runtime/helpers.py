@@ -8,6 +8,8 @@ from __future__ import annotations
 import errno
 from dataclasses import dataclass
 
+from .maps import RINGBUF
+
 # argument kinds
 MAP, KEY, VALUE, SCALAR, MEM, SIZE, RECORD, ANY = "map", "key", "value", "scalar", "mem", "size", "record", "any"
 # return kinds
@@ -81,7 +83,7 @@ def call(vm, m, helper_id: int, regs: list[int]) -> int:
         return mp.ringbuf_output(m.read_bytes(r2, r3))
     if helper_id == 131:
         mp = m.map_of(r1)
-        if mp.type != 27:
+        if mp.type != RINGBUF:
             return 0
         used = sum(len(r) + 8 for r in mp.records)
         return 0 if used + r2 + 8 > mp.max_entries else m.new_record(mp, r2)

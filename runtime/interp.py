@@ -12,6 +12,7 @@ import struct
 
 from . import helpers as Hl
 from . import isa as I
+from .maps import RINGBUF
 from .program import Backend, Program, VMFault
 
 M64, M32 = I.MASK64, I.MASK32
@@ -65,7 +66,7 @@ class Machine:
         if mem is not None:
             self.regions.append(Region(MEM_BASE, memoryview(mem).cast("B"), "memory"))
         for i, m in enumerate(prog.maps):
-            if m.type != 27:
+            if m.type != RINGBUF:
                 self.regions.append(Region(MAP_BASE + (i << 32), memoryview(m.values), f"map '{m.name}'"))
         self.records: dict[int, tuple[object, bytearray]] = {}
         self.next_record = 0

@@ -16,6 +16,7 @@ import re
 import struct
 
 from . import isa as I
+from .maps import PERCPU_ARRAY, PERCPU_HASH, RINGBUF
 from .program import Backend, Program, VMFault
 
 SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390x": 351}.get(platform.machine(), 321)
@@ -222,7 +223,7 @@ class KernelBackend(Backend):
         hit = self.map_fds.get(id(m))
         if hit is None:
             fd = create_map(m.type, m.key_size, m.value_size, m.max_entries, m.name, m.flags)
-            percpu = m.type in (5, 6)
+            percpu = m.type in (PERCPU_HASH, PERCPU_ARRAY)
             stride = (m.value_size + 7) // 8 * 8
             for k, v in m.items():
                 if m.hashed or any(v):
@@ -256,10 +257,10 @@ class KernelBackend(Backend):
     def sync(self) -> None:
         """Copy every kernel map's contents into its Map (ringbuf records are consumed)."""
         for m, fd in self.map_fds.values():
-            if m.type == 27:
+            if m.type == RINGBUF:
                 m.records.extend(drain_ringbuf(fd, m.max_entries))
                 continue
-            percpu = m.type in (5, 6)
+            percpu = m.type in (PERCPU_HASH, PERCPU_ARRAY)
             stride = (m.value_size + 7) // 8 * 8
             for k in map_keys(fd, m.key_size):
                 v = map_lookup(fd, k, stride * possible_cpus() if percpu else m.value_size)
