@@ -247,16 +247,19 @@ class Fabric:
         chunks = [Chunk(t, i, min(t.chunk_bytes, t.bytes - i * t.chunk_bytes) if t.bytes else 0, t.path)
                   for i in range(n)]
         release = [now] * n
-        ends = [(t.path[0], "src")] + ([(t.path[-1], "dst")] if t.path[-1] != t.path[0] else [])
-        for end, role in ends:      # the source GPU sees every chunk issued, then the destination
-            isl = self.device_island.get(end)
-            if isl is None or self.island_kind.get(isl) != "gpu":
-                continue
+        for isl, role in self._gpu_ends(t):
             for i, d in enumerate(self.hooks.on_issue(chunks, isl, role) or ()):
                 if d and not APPLIED.isdisjoint(d):
                     release[i] = max(release[i], self._apply(chunks[i], isl, d, release[i]))
         for chunk, at in zip(chunks, release):
             self.sim.at(at, self._arrive, chunk)
+
+    def _gpu_ends(self, t: Transfer) -> list[tuple[str, str]]:
+        """The GPU islands at a transfer's ends, with their role: the source first, then the
+        destination (the order their programs see its chunks in)."""
+        ends = [(t.path[0], "src")] + ([(t.path[-1], "dst")] if t.path[-1] != t.path[0] else [])
+        return [(isl, role) for isl, role in ((self.device_island.get(e), r) for e, r in ends)
+                if isl is not None and self.island_kind.get(isl) == "gpu"]
 
     def _apply(self, chunk: Chunk, island: str, d: dict, now: float) -> float:
         """Apply decisions; returns when the chunk may move on."""
@@ -352,10 +355,8 @@ class Fabric:
             t = part.transfer
             t.queue_waits.append(chunk.waited + part.waited if chunk.parts else part.waited)
             t.chunks_done += 1
-            for end in {t.path[0], t.path[-1]}:
-                isl = self.device_island.get(end)
-                if isl is not None and self.island_kind.get(isl) == "gpu":
-                    self.hooks.on_delivered(part, isl, now - t.start)
+            for isl, _ in self._gpu_ends(t):
+                self.hooks.on_delivered(part, isl, now - t.start)
             if t.chunks_done == t.chunks_total:
                 t.end = now
                 if t.on_done is not None:
