@@ -17,11 +17,11 @@ def program(case):
     return Program(case["name"], assemble(case["asm"]))
 
 
-def backend(name):
+def backend(name, **kw):
     if name == "jit":
         from fabric_ext.runtime.jit import JitBackend
-        return JitBackend()
-    return Interpreter()
+        return JitBackend(**kw)
+    return Interpreter(**kw)
 
 
 @pytest.mark.parametrize("vm", ["interp", "jit"])
@@ -94,8 +94,7 @@ def test_assembler_errors_name_the_line(src, line, msg):
 @pytest.mark.parametrize("vm", ["interp", "jit"])
 def test_instruction_budget(vm):
     prog = Program("spin", assemble("mov %r0, 0\nloop:\nadd %r0, 1\njlt %r0, 100000, loop\nexit"))
-    b = Interpreter(budget=1000) if vm == "interp" else __import__(
-        "fabric_ext.runtime.jit", fromlist=["JitBackend"]).JitBackend(budget=1000)
+    b = backend(vm, budget=1000)
     with pytest.raises(VMFault) as e:
         b.run(b.load(prog))
     assert "instruction budget of 1000 exhausted" in str(e.value)
@@ -105,11 +104,9 @@ def test_instruction_budget(vm):
 def test_budget_holds_for_straight_line_code(vm):
     """The JIT counts nothing in a program without loops, unless it is longer than the budget."""
     prog = Program("line", assemble("mov %r0, 1\nadd %r0, 1\nadd %r0, 1\nexit"))
-    big = Interpreter(budget=4) if vm == "interp" else __import__(
-        "fabric_ext.runtime.jit", fromlist=["JitBackend"]).JitBackend(budget=4)
+    big = backend(vm, budget=4)
     assert big.run(big.load(prog)) == 3
-    small = Interpreter(budget=3) if vm == "interp" else __import__(
-        "fabric_ext.runtime.jit", fromlist=["JitBackend"]).JitBackend(budget=3)
+    small = backend(vm, budget=3)
     with pytest.raises(VMFault) as e:
         small.run(small.load(prog))
     assert "instruction budget of 3 exhausted" in str(e.value)
