@@ -29,7 +29,9 @@ class ContextCodec:
         self.buffer = ctypes.create_string_buffer(self.size)   # reused by `fill`
         self._template_bytes = bytes(self._template)
         self._plans: dict[tuple, tuple] = {}
-        self._dtype = None
+        items = hook.layout.items()
+        self._dtype = np.dtype({"names": [n for n, _ in items], "offsets": [off for _, (off, _) in items],
+                                "formats": [_FMT[f.ctype] for _, (_, f) in items], "itemsize": self.size})
         # every decision read back with one unpack, compared with the defaults at once
         if self._decisions:
             start = self._decisions[0][1]
@@ -114,15 +116,7 @@ class ContextCodec:
 
     def dtype(self) -> np.dtype:
         """The context struct as a numpy structured dtype, to build many contexts at once."""
-        if self._dtype is None:
-            self._dtype = self._make_dtype()
         return self._dtype
-
-    def _make_dtype(self) -> np.dtype:
-        items = self.hook.layout.items()
-        return np.dtype({"names": [n for n, _ in items], "offsets": [off for _, (off, _) in items],
-                         "formats": ["<u4" if f.size == 4 else "<u8" for _, (_, f) in items],
-                         "itemsize": self.size})
 
     def decisions(self, buf) -> dict[str, int]:
         return {n: st.unpack_from(buf, off)[0] for n, off, st, _ in self._decisions}
