@@ -116,23 +116,18 @@ class TickSource:
         """Build the contexts of these ticks and run them; False if the program faulted."""
         total, queued = self._counters(times)
         n_ports, k = len(self.ports), len(times)
-        if len(self.periods) == 1:
-            (p,) = self.periods
-            groups = [(p, slice(None))]
-        else:
-            groups = [(p, periods == p) for p in self.periods]
         delta, util = np.empty_like(total), np.empty_like(total)
-        for p, due in groups:
-            t = total[due]
-            if not len(t):
+        for p in self.periods:          # each period's utilisation is over its own last tick
+            due = periods == p
+            if not due.any():
                 continue
+            t = total[due]
             delta[due] = np.diff(t, axis=0, prepend=self.sent_at_last[p][None, :])
             util[due] = np.minimum(np.floor(delta[due] / self.per_pct[p] + 0.5), 100)
             self.sent_at_last[p] = t[-1]
         ctx = self._buffer(k * n_ports)
         ctx["now"] = np.repeat(times, n_ports)
-        if len(self.periods) > 1:
-            ctx["period"] = np.repeat(periods, n_ports)
+        ctx["period"] = np.repeat(periods, n_ports)
         ctx["util_pct"] = util.ravel()
         ctx["bytes"] = delta.ravel()
         ctx["queue_bytes"] = queued.ravel()
@@ -143,8 +138,8 @@ class TickSource:
         return ran == len(rows)
 
     def _buffer(self, n):
-        """The first n rows of a context buffer whose fixed fields (port, peer, the period
-        when there is one) are filled once; tick programs write no context fields."""
+        """The first n rows of a context buffer whose fixed fields (port, peer) are filled
+        once; tick programs write no context fields."""
         if self.buf is None or len(self.buf) < n:
             rows = max(n, 2 * len(self.buf) if self.buf is not None else 0)
             buf = np.empty(rows, dtype=self.dtype)
@@ -152,7 +147,6 @@ class TickSource:
             reps = -(-rows // len(self.ports))
             buf["port"] = np.tile(self.ports, reps)[:rows]
             buf["peer"] = np.tile(self.peers, reps)[:rows]
-            buf["period"] = self.periods[0]
             self.buf = buf
         return self.buf[:n]
 
