@@ -111,19 +111,21 @@ class Server:
         self.intervals: list[tuple[float, float, int]] = []
         self.queued_bytes = 0          # bytes waiting, not yet on the link
         self.record: array.array | None = None   # where a watcher wants transmission starts
-        self.record_enqueues = False              # ... and enqueues
-        self.port = 0
+        self.sent_lane = 0
+        self.enqueued_lane: int | None = None     # ... and enqueues, if it does
 
-    def watch(self, record: array.array, port: int, enqueues: bool = True) -> None:
-        """Append (time, port, kind, bytes) to ``record`` at every transmission start (kind 0)
-        and, if asked, every enqueue (kind 1): flat, so a tick source reads it without copying."""
-        self.record, self.port, self.record_enqueues = record, port, enqueues
+    def watch(self, record: array.array | None, sent_lane: int, enqueued_lane: int | None = None) -> None:
+        """Append (time, lane, bytes) to ``record`` at every transmission start, and at every
+        enqueue if given a lane for those: flat, so a tick source reads it without copying.
+        A record of None stops it."""
+        self.record, self.sent_lane = record, sent_lane
+        self.enqueued_lane = enqueued_lane if record is not None else None
 
     def enqueue(self, chunk: Chunk, done) -> None:
         chunk.enqueued = self.sim.now
         self.queued_bytes += chunk.bytes
-        if self.record_enqueues:
-            self.record.extend((chunk.enqueued, self.port, 1, chunk.bytes))
+        if self.enqueued_lane is not None:
+            self.record.extend((chunk.enqueued, self.enqueued_lane, chunk.bytes))
         q = self.queues.get(chunk.priority)
         if q is None:
             q = self.queues[chunk.priority] = OrderedDict()
@@ -154,7 +156,7 @@ class Server:
         self.queued_bytes -= chunk.bytes
         self.intervals.append((now, now + dt, chunk.bytes))
         if self.record is not None:
-            self.record.extend((now, self.port, 0, chunk.bytes))
+            self.record.extend((now, self.sent_lane, chunk.bytes))
         self.sim.at(now + dt, self._finish, chunk, done)
 
     def _finish(self, chunk, done) -> None:

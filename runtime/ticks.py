@@ -7,7 +7,7 @@ other event at its time.  Tick programs decide nothing; their only effect is on
 maps.  So nothing can observe a tick until a program that shares a map with it
 runs, or the maps are read at the end: the engine lets ticks pile up and calls
 `TickSource.catch_up` at those moments.  It rebuilds every pending tick's counters
-from one flat record the island's servers append to (the time, port and size of
+from one flat record the island's servers append to (the time, lane and size of
 every transmission start and every enqueue: one append per event) and runs the
 ticks in native batches.  The outcome is the same
 as running each tick at its time (`tests/test_ticks.py` checks both against each
@@ -20,32 +20,80 @@ import array
 
 import numpy as np
 
-BLOCK = 4096               # ticks per batch
+BLOCK = 4096               # ticks of the shortest period per batch
+TRIM = 1 << 16             # records every period is done with before the record is cut
+
+
+class _Period:
+    """One tick period's progress through the record: its next tick, the first record
+    that tick has not yet counted, and (when the queue is read) each port's bytes started
+    and enqueued before its last tick."""
+
+    def __init__(self, period: int, bw: np.ndarray):
+        self.period = period
+        self.next_k = 1                                  # the next tick is at next_k * period
+        self.cursor = 0                                  # records before this are all before the last tick
+        self.before = np.zeros((2, len(bw)))             # (started, enqueued) per port
+        # bytes that make 1 % of a period's capacity; a port without a bandwidth reads 0 %
+        self.per_pct = np.where(bw > 0, bw * period / 1e9 / 100, np.inf)
+
+    @property
+    def due(self) -> float:
+        return self.next_k * self.period
+
+    def fill(self, record: np.ndarray, upto: float, ctx: np.ndarray, queue_read: bool) -> np.ndarray:
+        """Write the contexts of this period's ticks up to ``upto`` into ``ctx`` (a
+        (ticks, ports) view, resized here) and return their times.
+
+        A transmission that starts in [T - period, T) is what the tick at T sees sent; the
+        queue at T is everything enqueued before T less everything started before T.  A
+        record counts for the first tick after its time, so one bincount by (tick, lane)
+        gives both, and a running sum over ticks the queue."""
+        n, k0, k1 = len(self.per_pct), self.next_k, int(upto // self.period)
+        times = np.arange(k0, k1 + 1, dtype=np.float64) * self.period
+        k = len(times)
+        rec = record[self.cursor:]
+        first = np.searchsorted(times, rec[:, 0], side="right")
+        binned = np.bincount(first * (2 * n) + rec[:, 1].astype(np.int64), weights=rec[:, 2],
+                             minlength=2 * n * (k + 1)).reshape(k + 1, 2, n)[:k]
+        sent = binned[:, 0]
+        ctx["now"] = times[:, None]
+        ctx["period"] = self.period
+        ctx["bytes"] = sent
+        util = sent / self.per_pct
+        util += 0.5
+        ctx["util_pct"] = np.minimum(util, 100, out=util)      # the cast to an integer floors it
+        if queue_read:
+            sums = np.cumsum(binned, axis=0, dtype=np.float64)
+            sums += self.before
+            ctx["queue_bytes"] = sums[:, 1] - sums[:, 0]
+            self.before = sums[-1]
+        self.cursor += int(np.searchsorted(rec[:, 0], times[-1], side="left"))
+        self.next_k = k1 + 1
+        return times
 
 
 class TickSource:
     """Every tick period of one island's tick program, over the island's ports."""
 
-    def __init__(self, shim, island: str, periods: list[int], servers: list, peers: list[int], spans=None):
-        self.shim, self.island = shim, island
-        self.periods = sorted(int(p) for p in periods)
-        self.next_k = {p: 1 for p in self.periods}       # the next tick of period p is at k * p
+    def __init__(self, shim, island: str, periods: list[int], servers: list, peers: list[int], spans=None,
+                 block: int = BLOCK):
+        self.shim, self.island, self.block = shim, island, block
         self.end = float("inf")                          # no ticks after this time (the prefill's end)
         self.spans = spans                               # a list to record trace spans in, or None
-        n = len(servers)
         self.servers = servers
-        self.record = array.array("d")                 # (time, port, kind, bytes) from every port's server
-        # the queue is rebuilt from enqueues only if a tick handler reads it (else it reads 0)
+        n = len(servers)
+        bw = np.array([srv.bw or 0.0 for srv in servers], dtype=np.float64)
+        self.periods = [_Period(p, bw) for p in sorted({int(p) for p in periods})]
+        self.shortest = self.periods[0].period
+        self.next_due = self.shortest
+        self.record = array.array("d")                 # (time, lane, bytes) from every port's server
+        # lanes: port i's transmission starts are lane i, its enqueues lane n + i; the queue is
+        # rebuilt from enqueues only if a tick handler reads it (else it reads 0)
         handlers = shim.handlers.get("tick")
         self.queue_read = handlers is None or any("queue_bytes" in h["reads"] for h in handlers)
         for port, srv in enumerate(servers):
-            srv.watch(self.record, port, enqueues=self.queue_read)
-        self.cursor = 0                                  # the first record not before the last tick
-        self.before = np.zeros((n, 2))                   # per port, bytes (started, enqueued) before it
-        self.sent_at_last = {p: np.zeros(n) for p in self.periods}
-        # bytes that make 1 % of a period's capacity; a port without a bandwidth reads 0 %
-        bw = np.array([srv.bw or 0.0 for srv in servers], dtype=np.float64)
-        self.per_pct = {p: np.where(bw > 0, bw * p / 1e9 / 100, np.inf) for p in self.periods}
+            srv.watch(self.record, port, n + port if self.queue_read else None)
         codec = shim.codecs["tick"]
         self.dtype = codec.dtype()
         self.template = np.frombuffer(codec.pack(), dtype=self.dtype)[0]
@@ -57,85 +105,56 @@ class TickSource:
     def active(self) -> bool:
         return self.shim.has("tick")
 
-    # -- running the ticks --------------------------------------------------------------------
-    def pending(self, t: float) -> tuple[np.ndarray, np.ndarray]:
-        """Times and periods of the ticks due at or before t, in time order (ties: shorter period first)."""
-        t = min(t, self.end)
-        times, periods = [], []
-        for p in self.periods:
-            k0, k1 = self.next_k[p], int(t // p)
-            if k1 >= k0:
-                times.append(np.arange(k0, k1 + 1, dtype=np.int64) * p)
-                periods.append(np.full(k1 - k0 + 1, p, dtype=np.int64))
-        if not times:
-            return np.empty(0, np.int64), np.empty(0, np.int64)
-        times, periods = np.concatenate(times), np.concatenate(periods)
-        order = np.lexsort((periods, times))
-        return times[order], periods[order]
-
     def catch_up(self, t: float) -> None:
         """Run every tick due at or before t."""
         if not self.active:          # detached after a fault: stop recording
             for srv in self.servers:
-                srv.record, srv.record_enqueues = None, False
+                srv.watch(None, 0)
             del self.record[:]
             return
-        times, periods = self.pending(t)
-        for p in self.periods:
-            due = periods == p
-            if due.any():
-                self.next_k[p] = int(times[due][-1] // p) + 1
-        for i in range(0, len(times), BLOCK):
-            if not self._run(times[i:i + BLOCK], periods[i:i + BLOCK]):
+        t = min(t, self.end)
+        while self.next_due <= t:
+            # a block of ticks at a time, so a long quiet stretch needs no huge buffer
+            upto = min(t, self.next_due + (self.block - 1) * self.shortest)
+            if not self._run(upto):
                 return
+            self.next_due = min(p.due for p in self.periods)
 
-    def _counters(self, times):
-        """Each port's (bytes sent, bytes queued) just before each time: arrays of (ticks, ports).
-
-        Sent before T: the bytes of the transmissions that started before T; queued: the
-        bytes enqueued before T less those.  Both are sums over the records since the last
-        tick: a record counts for every tick after its time, so the sums are a running total
-        over ticks of the bytes binned by the first tick that sees them."""
-        n, k = len(self.servers), len(times)
-        rec = np.frombuffer(self.record, dtype=np.float64).reshape(-1, 4)[self.cursor:]
-        first = np.searchsorted(times.astype(np.float64), rec[:, 0], side="right")
-        slot = (rec[:, 1].astype(np.int64) * 2 + rec[:, 2].astype(np.int64)) * (k + 1) + first
-        binned = np.bincount(slot, weights=rec[:, 3], minlength=n * 2 * (k + 1)).reshape(n, 2, k + 1)
-        sums = self.before[:, :, None] + np.cumsum(binned, axis=2)[:, :, :k]    # (port, kind, tick)
-        self.before = sums[:, :, -1]
-        # the next ticks start from the last of these: the records before it are done with
-        self.cursor += int(np.searchsorted(rec[:, 0], float(times[-1]), side="left"))
-        del rec                          # release the view, so the record can shrink and grow
-        if self.cursor > 1 << 16:
-            del self.record[:4 * self.cursor]
-            self.cursor = 0
-        started, enqueued = sums[:, 0, :].T, sums[:, 1, :].T
-        return started, (enqueued - started if self.queue_read else np.zeros_like(started))
-
-    def _run(self, times, periods) -> bool:
-        """Build the contexts of these ticks and run them; False if the program faulted."""
-        total, queued = self._counters(times)
-        n_ports, k = len(self.ports), len(times)
-        delta, util = np.empty_like(total), np.empty_like(total)
-        for p in self.periods:          # each period's utilisation is over its own last tick
-            due = periods == p
-            if not due.any():
-                continue
-            t = total[due]
-            delta[due] = np.diff(t, axis=0, prepend=self.sent_at_last[p][None, :])
-            util[due] = np.minimum(np.floor(delta[due] / self.per_pct[p] + 0.5), 100)
-            self.sent_at_last[p] = t[-1]
-        ctx = self._buffer(k * n_ports)
-        ctx["now"] = np.repeat(times, n_ports)
-        ctx["period"] = np.repeat(periods, n_ports)
-        ctx["util_pct"] = util.ravel()
-        ctx["bytes"] = delta.ravel()
-        ctx["queue_bytes"] = queued.ravel()
-        rows = ctx.view(np.uint8).reshape(len(ctx), -1)
-        ran = self.shim.deliver_batch("tick", rows, lambda row: float(times[row // n_ports]))
+    def _run(self, upto: float) -> bool:
+        """Build the contexts of the ticks up to ``upto`` and run them; False if the program faulted."""
+        n = len(self.ports)
+        record = np.frombuffer(self.record, dtype=np.float64).reshape(-1, 3)
+        due = [p for p in self.periods if p.due <= upto]
+        counts = [int(upto // p.period) - p.next_k + 1 for p in due]
+        buf = self._buffer(sum(counts) * n).reshape(-1, n)
+        times, at = [], 0
+        for p, k in zip(due, counts):
+            times.append(p.fill(record, upto, buf[at:at + k], self.queue_read))
+            at += k
+        del record                       # release the view, so the record can shrink and grow
+        times = times[0] if len(times) == 1 else self._in_time_order(buf, np.concatenate(times))
+        self._trim()
+        rows = buf.reshape(-1).view(np.uint8).reshape(len(buf) * n, -1)
+        ran = self.shim.deliver_batch("tick", rows, lambda row: float(times[row // n]))
         if self.spans is not None:
-            self.spans.extend((self.island, "tick", float(t), 0.0) for t in times[:(ran + n_ports - 1) // n_ports])
+            self.spans.extend((self.island, "tick", float(t), 0.0) for t in times[:-(-ran // n)])
         return ran == len(rows)
+
+    @staticmethod
+    def _in_time_order(buf: np.ndarray, times: np.ndarray) -> np.ndarray:
+        """Several periods' ticks, each period's in order, into one time order; at the same
+        time the shorter period first (the periods were filled shortest first)."""
+        order = np.argsort(times, kind="stable")
+        buf[:] = buf[order]
+        return times[order]
+
+    def _trim(self) -> None:
+        """Cut the records every period has counted, so the record stays small."""
+        done = min(p.cursor for p in self.periods)
+        if done > TRIM:
+            del self.record[:3 * done]
+            for p in self.periods:
+                p.cursor -= done
 
     def _buffer(self, n):
         """The first n rows of a context buffer whose fixed fields (port, peer) are filled
@@ -149,4 +168,3 @@ class TickSource:
             buf["peer"] = np.tile(self.peers, reps)[:rows]
             self.buf = buf
         return self.buf[:n]
-

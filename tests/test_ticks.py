@@ -32,36 +32,38 @@ class RecordingShim:
 
 arrivals = st.lists(st.tuples(st.integers(0, 300), st.integers(0, 2), st.integers(1, 40)), max_size=40)
 catch_ups = st.lists(st.integers(0, 400), max_size=6)
+period_sets = st.sampled_from([[7], [10], [25], [7, 10], [10, 25], [5, 7, 25]])
 
 
-@settings(max_examples=150, deadline=None)
-@given(arrivals, catch_ups, st.sampled_from([7, 10, 25]))
-def test_tick_contexts_match_counters_sampled_one_tick_at_a_time(chunks, catch_up_at, period):
+@settings(max_examples=200, deadline=None)
+@given(arrivals, catch_ups, period_sets, st.sampled_from([1, 3, 4096]))
+def test_tick_contexts_match_counters_sampled_one_tick_at_a_time(chunks, catch_up_at, periods, block):
     """Chunks arrive at three ports and queue; each tick must see every port as it stood just
-    before its time, however the catch-ups fall."""
+    before its time, however the catch-ups and batches fall, in time order (at one time the
+    shorter period first), each period's bytes counted since its own last tick."""
     sim, shim = Sim(), RecordingShim()
     # 1, 0.5 and 4 bytes per ns: every event falls on a quarter nanosecond
     servers = [Server(sim, f"p{i}", bw) for i, bw in enumerate([1e9, 0.5e9, 4e9])]
-    src = TickSource(shim, "sw0", [period], servers, [11, 12, 13])
+    src = TickSource(shim, "sw0", periods, servers, [11, 12, 13], block=block)
     flow = Transfer("m", 1, "kv", "", "a", "b", 0)
     for i, (t, port, size) in enumerate(chunks):
         sim.at(t, servers[port].enqueue, Chunk(flow, i, size, ["a", "b"]), lambda c: None)
     for t in catch_up_at:
         sim.at(t, src.catch_up, t)
     end = 420
-    samples = {}                          # tick time -> [(bytes, queued) per port] just before it
-    for k in range(1, end // period + 1):
-        sim.at(k * period - 0.1, lambda k=k: samples.__setitem__(
-            k * period, [(s.bytes, s.queued_bytes) for s in servers]))
+    samples = {0: [(0, 0)] * 3}           # tick time -> [(bytes, queued) per port] just before it
+    due = sorted({(k * p, p) for p in periods for k in range(1, end // p + 1)})
+    for t, _ in due:
+        sim.at(t - 0.1, lambda t=t: samples.__setitem__(t, [(s.bytes, s.queued_bytes) for s in servers]))
     sim.run(until=end)
     src.catch_up(end)
     want = []
-    for k in range(1, end // period + 1):
+    for t, period in due:
         for port, srv in enumerate(servers):
-            now, before = samples[k * period][port], samples.get((k - 1) * period, [(0, 0)] * 3)[port]
+            now, before = samples[t][port], samples[t - period][port]
             sent = now[0] - before[0]
             util = min(100, int(sent / (srv.bw * period / 1e9 / 100) + 0.5))
-            want.append((k * period, port, 11 + port, util, sent, now[1], period))
+            want.append((t, port, 11 + port, util, sent, now[1], period))
     got = [tuple(int(r[n]) for n in ("now", "port", "peer", "util_pct", "bytes", "queue_bytes", "period"))
            for r in shim.rows]
     assert got == want
