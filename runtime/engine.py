@@ -200,12 +200,12 @@ class Engine(HookSite):
                 break
         return out
 
-    def on_enter(self, chunk, island, role, port_in, port_out):
+    def on_enter(self, chunk, island):
         t, path, hop = chunk.transfer, chunk.path, chunk.hop
-        where = (island, role, path[0], path[-1], t.movement_id)
+        where = (island, path[0], path[-1], t.movement_id)      # the ends say the role
         plan = self._plans.get(where)
         if plan is None:
-            plan = self._plan(where, island, self._enter_hooks(island, role, path[0], path[-1]), t.movement_id)
+            plan = self._plan(where, island, self._enter_hooks(island, path[0], path[-1]), t.movement_id)
         hooks, static = plan
         if not hooks:
             return None
@@ -216,13 +216,15 @@ class Engine(HookSite):
                 known.hits += 1
             if self.opts.trace:
                 self.spans.extend((island, h, self.sim.now, 0.0) for h in hooks)
-            return dict(hit[0])
+            return hit[0]
         fields = self._chunk_fields(chunk)
-        fields["in_port"], fields["out_port"] = port_in, port_out
+        fabric, dev = self.fabric, path[hop]
+        fields["in_port"] = fabric.port_index(dev, path[hop - 1]) if hop else 0
+        fields["out_port"] = fabric.port_index(dev, path[hop + 1]) if hop + 1 < len(path) else 0
         if hop + 1 < len(path):
-            fields["queue_bytes"] = self.fabric.server(path[hop], path[hop + 1]).queued_bytes
-        elif path[hop] in self.fabric.wires:
-            fields["queue_bytes"] = self.fabric.wires[path[hop]].queued_bytes
+            fields["queue_bytes"] = fabric.server(dev, path[hop + 1]).queued_bytes
+        elif dev in fabric.wires:
+            fields["queue_bytes"] = fabric.wires[dev].queued_bytes
         if "mem_access" in hooks:
             fields["write"] = int(self.devices[path[-1]]["kind"] == "cxl_mem")
         merged, each = {}, []
@@ -234,7 +236,7 @@ class Engine(HookSite):
         merged = self._devices(merged)
         if static and all(k is not None and k.kept for k in each):    # None: the program faulted
             t.decided[where] = (merged, each, shim.generation)
-        return dict(merged)
+        return merged
 
     def _plan(self, where, island, hooks, movement):
         """The hooks of ``island`` whose program acts on this movement's events, and whether
@@ -247,15 +249,15 @@ class Engine(HookSite):
         plan = self._plans[where] = (tuple(h for h, _ in acting), static)
         return plan
 
-    def _enter_hooks(self, island, role, src, dst):
-        """The hooks a chunk from src to dst meets on entering ``island`` in ``role``."""
+    def _enter_hooks(self, island, src, dst):
+        """The hooks a chunk from src to dst meets on entering ``island``."""
         kind = self.islands[island]["kind"]
         if kind == "cxl_switch":
             mem = any(self.devices[e]["kind"] == "cxl_mem" and self.device_island.get(e) == island
                       for e in (src, dst))
             return ("forward", "mem_access") if mem else ("forward",)
         if kind == "dpu":
-            return ("rx",) if role == "src" else ("tx",)
+            return ("rx",) if self.device_island.get(src) == island else ("tx",)
         return ()
 
     def on_delivered(self, chunk, island, latency):

@@ -168,10 +168,12 @@ class HookSite:
     """What the fabric asks at decision points; the engine implements it with shims."""
 
     def on_issue(self, chunks: list[Chunk], island: str, role: str) -> list | None:
-        """A transfer's chunks are issued at a GPU: each chunk's decisions (or None)."""
+        """A transfer's chunks are issued at a GPU: each chunk's decisions (or None), read only."""
         return None
 
-    def on_enter(self, chunk: Chunk, island: str, role: str, port_in: int, port_out: int) -> dict | None:
+    def on_enter(self, chunk: Chunk, island: str) -> dict | None:
+        """A chunk enters an island (``chunk.hop`` is the island's device): its decisions
+        there, or None.  The fabric only reads what comes back."""
         return None
 
     def on_delivered(self, chunk: Chunk, island: str, latency: float) -> None:
@@ -225,14 +227,6 @@ class Fabric:
             ports = self.ports(device)
             self._port_index[key] = ports.index(peer) if peer in ports else 0
         return self._port_index[key]
-
-    def role(self, chunk: Chunk, island: str) -> str:
-        devs = self.device_island
-        if devs.get(chunk.path[0]) == island:
-            return "src"
-        if devs.get(chunk.path[-1]) == island:
-            return "dst"
-        return "transit"
 
     def server(self, u: str, v: str) -> Server:
         return self.servers[(u, v)]
@@ -302,15 +296,11 @@ class Fabric:
             pass
 
     def _arrive(self, chunk: Chunk) -> None:
-        path, hop = chunk.path, chunk.hop
-        dev = path[hop]
-        isl = self.device_island.get(dev)
+        isl = self.device_island.get(chunk.path[chunk.hop])
         release = self.sim.now
         if isl is not None and isl != chunk.island:
             chunk.island = isl
-            port_in = self.port_index(dev, path[hop - 1]) if hop else 0
-            port_out = self.port_index(dev, path[hop + 1]) if hop + 1 < len(path) else 0
-            d = self.hooks.on_enter(chunk, isl, self.role(chunk, isl), port_in, port_out)
+            d = self.hooks.on_enter(chunk, isl)
             if d:
                 release = self._apply(chunk, isl, d, release)
                 coalesce = d.get("coalesce", 0)
@@ -318,7 +308,6 @@ class Fabric:
                     chunk = self._coalesce(chunk, isl, coalesce)
                     if chunk is None:
                         return
-                path = chunk.path
         if release > self.sim.now:
             self.sim.at(release, self._forward, chunk)
         else:

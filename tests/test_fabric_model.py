@@ -55,7 +55,7 @@ def test_two_equal_flows_share_a_link():
 
 
 class Prio(HookSite):
-    def on_enter(self, chunk, island, role, pin, pout):
+    def on_enter(self, chunk, island):
         return {"priority": 7} if chunk.transfer.name == "hi" else None
 
 
@@ -74,7 +74,7 @@ class Rate(HookSite):
     def __init__(self, rate):
         self.rate = rate
 
-    def on_enter(self, chunk, island, role, pin, pout):
+    def on_enter(self, chunk, island):
         return {"rate": self.rate} if island == "d0" else None
 
 
@@ -88,7 +88,7 @@ def test_rate_limit_holds_within_one_percent():
 
 
 class Defer(HookSite):
-    def on_enter(self, chunk, island, role, pin, pout):
+    def on_enter(self, chunk, island):
         return {"defer": 5000} if island == "d0" else None
 
 
@@ -113,7 +113,7 @@ def test_memory_channel_is_shared_by_reads_and_writes():
 
 
 class Coalesce(HookSite):
-    def on_enter(self, chunk, island, role, pin, pout):
+    def on_enter(self, chunk, island):
         return {"coalesce": 4 * MiB} if island == "d1" else None
 
 
@@ -133,7 +133,7 @@ def test_route_decision_picks_the_egress():
         g.add_edge(a, b, bw=10 * GBps, latency=lat, kind="cxl")
 
     class Route(HookSite):
-        def on_enter(self, chunk, island, role, pin, pout):
+        def on_enter(self, chunk, island):
             return {"route": "y"} if island == "s" else None
     sim, f = fabric(g, hooks=Route())
     t = transfer("s", "d", MiB)
