@@ -88,31 +88,37 @@ class ContextCodec:
         except struct.error:       # a float, a negative or too large a value: as C would store it
             st.pack_into(buf, start, *[int(v) & m for v, m in zip(vals, masks)])
 
-    def pack_many(self, n: int, common: dict[str, int], columns: dict[str, object] | None = None) -> np.ndarray:
+    def pack_many(self, n: int, common: dict[str, int], columns: dict[str, list] | None = None) -> np.ndarray:
         """A 2-D uint8 array of n contexts (for batch runs): every decision at its default,
-        ``common`` fields the same in every row, ``columns`` one value per row."""
-        rows = np.tile(np.frombuffer(bytes(self.pack(common)), dtype=np.uint8), (n, 1))
-        ctx = rows.reshape(-1).view(self.dtype())
-        for name, value in (columns or {}).items():
+        ``common`` fields the same in every row, ``columns`` one value per row.
+
+        Built as bytes and viewed once: a transfer has a handful of chunks, where numpy's
+        per-call cost would outweigh the per-row work."""
+        size = self.size
+        buf = bytearray(bytes(self.pack(common)) * n)
+        for name, values in (columns or {}).items():
             if name in self._offs:
-                ctx[name] = value
-        return rows
+                off, st = self._offs[name]
+                for i, v in enumerate(values):
+                    try:
+                        st.pack_into(buf, i * size + off, v)
+                    except struct.error:     # as C would store it
+                        st.pack_into(buf, i * size + off, int(v) & _MASK[st.format])
+        return np.frombuffer(buf, dtype=np.uint8).reshape(n, size)
 
     def changed_many(self, rows: np.ndarray) -> list[dict[str, int] | None]:
-        """`changed` for every row of a batch; rows that decided alike share one dict."""
+        """`changed` for every row of a batch (None where nothing changed); rows that
+        decided alike share one dict."""
         if not self._decisions:
             return [None] * len(rows)
-        lo, hi = self._dec_start, self._dec_start + self._dec_struct.size
-        if len(rows) and (rows[:, lo:hi] == rows[0, lo:hi]).all():     # the usual case: all alike
-            return [self.changed(rows[0].tobytes()) or None] * len(rows)
-        ctx = rows.reshape(-1).view(self.dtype())
-        values = np.stack([ctx[n].astype(np.uint64) for n in self._dec_names], axis=1)
-        combos, which = np.unique(values, axis=0, return_inverse=True)
-        shared = []
-        for combo in combos.tolist():
-            d = {n: v for n, v, dflt in zip(self._dec_names, combo, self._dec_defaults) if v != dflt}
-            shared.append(d or None)
-        return [shared[i] for i in which.reshape(-1).tolist()]
+        data, size, start, unpack = rows.tobytes(), self.size, self._dec_start, self._dec_struct.unpack_from
+        shared, out = {}, []
+        for i in range(len(rows)):
+            values = unpack(data, i * size + start)
+            if values not in shared:
+                shared[values] = self._changed(values) or None
+            out.append(shared[values])
+        return out
 
     def dtype(self) -> np.dtype:
         """The context struct as a numpy structured dtype, to build many contexts at once."""
@@ -125,7 +131,9 @@ class ContextCodec:
         """Decisions whose value differs from the default (what the program decided)."""
         if not self._decisions:
             return {}
-        values = self._dec_struct.unpack_from(buf, self._dec_start)
+        return self._changed(self._dec_struct.unpack_from(buf, self._dec_start))
+
+    def _changed(self, values: tuple) -> dict[str, int]:
         if values == self._dec_defaults:
             return {}
         return {n: v for n, v, d in zip(self._dec_names, values, self._dec_defaults) if v != d}
