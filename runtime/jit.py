@@ -53,25 +53,48 @@ class Env(ctypes.Structure):
 ENV_INDEX = {name: i for i, (name, _) in enumerate(Env._fields_)}
 CALLBACK = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
                             ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64)
-_engine = None
-_target_machine = None
+_tiers: dict = {}
 
 
-def _jit_engine():
-    global _engine, _target_machine
-    if _engine is None:
+class _Tier:
+    """An MCJIT engine and how it optimises: programs with loops get LLVM's full -O2
+    pipeline and -O3 code generation, because that is where their time goes; straight-line
+    programs (every policy handler) run a few dozen instructions per call, so they get a
+    short pipeline (SROA, instcombine, CFG simplification, GVN, DCE) and fast instruction
+    selection, which compiles several times faster for the same run time per call."""
+
+    def __init__(self, loops: bool):
         llvm.initialize_native_target()
         llvm.initialize_native_asmprinter()
-        target = llvm.Target.from_default_triple()
-        _target_machine = target.create_target_machine(opt=3, jit=True)
-        _engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine)
-    return _engine, _target_machine
+        self.loops = loops
+        self.tm = llvm.Target.from_default_triple().create_target_machine(opt=3 if loops else 0, jit=True)
+        self.engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), self.tm)
+
+    def optimise(self, mod) -> None:
+        pb = llvm.create_pass_builder(self.tm, llvm.create_pipeline_tuning_options(speed_level=2 if self.loops else 0))
+        if self.loops:
+            pb.getModulePassManager().run(mod, pb)
+            return
+        mpm = llvm.create_new_module_pass_manager()
+        mpm.add_sroa_pass()
+        mpm.add_instruction_combine_pass()
+        mpm.add_simplify_cfg_pass()
+        mpm.add_new_gvn_pass()
+        mpm.add_dead_code_elimination_pass()
+        mpm.run(mod, pb)
 
 
-def _crc_table_global(m):
-    ty = L.ArrayType(I32, 256)
-    g = L.GlobalVariable(m, ty, "crc_table")
-    g.initializer = L.Constant(ty, [I32(v & 0xFFFFFFFF) for v in CRC_TABLE])
+def _tier(loops: bool) -> _Tier:
+    if loops not in _tiers:
+        _tiers[loops] = _Tier(loops)
+    return _tiers[loops]
+
+
+def _const_bytes(m, name: str, data: bytes):
+    """An internal constant byte array (one string literal in the IR, quick to build and print)."""
+    ty = L.ArrayType(I8, len(data))
+    g = L.GlobalVariable(m, ty, name)
+    g.initializer = L.Constant(ty, bytearray(data))
     g.global_constant = True
     g.linkage = "internal"
     return g
@@ -122,7 +145,8 @@ class _Lifter:
         self.p, self.name, self.proof = prog, name, proof
         # a program without cycles or calls runs each instruction at most once: within the
         # budget it can never exhaust, so it needs no count
-        self.counted = not _acyclic(prog) or len(prog.slots) > budget
+        self.acyclic = _acyclic(prog)
+        self.counted = not self.acyclic or len(prog.slots) > budget
         self.m = L.Module(name=name)
         self.m.triple = llvm.get_default_triple()
         self.cb_addr = callback_addr
@@ -130,12 +154,8 @@ class _Lifter:
         self.mask = ctx_write_mask(prog.hook, prog.ctx_size) if prog.ctx_size else b""
         self.mask_g = None
         if self.mask:
-            ty = L.ArrayType(I8, len(self.mask))
-            self.mask_g = L.GlobalVariable(self.m, ty, "ctx_mask")
-            self.mask_g.initializer = L.Constant(ty, bytearray(self.mask))
-            self.mask_g.global_constant = True
-            self.mask_g.linkage = "internal"
-        self.crc = _crc_table_global(self.m)
+            self.mask_g = _const_bytes(self.m, "ctx_mask", self.mask)
+        self.crc = None                 # the CRC-32 table, added by the first hash lookup
         self.map_regions = []
         for m in prog.maps:
             if m.type != RINGBUF:
@@ -529,11 +549,13 @@ class _Lifter:
         b = self.b
         fn = self.fn
         ks, cap = m.key_size, m.cap
+        if self.crc is None:
+            self.crc = _const_bytes(self.m, "crc_table", b"".join(v.to_bytes(4, "little") for v in CRC_TABLE))
         crc = I32(0xFFFFFFFF)
         for k in range(ks):
             byte = b.zext(b.load(b.gep(key_ptr, [I64(k)], source_etype=I8), typ=I8), I32)
             ix = b.zext(b.and_(b.xor(crc, byte), I32(0xFF)), I64)
-            t = b.load(b.gep(self.crc, [I64(0), ix], inbounds=True), typ=I32)
+            t = b.load(b.gep(self.crc, [ix], inbounds=True, source_etype=I32), typ=I32)
             crc = b.xor(t, b.lshr(crc, I32(8)))
         h = b.zext(b.xor(crc, I32(0xFFFFFFFF)), I64)
         h = b.and_(h, I64(cap - 1))
@@ -706,16 +728,15 @@ class JitBackend(Backend):
                ctx_write_mask(prog.hook, prog.ctx_size) if prog.ctx_size else b"", proof is not None)
         if key in self.compiled:
             return self.compiled[key]
-        engine, tm = _jit_engine()
         cb = CALLBACK(self._callback)
         cb_addr = ctypes.cast(cb, ctypes.c_void_p).value
         name = f"fx{id(self) & 0xFFFFFF:x}_{len(self.compiled)}"
-        module = _Lifter(prog, name, cb_addr, proof, self.budget).build()
-        mod = llvm.parse_assembly(str(module))
+        lifter = _Lifter(prog, name, cb_addr, proof, self.budget)
+        tier = _tier(loops=not lifter.acyclic)
+        mod = llvm.parse_assembly(str(lifter.build()))
         mod.verify()
-        pto = llvm.create_pipeline_tuning_options(speed_level=2)
-        pb = llvm.create_pass_builder(tm, pto)
-        pb.getModulePassManager().run(mod, pb)
+        tier.optimise(mod)
+        engine = tier.engine
         engine.add_module(mod)
         engine.finalize_object()
         compiled = _Compiled(prog, engine.get_function_address(f"{name}_f0"),
