@@ -5,12 +5,19 @@
 Configurations: Llama-3-8B 8k-token and Llama-3-70B 32k-token prefill, TP 8, on
 policies/prefill_qos.fx (weights streamed from the CXL pool), each with the policy's
 programs attached and with none (every island on its defaults); the ratio of the two wall
-times is the policy's overhead.  Each wall time is the best of --repeat runs, the two kinds
-taken in turn: on a shared machine the speed drifts between runs.
+times is the policy's overhead.  Each run is a fresh process, as every fabric-run is (a
+run leaves the allocator and the garbage collector in a state that slows the next one in
+the same process by up to 30 %), timed from building the engine (programs loaded and
+compiled) to the report; interpreter start and imports are the same for both and not
+counted.  Each wall time is the best of --repeat runs, the two kinds taken in turn: on a
+shared machine the speed drifts between runs.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +32,9 @@ from fabric_ext.runtime.program import get_backend  # noqa: E402
 CONFIGS = [("llama3-8b", 8192, 8), ("llama3-70b", 32768, 8)]
 
 
-def run_once(folder, man, backend_name, model, prompt, tp, attach):
+def run_once(folder, backend_name, model, prompt, tp, attach) -> tuple[float, dict]:
+    """One run in this process: (wall seconds, report)."""
+    man = load_manifest(folder)
     backend = get_backend(backend_name)
     t0 = time.perf_counter()
     eng = Engine(folder, man, create_maps(man), backend, RunOptions(model, prompt, None, tp, None, attach))
@@ -35,17 +44,31 @@ def run_once(folder, man, backend_name, model, prompt, tp, attach):
     return wall, report
 
 
+def run_fresh(folder, backend_name, model, prompt, tp, attach) -> tuple[float, dict]:
+    """One run in a fresh process: (wall seconds, the report's events and TTFT)."""
+    out = subprocess.run([sys.executable, __file__, "--one", json.dumps(
+        [str(folder), backend_name, model, prompt, tp, attach])], capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"run failed ({backend_name} {model}):\n{out.stderr}")
+    wall, report = json.loads(out.stdout)
+    return wall, report
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--backend", default="jit", help="comma-separated backends (jit, interp, kernel)")
     ap.add_argument("--quick", action="store_true", help="only the 8B configuration")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each, best taken (default 3)")
+    ap.add_argument("--one", help=argparse.SUPPRESS)      # a child: run one configuration
     args = ap.parse_args()
+    if args.one:
+        folder, backend, model, prompt, tp, attach = json.loads(args.one)
+        wall, report = run_once(Path(folder), backend, model, prompt, tp, attach)
+        print(json.dumps([wall, {"events": report["events"], "ttft_ms": report["ttft_ms"]}]))
+        return
     with tempfile.TemporaryDirectory() as tmp:
-        res = build(ROOT / "policies" / "prefill_qos.fx")
         folder = Path(tmp) / "out"
-        write_output(res, folder)
-        man = load_manifest(folder)
+        write_output(build(ROOT / "policies" / "prefill_qos.fx"), folder)
         print(f"{'backend':<8}{'model':<12}{'prompt':>7}{'tp':>4}{'policy wall s':>15}{'events/s':>11}"
               f"{'none wall s':>13}{'events/s':>11}{'overhead':>10}{'TTFT ms':>10}{'base TTFT':>11}")
         for backend in args.backend.split(","):
@@ -53,7 +76,7 @@ def main():
                 runs = {True: [], False: []}
                 for _ in range(max(1, args.repeat)):
                     for attach in (True, False):
-                        runs[attach].append(run_once(folder, man, backend, model, prompt, tp, attach))
+                        runs[attach].append(run_fresh(folder, backend, model, prompt, tp, attach))
                 (w1, r1), (w0, r0) = (min(runs[a], key=lambda x: x[0]) for a in (True, False))
                 print(f"{backend:<8}{model:<12}{prompt:>7}{tp:>4}{w1:>15.2f}{r1['events'] / w1:>11.0f}"
                       f"{w0:>13.2f}{r0['events'] / w0:>11.0f}{w1 / w0 - 1:>9.0%}{r1['ttft_ms']:>10.1f}"
