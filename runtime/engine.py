@@ -21,7 +21,7 @@ from .fabric_model import Fabric, HookSite, Sim, Transfer
 from .figures import default, figures
 from .dispatch import Known
 from .shims import SHIMS
-from .ticks import TickSource
+from .ticks import TickSource, catch_up_together
 from .workload import Workload, WorkloadError, load_model
 
 
@@ -282,14 +282,38 @@ class Engine(HookSite):
             src = TickSource(shim, island, periods, [self.fabric.server(island, p) for p in peers],
                              [self.ids["devices"].get(p, 0) for p in peers], self.spans if self.opts.trace else None)
             self.ticks.append(src)
-            if self.opts.eager_ticks:
-                for p in periods:
-                    self.sim.at(p, self._eager_tick, src, p)
+        self._tick_groups = self._group_ticks()
+        if self.opts.eager_ticks and self.ticks:
+            self.sim.at(min(t.next_due for t in self.ticks), self._eager_tick)
 
-    def _eager_tick(self, src: TickSource, period: int):
+    def _group_ticks(self) -> dict[TickSource, list[TickSource]]:
+        """Each tick source's group: the sources whose programs share a map with it, directly
+        or through others.  A group's ticks must run interleaved in time order, since one's
+        tick may read what another's wrote; sources alone in their group run in batches."""
+        group = {t: [t] for t in self.ticks}
+        for i, a in enumerate(self.ticks):
+            for b in self.ticks[i + 1:]:
+                if group[a] is not group[b] and a.shim.maps_for("tick", None) & b.shim.maps_for("tick", None):
+                    merged = [t for t in self.ticks if t in group[a] or t in group[b]]
+                    for t in merged:
+                        group[t] = merged
+        return group
+
+    def _catch_up(self, sources, t: float) -> None:
+        """Run the ticks due by t of ``sources`` and of every source grouped with them."""
+        done = set()
+        for src in sources:
+            group = self._tick_groups[src]
+            if id(group) not in done:
+                done.add(id(group))
+                catch_up_together(group, t)
+
+    def _eager_tick(self):
         if self.finished is None:
-            src.catch_up(self.sim.now)
-            self.sim.at(self.sim.now + period, self._eager_tick, src, period)
+            self._catch_up(self.ticks, self.sim.now)
+            due = [t.next_due for t in self.ticks if t.active]
+            if due:
+                self.sim.at(min(due), self._eager_tick)
 
     def _ticks_before(self, island, hook, movement):
         """Run the pending ticks whose program shares a map with what this event's handlers touch."""
@@ -300,8 +324,8 @@ class Engine(HookSite):
             deps = self._tick_deps[key] = [
                 t for t in self.ticks
                 if not (t.island == island and hook == "tick") and touched & (t.shim.maps_for("tick", None) or set())]
-        for t in deps:
-            t.catch_up(self.sim.now)
+        if deps:
+            self._catch_up(deps, self.sim.now)
 
     # -- the prefill ------------------------------------------------------------------------------
     def _placement(self):
@@ -340,8 +364,7 @@ class Engine(HookSite):
         self.sim.run()
         if self.finished is None:
             raise RuntimeError("the prefill did not finish: a transfer never completed")
-        for t in self.ticks:
-            t.catch_up(self.finished)
+        self._catch_up(self.ticks, self.finished)
         return self._collect()
 
     def _issue_weights(self, g, current):

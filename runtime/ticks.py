@@ -168,3 +168,18 @@ class TickSource:
             buf["peer"] = np.tile(self.peers, reps)[:rows]
             self.buf = buf
         return self.buf[:n]
+
+
+def catch_up_together(sources: list[TickSource], t: float) -> None:
+    """Run every tick due by t of sources whose programs share maps, in time order across
+    them (at one time, in the order given), so that each sees the others' earlier ticks."""
+    if len(sources) == 1:
+        sources[0].catch_up(t)
+        return
+    while True:
+        due = [s.next_due for s in sources if s.active and s.next_due <= min(t, s.end)]
+        if not due:
+            return
+        at = min(due)
+        for s in sources:
+            s.catch_up(at)

@@ -130,3 +130,22 @@ policy p { on sw0.tick(10us) { for i in 0..200 { m[i % 4] += ev.util_pct } } }""
     assert fault["time_ns"] == 10_000          # the first tick: the whole loop needs more
     assert report["ttft_ms"] > 0
     assert np.isfinite(report["ttft_ms"])
+
+
+def test_lazy_ticks_of_two_islands_that_share_a_map_run_in_time_order(tmp_path):
+    """A GPU's tick counts, the switch's tick copies the count: each switch tick must see
+    the GPU ticks up to its own time, however late either is caught up."""
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 2048; tp: 2; weights: pool0; kv: pool0 }
+movement w_in = weights : pool0 -> gpu*
+map count : array<u32, count>[1]
+map seen : array<u32, count>[16]
+map saw : array<u32, count>[1]
+policy p {
+  on gpu0.tick(7us) { if ev.port == 0 { count[0] += 1 } }
+  on sw0.tick(10us) { seen[ev.port] = count[0] }
+  on w_in.forward at sw0 { saw[0] += seen[0] }
+}""")
+    report, _ = _same_run(out, prompt=2048)
+    assert report["maps"]["saw"]["0"] > 0
