@@ -153,6 +153,60 @@ def _max_emit(body) -> int:
     return best
 
 
+# map kinds whose final contents after a store do not depend on what was stored before
+_OVERWRITABLE = ("array", "hash")
+_PORT_FIELDS = frozenset({"port", "peer"})     # the same set of values on every tick
+
+
+def _uses(e, kind) -> bool:
+    """Whether expression ``e`` contains a node of type ``kind``."""
+    if isinstance(e, kind):
+        return True
+    if isinstance(e, ir.Bin):
+        return _uses(e.left, kind) or _uses(e.right, kind)
+    if isinstance(e, ir.Not):
+        return _uses(e.operand, kind)
+    if isinstance(e, ir.MinMax):
+        return any(_uses(a, kind) for a in e.args)
+    if isinstance(e, ir.MapGet):
+        return True if kind is ir.MapGet else _uses(e.key, kind) or _uses(e.default, kind)
+    return False
+
+
+def _port_key(e) -> bool:
+    """A key that takes the same values on every tick: built from constants and the port."""
+    if isinstance(e, ir.Const):
+        return True
+    if isinstance(e, ir.CtxField):
+        return e.name in _PORT_FIELDS
+    if isinstance(e, ir.Bin):
+        return _port_key(e.left) and _port_key(e.right)
+    if isinstance(e, ir.Not):
+        return _port_key(e.operand)
+    if isinstance(e, ir.MinMax):
+        return all(_port_key(a) for a in e.args)
+    return False
+
+
+def _last_wins(h: ir.HandlerIR, prog: ir.ProgramIR, maps: dict) -> bool:
+    """Whether of several runs of tick handler ``h`` in a row only the last one's effect
+    remains, so the runtime may run just the last (`runtime/ticks.py`): it reads no map
+    and, on every path, stores plainly to the same entries (keys from constants and the
+    port, over every port each tick) of array or hash maps that no other handler of its
+    program reads."""
+    if h.period is None or h.guard is not None or not h.body:
+        return False
+    written = set()
+    for s in h.body:
+        if isinstance(s, ir.SetVar) and not _uses(s.value, ir.MapGet):
+            continue
+        if not (isinstance(s, ir.MapUpdate) and s.op == "=" and maps[s.map].kind in _OVERWRITABLE
+                and _port_key(s.key) and not _uses(s.value, ir.MapGet)):
+            return False
+        written.add(s.map)
+    return not any(written & set(o.maps) for o in prog.handlers if o is not h)
+
+
 def lower(analysis, ids: IdTables, opt: int, diags: Diagnostics) -> list[ir.ProgramIR]:
     """One ProgramIR per (island, hook) that has handlers, in island then hook order."""
     groups = defaultdict(list)
@@ -181,6 +235,8 @@ def lower(analysis, ids: IdTables, opt: int, diags: Diagnostics) -> list[ir.Prog
                                               sorted(low.reads)))
             used_maps |= low.maps
         prog.maps = sorted(used_maps)
+        for h in prog.handlers:
+            h.last_wins = _last_wins(h, prog, analysis.symbols.maps)
         used = _stack_bytes(prog, max((_max_emit(h.body) for h in prog.handlers), default=0))
         if used > STACK_LIMIT:
             diags.error(pls[0].handler.span, f"the program for {island}.{prog.hook.name} needs {used} bytes "

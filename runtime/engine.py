@@ -283,6 +283,8 @@ class Engine(HookSite):
                              [self.ids["devices"].get(p, 0) for p in peers], self.spans if self.opts.trace else None)
             self.ticks.append(src)
         self._tick_groups = self._group_ticks()
+        for src, group in self._tick_groups.items():
+            src.elide = len(group) == 1      # another island's tick may read what a passed-over one wrote
         if self.opts.eager_ticks and self.ticks:
             self.sim.at(min(t.next_due for t in self.ticks), self._eager_tick)
 

@@ -34,6 +34,7 @@ class Shim:
         self.handles: dict[str, object] = {}
         self.codecs: dict[str, ContextCodec] = {}
         self.invocations: Counter = Counter()     # program runs, per hook
+        self.passed: Counter = Counter()          # events whose run a later one's made moot, per hook
         self.ns: Counter = Counter()
         self.decisions: dict[tuple, Counter] = defaultdict(Counter)   # (hook, decision) -> value counts
         self.faults: list[dict] = []
@@ -157,6 +158,10 @@ class Shim:
             act.remember(key, out[0] or {})
         return out
 
+    def pass_over(self, hook: str, n: int) -> None:
+        """Count n events not run because the runs after them overwrite all they would do."""
+        self.passed[hook] += n
+
     def _count(self, hook, decisions, n=1):
         for k, v in (decisions or {}).items():
             self.decisions[hook, k][v] += n
@@ -193,7 +198,7 @@ class Shim:
         value (with units)."""
         from fabric_ext.units import format_quantity
         n = sum(self.invocations.values())
-        events = Counter(self.invocations)
+        events = Counter(self.invocations) + self.passed
         decisions = defaultdict(Counter, {k: Counter(c) for k, c in self.decisions.items()})
         for act in self._acting.values():
             for known in act.known() if act is not None else ():

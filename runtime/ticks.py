@@ -29,8 +29,9 @@ class _Period:
     that tick has not yet counted, and (when the queue is read) each port's bytes started
     and enqueued before its last tick."""
 
-    def __init__(self, period: int, bw: np.ndarray):
+    def __init__(self, period: int, bw: np.ndarray, last_wins: bool):
         self.period = period
+        self.last_wins = last_wins      # only the last of several ticks in a row has an effect
         self.next_k = 1                                  # the next tick is at next_k * period
         self.cursor = 0                                  # records before this are all before the last tick
         self.before = np.zeros((2, len(bw)))             # (started, enqueued) per port
@@ -41,23 +42,31 @@ class _Period:
     def due(self) -> float:
         return self.next_k * self.period
 
+    def runs(self, upto: float, elide: bool) -> int:
+        """How many of the ticks due by ``upto`` run: all, or only the last when each run
+        leaves only its own effect (the handlers are `last_wins`)."""
+        due = int(upto // self.period) - self.next_k + 1
+        return min(due, 1) if elide and self.last_wins else due
+
     def fill(self, record: np.ndarray, upto: float, ctx: np.ndarray, queue_read: bool) -> np.ndarray:
-        """Write the contexts of this period's ticks up to ``upto`` into ``ctx`` (a
-        (ticks, ports) view, resized here) and return their times.
+        """Write the contexts of this period's last ``len(ctx)`` ticks up to ``upto`` into
+        ``ctx`` (a (ticks, ports) view) and return their times; earlier ticks are passed over.
 
         A transmission that starts in [T - period, T) is what the tick at T sees sent; the
         queue at T is everything enqueued before T less everything started before T.  A
         record counts for the first tick after its time, so one bincount by (tick, lane)
         gives both, and a running sum over ticks the queue."""
-        n, k0, k1 = len(self.per_pct), self.next_k, int(upto // self.period)
+        n, k1 = len(self.per_pct), int(upto // self.period)
+        k0 = max(self.next_k, k1 - len(ctx))       # one tick more than run: it bounds the first run's bytes
         times = np.arange(k0, k1 + 1, dtype=np.float64) * self.period
         k = len(times)
         rec = record[self.cursor:]
         first = np.searchsorted(times, rec[:, 0], side="right")
         binned = np.bincount(first * (2 * n) + rec[:, 1].astype(np.int64), weights=rec[:, 2],
                              minlength=2 * n * (k + 1)).reshape(k + 1, 2, n)[:k]
-        sent = binned[:, 0]
-        ctx["now"] = times[:, None]
+        run = slice(k - len(ctx), None)
+        sent = binned[run, 0]
+        ctx["now"] = times[run, None]
         ctx["period"] = self.period
         ctx["bytes"] = sent
         util = sent / self.per_pct
@@ -66,11 +75,11 @@ class _Period:
         if queue_read:
             sums = np.cumsum(binned, axis=0, dtype=np.float64)
             sums += self.before
-            ctx["queue_bytes"] = sums[:, 1] - sums[:, 0]
+            ctx["queue_bytes"] = sums[run, 1] - sums[run, 0]
             self.before = sums[-1]
         self.cursor += int(np.searchsorted(rec[:, 0], times[-1], side="left"))
         self.next_k = k1 + 1
-        return times
+        return times[run]
 
 
 class TickSource:
@@ -84,13 +93,15 @@ class TickSource:
         self.servers = servers
         n = len(servers)
         bw = np.array([srv.bw or 0.0 for srv in servers], dtype=np.float64)
-        self.periods = [_Period(p, bw) for p in sorted({int(p) for p in periods})]
+        handlers = shim.handlers.get("tick")
+        self.periods = [_Period(p, bw, handlers is not None and all(
+            h.get("last_wins") for h in handlers if h["period"] == p)) for p in sorted({int(p) for p in periods})]
+        self.elide = True                                # run only the last of `last_wins` ticks
         self.shortest = self.periods[0].period
         self.next_due = self.shortest
         self.record = array.array("d")                 # (time, lane, bytes) from every port's server
         # lanes: port i's transmission starts are lane i, its enqueues lane n + i; the queue is
         # rebuilt from enqueues only if a tick handler reads it (else it reads 0)
-        handlers = shim.handlers.get("tick")
         self.queue_read = handlers is None or any("queue_bytes" in h["reads"] for h in handlers)
         for port, srv in enumerate(servers):
             srv.watch(self.record, port, n + port if self.queue_read else None)
@@ -125,7 +136,10 @@ class TickSource:
         n = len(self.ports)
         record = np.frombuffer(self.record, dtype=np.float64).reshape(-1, 3)
         due = [p for p in self.periods if p.due <= upto]
-        counts = [int(upto // p.period) - p.next_k + 1 for p in due]
+        counts = [p.runs(upto, self.elide) for p in due]
+        passed = sum(int(upto // p.period) - p.next_k + 1 for p in due) - sum(counts)
+        if passed:
+            self.shim.pass_over("tick", passed * n)
         buf = self._buffer(sum(counts) * n).reshape(-1, n)
         times, at = [], 0
         for p, k in zip(due, counts):

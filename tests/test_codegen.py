@@ -295,3 +295,46 @@ def test_every_opt_level_and_cpu_gives_the_same_decisions(opt, mcpu):
     ctx = codec.pack(movement=1, queue_bytes=8 * MiB, chunk=5, bytes=100)
     Interpreter().run(prog, ctx)
     assert codec.changed(ctx) == {"rate": 20 * GB, "coalesce": 256 * KiB, "queue": 1}
+
+
+LAST_WINS_CASES = [
+    ("port_util[ev.port] = ev.util_pct", True),
+    ("let u = ev.util_pct * 2; port_util[ev.port + 1] = u", True),
+    ("port_util[ev.port] = ev.util_pct; port_util[0] = 50%", True),
+    ("port_util[ev.port] += ev.util_pct", False),                          # accumulates
+    ("if ev.util_pct > 50% { port_util[ev.port] = 1 }", False),            # not every run writes
+    ("port_util[ev.util_pct % 16] = 1", False),                            # the keys vary per tick
+    ("port_util[ev.port] = port_util[ev.port] + 1", False),                # reads the map
+    ("lru[ev.port] = ev.util_pct", False),                                 # eviction order depends on history
+    ("hot[ev.port] = ev.util_pct", True),
+]
+
+
+@pytest.mark.parametrize("body,expect", LAST_WINS_CASES)
+def test_tick_handlers_that_only_the_last_run_counts_for(tmp_path, body, expect):
+    """`last_wins` in the manifest: the runtime may run only the last of a run of ticks."""
+    from test_runtime import compile_text
+    out = compile_text(tmp_path, f"""
+import "fabrics/dgx_cxl.fx"
+map port_util : array<u32, percent>[16]
+map hot : hash<u32, percent>[16]
+map lru : lru_hash<u32, percent>[4]
+policy p {{ on sw0.tick(10us) {{ {body} }} }}""")
+    (handlers,) = [p["handlers"] for p in json.loads((out / "manifest.json").read_text())["programs"]
+                   if p["hook"] == "tick"]
+    assert handlers[0]["last_wins"] is expect
+
+
+def test_a_tick_handler_another_reads_from_is_not_last_wins(tmp_path):
+    from test_runtime import compile_text
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+map a : array<u32, percent>[16]
+map b : array<u32, percent>[16]
+policy p {
+  on sw0.tick(10us) { a[ev.port] = ev.util_pct }
+  on sw0.tick(30us) { b[ev.port] = a[ev.port] }
+}""")
+    (handlers,) = [p["handlers"] for p in json.loads((out / "manifest.json").read_text())["programs"]
+                   if p["hook"] == "tick"]
+    assert [h["last_wins"] for h in handlers] == [False, False]
