@@ -16,7 +16,6 @@ what comes back: ``priority``, ``rate`` (a token bucket at that island),
 """
 from __future__ import annotations
 
-import array
 import bisect
 import heapq
 import itertools
@@ -53,7 +52,7 @@ class Sim:
             fn(*args)
 
 
-@dataclass
+@dataclass(slots=True)
 class Transfer:
     """One movement of bytes from src to dst; split into chunks."""
     name: str                 # movement name ("" when no declared movement matches)
@@ -81,7 +80,7 @@ class Transfer:
         return (self.name, self.src, self.dst)
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     transfer: Transfer
     index: int
@@ -110,13 +109,13 @@ class Server:
         self.bytes = 0
         self.intervals: list[tuple[float, float, int]] = []
         self.queued_bytes = 0          # bytes waiting, not yet on the link
-        self.record: array.array | None = None   # where a watcher wants transmission starts
+        self.record: list | None = None           # where a watcher wants transmission starts
         self.sent_lane = 0
         self.enqueued_lane: int | None = None     # ... and enqueues, if it does
 
-    def watch(self, record: array.array | None, sent_lane: int, enqueued_lane: int | None = None) -> None:
-        """Append (time, lane, bytes) to ``record`` at every transmission start, and at every
-        enqueue if given a lane for those: flat, so a tick source reads it without copying.
+    def watch(self, record: list | None, sent_lane: int, enqueued_lane: int | None = None) -> None:
+        """Append time, lane and bytes to ``record`` at every transmission start, and at every
+        enqueue if given a lane for those: flat, so a tick source converts it in one call.
         A record of None stops it."""
         self.record, self.sent_lane = record, sent_lane
         self.enqueued_lane = enqueued_lane if record is not None else None
@@ -168,7 +167,8 @@ class HookSite:
     """What the fabric asks at decision points; the engine implements it with shims."""
 
     def on_issue(self, chunks: list[Chunk], island: str, role: str) -> list | None:
-        """A transfer's chunks are issued at a GPU: each chunk's decisions (or None), read only."""
+        """A transfer's chunks are issued at a GPU: each chunk's decisions, read only (None:
+        nothing for the fabric to apply)."""
         return None
 
     def on_enter(self, chunk: Chunk, island: str) -> dict | None:

@@ -16,12 +16,9 @@ cost: a 10 us tick on 11 ports over a 2 s prefill is 2.4 million program runs.
 """
 from __future__ import annotations
 
-import array
-
 import numpy as np
 
 BLOCK = 4096               # ticks of the shortest period per batch
-TRIM = 1 << 16             # records every period is done with before the record is cut
 
 
 class _Period:
@@ -99,7 +96,7 @@ class TickSource:
         self.elide = True                                # run only the last of `last_wins` ticks
         self.shortest = self.periods[0].period
         self.next_due = self.shortest
-        self.record = array.array("d")                 # (time, lane, bytes) from every port's server
+        self.record: list = []                           # time, lane, bytes, ... from every port's server
         # lanes: port i's transmission starts are lane i, its enqueues lane n + i; the queue is
         # rebuilt from enqueues only if a tick handler reads it (else it reads 0)
         self.queue_read = handlers is None or any("queue_bytes" in h["reads"] for h in handlers)
@@ -134,7 +131,7 @@ class TickSource:
     def _run(self, upto: float) -> bool:
         """Build the contexts of the ticks up to ``upto`` and run them; False if the program faulted."""
         n = len(self.ports)
-        record = np.frombuffer(self.record, dtype=np.float64).reshape(-1, 3)
+        record = np.fromiter(self.record, dtype=np.float64, count=len(self.record)).reshape(-1, 3)
         due = [p for p in self.periods if p.due <= upto]
         counts = [p.runs(upto, self.elide) for p in due]
         passed = sum(int(upto // p.period) - p.next_k + 1 for p in due) - sum(counts)
@@ -145,7 +142,6 @@ class TickSource:
         for p, k in zip(due, counts):
             times.append(p.fill(record, upto, buf[at:at + k], self.queue_read))
             at += k
-        del record                       # release the view, so the record can shrink and grow
         times = times[0] if len(times) == 1 else self._in_time_order(buf, np.concatenate(times))
         self._trim()
         rows = buf.reshape(-1).view(np.uint8).reshape(len(buf) * n, -1)
@@ -163,9 +159,9 @@ class TickSource:
         return times[order]
 
     def _trim(self) -> None:
-        """Cut the records every period has counted, so the record stays small."""
+        """Drop the records every period has counted: the record holds only what is pending."""
         done = min(p.cursor for p in self.periods)
-        if done > TRIM:
+        if done:
             del self.record[:3 * done]
             for p in self.periods:
                 p.cursor -= done
