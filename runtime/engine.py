@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from . import compute
-from .fabric_model import APPLIED, Fabric, HookSite, Sim, Transfer
+from .fabric_model import APPLIED, Fabric, HookSite, Sim, Standing, Transfer
 from .figures import default, figures
 from .dispatch import Known
 from .shims import SHIMS
@@ -89,6 +89,9 @@ class Engine(HookSite):
         self.ticks: list[TickSource] = []
         self._tick_deps: dict[tuple, list[TickSource]] = {}
         self._plans: dict[tuple, tuple] = {}     # where an event happens -> (acting hooks, static)
+        self._standing: list[tuple[Standing, list]] = []   # and the Knowns each one's uses are hits of
+        for shim in self.shims.values():
+            shim.on_detach = self._forget_standing
 
     # -- setup ---------------------------------------------------------------------------
     def _workload(self) -> Workload:
@@ -234,14 +237,6 @@ class Engine(HookSite):
         hooks, static = plan
         if not hooks:
             return None
-        shim = self.shims[island]
-        hit = t.decided.get(where) if static else None
-        if hit is not None and hit[2] == shim.generation:   # as for this transfer's first chunk
-            for known in hit[1]:
-                known.hits += 1
-            if self.opts.trace:
-                self.spans.extend((island, h, self.sim.now, 0.0) for h in hooks)
-            return hit[0]
         fields = self._chunk_fields(chunk)
         fabric, dev = self.fabric, path[hop]
         fields["in_port"] = fabric.port_index(dev, path[hop - 1]) if hop else 0
@@ -259,9 +254,16 @@ class Engine(HookSite):
             if known is not None:
                 merged.update(known.decisions)
         merged = self._devices(merged)
-        if static and all(k is not None and k.kept for k in each):    # None: the program faulted
-            t.decided[where] = (merged, each, shim.generation)
+        if static and path is t.path and not self.opts.trace and all(k is not None and k.kept for k in each):
+            # the same for every chunk of this transfer here (None: the program faulted)
+            standing = t.standing[island] = Standing(merged)
+            self._standing.append((standing, each))
         return merged
+
+    def _forget_standing(self, island):
+        """A program of ``island`` was detached: what it decided no longer holds."""
+        for t in self.fabric.transfers:
+            t.standing.pop(island, None)
 
     def _plan(self, where, island, hooks, movement):
         """The hooks of ``island`` whose program acts on this movement's events, and whether
@@ -518,4 +520,8 @@ class Engine(HookSite):
     # -- figures ------------------------------------------------------------------------------------
     def _collect(self) -> dict:
         from .stats import collect
+        for standing, knowns in self._standing:      # the chunks standing decisions served
+            for known in knowns:
+                known.hits += standing.uses
+            standing.uses = 0
         return collect(self)

@@ -73,11 +73,20 @@ class Transfer:
     chunks_done: int = 0
     queue_waits: list = field(default_factory=list)
     ctx: dict = field(default_factory=dict)     # the hook site's context fields, the same for every chunk
-    decided: dict = field(default_factory=dict) # the hook site's decisions that hold for every chunk
+    standing: dict = field(default_factory=dict)  # island -> `Standing` decisions there
 
     @property
     def flow(self) -> tuple:
         return (self.name, self.src, self.dst)
+
+
+@dataclass(slots=True)
+class Standing:
+    """Decisions that hold for every chunk of a transfer on entering one island (the hook
+    site found they depend on nothing per chunk): the fabric applies them to the chunks
+    that follow the transfer's path without asking again, and counts them."""
+    decisions: dict
+    uses: int = 0
 
 
 @dataclass(slots=True)
@@ -300,7 +309,13 @@ class Fabric:
         release = self.sim.now
         if isl is not None and isl != chunk.island:
             chunk.island = isl
-            d = self.hooks.on_enter(chunk, isl)
+            t = chunk.transfer
+            standing = t.standing.get(isl)
+            if standing is not None and chunk.path is t.path:
+                standing.uses += 1
+                d = standing.decisions
+            else:
+                d = self.hooks.on_enter(chunk, isl)
             if d:
                 release = self._apply(chunk, isl, d, release)
                 coalesce = d.get("coalesce", 0)

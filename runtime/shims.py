@@ -41,7 +41,7 @@ class Shim:
         self.maps: dict = {}
         self.handlers: dict[str, list[dict]] = {}     # hook -> the manifest's handler list
         self._acting: dict[tuple, Acting | None] = {}
-        self.generation = 0         # bumped when a program is detached
+        self.on_detach = None       # called with the island after a program is detached
 
     # -- loading ------------------------------------------------------------------------
     def load(self, folder: Path, manifest: dict, maps: dict) -> None:
@@ -86,7 +86,8 @@ class Shim:
     def detach(self, hook: str) -> None:
         self.programs.pop(hook, None)
         self.handles.pop(hook, None)
-        self.generation += 1        # decisions callers remember from before no longer hold
+        if self.on_detach is not None:      # decisions callers remember from before no longer hold
+            self.on_detach(self.island)
 
     def has(self, hook: str) -> bool:
         return hook in self.handles
