@@ -16,6 +16,8 @@ cost: a 10 us tick on 11 ports over a 2 s prefill is 2.4 million program runs.
 """
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 BLOCK = 4096               # ticks of the shortest period per batch
@@ -38,6 +40,11 @@ class _Period:
     @property
     def due(self) -> float:
         return self.next_k * self.period
+
+    def skip_to(self, record: list, t: float) -> None:
+        """Move the cursor past the records before time t (the record is flat: time, lane, bytes)."""
+        rows = range(self.cursor, len(record) // 3)
+        self.cursor += bisect.bisect_left(rows, t, key=lambda i: record[3 * i])
 
     def runs(self, upto: float, elide: bool) -> int:
         """How many of the ticks due by ``upto`` run: all, or only the last when each run
@@ -131,8 +138,13 @@ class TickSource:
     def _run(self, upto: float) -> bool:
         """Build the contexts of the ticks up to ``upto`` and run them; False if the program faulted."""
         n = len(self.ports)
-        record = np.fromiter(self.record, dtype=np.float64, count=len(self.record)).reshape(-1, 3)
         due = [p for p in self.periods if p.due <= upto]
+        if self.elide and not self.queue_read:
+            for p in due:
+                if p.last_wins:     # only its last tick runs: what came before its period is moot
+                    p.skip_to(self.record, (int(upto // p.period) - 1) * p.period)
+            self._trim()
+        record = np.fromiter(self.record, dtype=np.float64, count=len(self.record)).reshape(-1, 3)
         counts = [p.runs(upto, self.elide) for p in due]
         passed = sum(int(upto // p.period) - p.next_k + 1 for p in due) - sum(counts)
         if passed:
