@@ -363,8 +363,11 @@ class Engine(HookSite):
             deps = self._tick_deps[key] = [
                 t for t in self.ticks
                 if not (t.island == island and hook == "tick") and touched & (t.shim.maps_for("tick", None) or set())]
-        if deps:
-            self._catch_up(deps, self.sim.now)
+        now = self.sim.now
+        for t in deps:
+            if t.next_due <= now:       # else nothing the event could see is pending
+                self._catch_up(deps, now)
+                return
 
     # -- the prefill ------------------------------------------------------------------------------
     def _placement(self):
