@@ -1,6 +1,6 @@
 """fabric-run wall time and simulated events per second, with and without the policy.
 
-    python bench/run_bench.py [--backend jit,interp] [--quick] [--repeat N]
+    python bench/run_bench.py [--backend jit,interp] [--quick] [--repeat N] [--instructions]
 
 Configurations: Llama-3-8B 8k-token and Llama-3-70B 32k-token prefill, TP 8, on
 policies/prefill_qos.fx (weights streamed from the CXL pool), each with the policy's
@@ -10,12 +10,17 @@ run leaves the allocator and the garbage collector in a state that slows the nex
 the same process by up to 30 %), timed from building the engine (programs loaded and
 compiled) to the report; interpreter start and imports are the same for both and not
 counted.  Each wall time is the best of --repeat runs, the two kinds taken in turn: on a
-shared machine the speed drifts between runs.
+shared machine the speed drifts between runs.  Where it drifts too much to tell a few
+per cent, --instructions also counts each run's instructions under valgrind (cachegrind,
+no cache simulation: about 30x slower), less those of a process that only starts up:
+the same on every run, though it does not see cache misses.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,9 +38,11 @@ CONFIGS = [("llama3-8b", 8192, 8), ("llama3-70b", 32768, 8)]
 
 
 def run_once(folder, backend_name, model, prompt, tp, attach) -> tuple[float, dict]:
-    """One run in this process: (wall seconds, report)."""
+    """One run in this process: (wall seconds, report); attach None: only start up."""
     man = load_manifest(folder)
     backend = get_backend(backend_name)
+    if attach is None:
+        return 0.0, {"events": 0, "ttft_ms": 0.0}
     t0 = time.perf_counter()
     eng = Engine(folder, man, create_maps(man), backend, RunOptions(model, prompt, None, tp, None, attach))
     report = eng.run()
@@ -54,13 +61,35 @@ def run_fresh(folder, backend_name, model, prompt, tp, attach) -> tuple[float, d
     return wall, report
 
 
+def instructions(folder, backend_name, model, prompt, tp, attach) -> int:
+    """Instructions one fresh run executes (valgrind's count)."""
+    out = subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+                          sys.executable, __file__, "--one", json.dumps(
+                              [str(folder), backend_name, model, prompt, tp, attach])], capture_output=True, text=True)
+    found = re.search(r"I\s+refs:\s+([\d,]+)", out.stderr)
+    if out.returncode or not found:
+        raise SystemExit(f"valgrind run failed ({backend_name} {model}):\n{out.stderr[-2000:]}")
+    return int(found.group(1).replace(",", ""))
+
+
+def instruction_columns(folder, backend, model, prompt, tp) -> str:
+    start = instructions(folder, backend, model, prompt, tp, None)
+    pol, none = (instructions(folder, backend, model, prompt, tp, a) - start for a in (True, False))
+    return f"{pol / 1e9:>9.2f}{none / 1e9:>9.2f}{pol / none - 1:>9.1%}"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--backend", default="jit", help="comma-separated backends (jit, interp, kernel)")
     ap.add_argument("--quick", action="store_true", help="only the 8B configuration")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each, best taken (default 3)")
+    ap.add_argument("--instructions", action="store_true",
+                    help="also count instructions under valgrind (slow; the same on every run)")
     ap.add_argument("--one", help=argparse.SUPPRESS)      # a child: run one configuration
     args = ap.parse_args()
+    if args.instructions and not shutil.which("valgrind"):
+        print("--instructions needs valgrind (apt-get install valgrind); counting wall time only")
+        args.instructions = False
     if args.one:
         folder, backend, model, prompt, tp, attach = json.loads(args.one)
         wall, report = run_once(Path(folder), backend, model, prompt, tp, attach)
@@ -70,7 +99,8 @@ def main():
         folder = Path(tmp) / "out"
         write_output(build(ROOT / "policies" / "prefill_qos.fx"), folder)
         print(f"{'backend':<8}{'model':<12}{'prompt':>7}{'tp':>4}{'policy wall s':>15}{'events/s':>11}"
-              f"{'none wall s':>13}{'events/s':>11}{'overhead':>10}{'TTFT ms':>10}{'base TTFT':>11}")
+              f"{'none wall s':>13}{'events/s':>11}{'overhead':>10}{'TTFT ms':>10}{'base TTFT':>11}"
+              + (f"{'pol Ginsn':>10}{'none Ginsn':>11}{'insn ovh':>9}" if args.instructions else ""))
         for backend in args.backend.split(","):
             for model, prompt, tp in CONFIGS[:1] if args.quick else CONFIGS:
                 runs = {True: [], False: []}
@@ -78,9 +108,10 @@ def main():
                     for attach in (True, False):
                         runs[attach].append(run_fresh(folder, backend, model, prompt, tp, attach))
                 (w1, r1), (w0, r0) = (min(runs[a], key=lambda x: x[0]) for a in (True, False))
+                insn = instruction_columns(folder, backend, model, prompt, tp) if args.instructions else ""
                 print(f"{backend:<8}{model:<12}{prompt:>7}{tp:>4}{w1:>15.2f}{r1['events'] / w1:>11.0f}"
                       f"{w0:>13.2f}{r0['events'] / w0:>11.0f}{w1 / w0 - 1:>9.0%}{r1['ttft_ms']:>10.1f}"
-                      f"{r0['ttft_ms']:>11.1f}", flush=True)
+                      f"{r0['ttft_ms']:>11.1f}" + insn, flush=True)
 
 
 if __name__ == "__main__":
