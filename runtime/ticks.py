@@ -9,10 +9,14 @@ runs, or the maps are read at the end: the engine lets ticks pile up and calls
 `TickSource.catch_up` at those moments.  It rebuilds every pending tick's counters
 from one flat record the island's servers append to (the time, lane and size of
 every transmission start and every enqueue: one append per event) and runs the
-ticks in native batches.  The outcome is the same
-as running each tick at its time (`tests/test_ticks.py` checks both against each
-other and against counters sampled one tick at a time), at a small fraction of the
-cost: a 10 us tick on 11 ports over a 2 s prefill is 2.4 million program runs.
+ticks in native batches; where the compiler marked a period's handlers `last_wins`
+(each run overwrites everything the one before it wrote), only the last due tick of
+the period runs, the others are counted as passed over.  Islands whose tick programs
+share a map are caught up together, tick time by tick time (`catch_up_together`).
+The outcome is the same as running each tick at its time (`tests/test_ticks.py`
+checks both against each other and against counters sampled one tick at a time), at
+a small fraction of the cost: a 10 us tick on 11 ports over a 2 s prefill is 2.4
+million program runs.
 """
 from __future__ import annotations
 
