@@ -78,3 +78,14 @@ policy p { on w_in.forward at sw0 { if ev.bytes >= 3MiB { priority = 7 } else { 
     assert set(prio) == {"5", "7"}        # the last chunk of each transfer is shorter
     assert sum(prio.values()) == sw0["per_hook"]["forward"]
     assert sw0["invocations"] < sw0["per_hook"]["forward"]
+
+
+def test_decisions_standing_for_a_transfer_are_dropped_when_their_program_is_detached():
+    """The fabric applies a transfer's standing decisions itself; once the island's program
+    is detached (after a fault) they no longer hold, and its later chunks ask again."""
+    from fabric_ext.runtime.jit import JitBackend
+    report, eng = run_engine(compiled("prefill_qos"), backend=JitBackend())
+    standing = [t for t in eng.fabric.transfers if "sw0" in t.standing]
+    assert standing and all(t.standing["sw0"].decisions.get("priority") for t in standing)
+    eng.shims["sw0"].detach("forward")
+    assert not any("sw0" in t.standing for t in eng.fabric.transfers)
