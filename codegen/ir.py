@@ -53,6 +53,19 @@ class MinMax:
     args: tuple
 
 
+def operands(e) -> tuple:
+    """An expression's subexpressions (none for a constant, a field or a variable)."""
+    if isinstance(e, Bin):
+        return (e.left, e.right)
+    if isinstance(e, Not):
+        return (e.operand,)
+    if isinstance(e, MinMax):
+        return e.args
+    if isinstance(e, MapGet):
+        return (e.key, e.default)
+    return ()
+
+
 # statements carry the span of their source for line info
 @dataclass
 class SetField:

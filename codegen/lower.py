@@ -160,32 +160,16 @@ _PORT_FIELDS = frozenset({"port", "peer"})     # the same set of values on every
 
 def _uses(e, kind) -> bool:
     """Whether expression ``e`` contains a node of type ``kind``."""
-    if isinstance(e, kind):
-        return True
-    if isinstance(e, ir.Bin):
-        return _uses(e.left, kind) or _uses(e.right, kind)
-    if isinstance(e, ir.Not):
-        return _uses(e.operand, kind)
-    if isinstance(e, ir.MinMax):
-        return any(_uses(a, kind) for a in e.args)
-    if isinstance(e, ir.MapGet):
-        return True if kind is ir.MapGet else _uses(e.key, kind) or _uses(e.default, kind)
-    return False
+    return isinstance(e, kind) or any(_uses(o, kind) for o in ir.operands(e))
 
 
 def _port_key(e) -> bool:
     """A key that takes the same values on every tick: built from constants and the port."""
-    if isinstance(e, ir.Const):
-        return True
     if isinstance(e, ir.CtxField):
         return e.name in _PORT_FIELDS
-    if isinstance(e, ir.Bin):
-        return _port_key(e.left) and _port_key(e.right)
-    if isinstance(e, ir.Not):
-        return _port_key(e.operand)
-    if isinstance(e, ir.MinMax):
-        return all(_port_key(a) for a in e.args)
-    return False
+    if isinstance(e, (ir.Var, ir.MapGet)):
+        return False
+    return all(_port_key(o) for o in ir.operands(e))
 
 
 def _last_wins(h: ir.HandlerIR, prog: ir.ProgramIR, maps: dict) -> bool:
