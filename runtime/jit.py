@@ -101,40 +101,16 @@ def _const_bytes(m, name: str, data: bytes):
 
 
 def _acyclic(prog: Program) -> bool:
-    """The control-flow graph has no cycle and no local function is called."""
-    slots = prog.slots
-    succ = {}
-    for pc, ins in enumerate(slots):
-        if ins is None:
+    """No local call and no jump backwards: with every edge going forward in pc order the
+    control-flow graph can have no cycle (unreachable backward jumps count, to be safe)."""
+    for ins in prog.slots:
+        if ins is None or ins.cls not in (I.JMP, I.JMP32) or ins.op == I.EXIT:
             continue
-        nxt = pc + (2 if ins.is_lddw else 1)
-        if ins.cls not in (I.JMP, I.JMP32):
-            succ[pc] = [nxt]
-        elif ins.op == I.EXIT:
-            succ[pc] = []
-        elif ins.op == I.CALL:
+        if ins.op == I.CALL:
             if ins.src == I.PSEUDO_CALL:
                 return False
-            succ[pc] = [nxt]
-        elif ins.op == I.JA:
-            succ[pc] = [pc + 1 + ins.jump_offset]
-        else:
-            succ[pc] = [nxt, pc + 1 + ins.jump_offset]
-    state = {}                      # pc -> 1 on the current path, 2 done
-    stack = [(0, iter(succ.get(0, ())))]
-    state[0] = 1
-    while stack:
-        pc, it = stack[-1]
-        for t in it:
-            if state.get(t) == 1:
-                return False
-            if t not in state and t in succ:
-                state[t] = 1
-                stack.append((t, iter(succ[t])))
-                break
-        else:
-            state[pc] = 2
-            stack.pop()
+        elif ins.jump_offset < 0:
+            return False
     return True
 
 
