@@ -45,7 +45,7 @@ def _fewer_collections():
 
 
 # context fields that are the same for every chunk of a transfer (`Transfer.ctx`)
-TRANSFER_FIELDS = frozenset({"movement", "class", "operator", "src", "dst", "layer", "critical"})
+TRANSFER_FIELDS = ("movement", "class", "operator", "src", "dst", "layer", "critical")
 
 
 @dataclass
@@ -160,9 +160,9 @@ class Engine(HookSite):
                      m["id"] if m else 0, cls, operator or "", src, dst, int(nbytes), layer,
                      bool(m and m["critical"]), on_done, chunk)
         ids = self.ids
-        t.ctx = {"movement": t.movement_id, "class": ids["classes"].get(cls, 0),
-                 "operator": ids["operators"].get(t.operator, 0), "src": ids["devices"].get(src, 0),
-                 "dst": ids["devices"].get(dst, 0), "layer": layer, "critical": int(t.critical)}
+        t.ctx = dict(zip(TRANSFER_FIELDS, (t.movement_id, ids["classes"].get(cls, 0),
+                                           ids["operators"].get(t.operator, 0), ids["devices"].get(src, 0),
+                                           ids["devices"].get(dst, 0), layer, int(t.critical))))
         self.fabric.start(t)
         return t
 
@@ -273,7 +273,7 @@ class Engine(HookSite):
         shim = self.shims.get(island)
         acting = [(h, shim.acting(h, movement)) for h in hooks] if shim else []
         acting = [(h, a) for h, a in acting if a is not None]
-        static = all(a.key_fields is not None and set(a.key_fields) <= TRANSFER_FIELDS for _, a in acting)
+        static = all(a.key_fields is not None and set(a.key_fields).issubset(TRANSFER_FIELDS) for _, a in acting)
         plan = self._plans[where] = (tuple(h for h, _ in acting), static)
         return plan
 
@@ -313,11 +313,9 @@ class Engine(HookSite):
         self._tick_groups = self._group_ticks()
         for src, group in self._tick_groups.items():
             src.elide = len(group) == 1      # another island's tick may read what a passed-over one wrote
-        if self.opts.eager_ticks and self.ticks:
-            self.sim.at(min(t.next_due for t in self.ticks), self._eager_tick)
-        elif self.ticks:
+        if self.ticks:
             self._flush_every = BLOCK * min(t.shortest for t in self.ticks)
-            self.sim.at(self._flush_every, self._flush_ticks)
+            self.sim.at(0, self._tick_clock)
 
     def _group_ticks(self) -> dict[TickSource, list[TickSource]]:
         """Each tick source's group: the sources whose programs share a map with it, directly
@@ -326,7 +324,7 @@ class Engine(HookSite):
         group = {t: [t] for t in self.ticks}
         for i, a in enumerate(self.ticks):
             for b in self.ticks[i + 1:]:
-                if group[a] is not group[b] and a.shim.maps_for("tick", None) & b.shim.maps_for("tick", None):
+                if group[a] is not group[b] and a.maps & b.maps:
                     merged = [t for t in self.ticks if t in group[a] or t in group[b]]
                     for t in merged:
                         group[t] = merged
@@ -341,19 +339,16 @@ class Engine(HookSite):
                 done.add(id(group))
                 catch_up_together(group, t)
 
-    def _flush_ticks(self):
-        """Catch every tick source up now and then, though nothing reads what they write yet
-        (running a tick early is always allowed): the servers' records stay short."""
-        if self.finished is None:
-            self._catch_up(self.ticks, self.sim.now)
-            self.sim.at(self.sim.now + self._flush_every, self._flush_ticks)
-
-    def _eager_tick(self):
+    def _tick_clock(self):
+        """Catch every tick source up now: at every tick time with ``eager_ticks``, else every
+        BLOCK periods though nothing reads what they write yet (running a tick early is
+        always allowed), so the servers' records stay short."""
         if self.finished is None:
             self._catch_up(self.ticks, self.sim.now)
             due = [t.next_due for t in self.ticks if t.active]
             if due:
-                self.sim.at(min(due), self._eager_tick)
+                self.sim.at(min(due) if self.opts.eager_ticks else self.sim.now + self._flush_every,
+                            self._tick_clock)
 
     def _ticks_before(self, island, hook, movement):
         """Run the pending ticks whose program shares a map with what this event's handlers touch."""
@@ -363,7 +358,7 @@ class Engine(HookSite):
             touched = self.shims[island].maps_for(hook, movement) or frozenset()
             deps = self._tick_deps[key] = [
                 t for t in self.ticks
-                if not (t.island == island and hook == "tick") and touched & (t.shim.maps_for("tick", None) or set())]
+                if not (t.island == island and hook == "tick") and touched & t.maps]
         now = self.sim.now
         for t in deps:
             if t.next_due <= now:       # else nothing the event could see is pending

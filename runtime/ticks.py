@@ -50,10 +50,14 @@ class _Period:
         rows = range(self.cursor, len(record) // 3)
         self.cursor += bisect.bisect_left(rows, t, key=lambda i: record[3 * i])
 
+    def due_by(self, upto: float) -> int:
+        """How many ticks are due by ``upto``."""
+        return int(upto // self.period) - self.next_k + 1
+
     def runs(self, upto: float, elide: bool) -> int:
         """How many of the ticks due by ``upto`` run: all, or only the last when each run
         leaves only its own effect (the handlers are `last_wins`)."""
-        due = int(upto // self.period) - self.next_k + 1
+        due = self.due_by(upto)
         return min(due, 1) if elide and self.last_wins else due
 
     def fill(self, record: np.ndarray, upto: float, ctx: np.ndarray, queue_read: bool) -> np.ndarray:
@@ -124,6 +128,11 @@ class TickSource:
     def active(self) -> bool:
         return self.shim.has("tick")
 
+    @property
+    def maps(self) -> frozenset:
+        """The maps the tick program may touch."""
+        return self.shim.maps_for("tick", None) or frozenset()
+
     def catch_up(self, t: float) -> None:
         """Run every tick due at or before t."""
         if not self.active:          # detached after a fault: stop recording
@@ -150,7 +159,7 @@ class TickSource:
             self._trim()
         record = np.fromiter(self.record, dtype=np.float64, count=len(self.record)).reshape(-1, 3)
         counts = [p.runs(upto, self.elide) for p in due]
-        passed = sum(int(upto // p.period) - p.next_k + 1 for p in due) - sum(counts)
+        passed = sum(p.due_by(upto) for p in due) - sum(counts)
         if passed:
             self.shim.pass_over("tick", passed * n)
         buf = self._buffer(sum(counts) * n).reshape(-1, n)
