@@ -215,6 +215,7 @@ class Fabric:
         self._ports: dict[str, list[str]] = {}
         self._port_index: dict[tuple[str, str], int] = {}
         self._routes: dict[tuple[str, str], list[str]] = {}
+        self._ends: dict[tuple[str, str], list[tuple[str, str]]] = {}
 
     # -- paths ------------------------------------------------------------------------
     def route(self, src: str, dst: str) -> list[str]:
@@ -261,10 +262,14 @@ class Fabric:
 
     def _gpu_ends(self, t: Transfer) -> list[tuple[str, str]]:
         """The GPU islands at a transfer's ends, with their role: the source first, then the
-        destination (the order their programs see its chunks in)."""
-        ends = [(t.path[0], "src")] + ([(t.path[-1], "dst")] if t.path[-1] != t.path[0] else [])
-        return [(isl, role) for isl, role in ((self.device_island.get(e), r) for e, r in ends)
-                if isl is not None and self.island_kind.get(isl) == "gpu"]
+        destination (the order their programs see its chunks in).  Asked for every chunk
+        delivered, so kept per pair of ends."""
+        key = (t.path[0], t.path[-1])
+        if key not in self._ends:
+            ends = [(key[0], "src")] + ([(key[1], "dst")] if key[1] != key[0] else [])
+            self._ends[key] = [(isl, role) for isl, role in ((self.device_island.get(e), r) for e, r in ends)
+                               if isl is not None and self.island_kind.get(isl) == "gpu"]
+        return self._ends[key]
 
     def _apply(self, chunk: Chunk, island: str, d: dict, now: float) -> float:
         """Apply decisions; returns when the chunk may move on."""
