@@ -11,6 +11,13 @@ _FMT = {"u32": "<I", "u64": "<Q"}
 _MASK = {"<I": 0xFFFFFFFF, "<Q": 0xFFFFFFFFFFFFFFFF}
 
 
+def _pack_into(st: struct.Struct, buf, offset: int, values, masks) -> None:
+    try:
+        st.pack_into(buf, offset, *values)
+    except struct.error:       # a float, a negative or too large a value: as C would store it
+        st.pack_into(buf, offset, *[int(v) & m for v, m in zip(values, masks)])
+
+
 class ContextCodec:
     """Fills a hook's context struct and reads its decisions back, by field name.
 
@@ -82,11 +89,7 @@ class ContextCodec:
         if not values:
             return
         st, start, getter, masks = self._layout_for(tuple(values))
-        vals = getter(values)
-        try:
-            st.pack_into(buf, start, *vals)
-        except struct.error:       # a float, a negative or too large a value: as C would store it
-            st.pack_into(buf, start, *[int(v) & m for v, m in zip(vals, masks)])
+        _pack_into(st, buf, start, getter(values), masks)
 
     def pack_many(self, n: int, common: dict[str, int], columns: dict[str, list] | None = None) -> np.ndarray:
         """A 2-D uint8 array of n contexts (for batch runs): every decision at its default,
@@ -99,11 +102,9 @@ class ContextCodec:
         for name, values in (columns or {}).items():
             if name in self._offs:
                 off, st = self._offs[name]
+                masks = (_MASK[st.format],)
                 for i, v in enumerate(values):
-                    try:
-                        st.pack_into(buf, i * size + off, v)
-                    except struct.error:     # as C would store it
-                        st.pack_into(buf, i * size + off, int(v) & _MASK[st.format])
+                    _pack_into(st, buf, i * size + off, (v,), masks)
         return np.frombuffer(buf, dtype=np.uint8).reshape(n, size)
 
     def changed_many(self, rows: np.ndarray) -> list[dict[str, int] | None]:
