@@ -1,0 +1,569 @@
+"""Lifting: verified eBPF bytecode to an LLVM IR module, one native function per subprogram.
+
+Registers are allocas that mem2reg promotes; basic blocks come from the jump
+targets; every instruction keeps its exact semantics (32-bit results
+zero-extend, shifts mask, x / 0 = 0, x % 0 = x, signed overflow defined).
+Local calls become native functions with their own frame.  Memory safety is
+the verifier's proof plus a run-time bounds check on every load and store it
+did not prove (all of them for a program that was not verified): an address
+must lie in the stack, the context (writes only to decision bytes), the given
+memory, a map's value buffer or the reserved ringbuf record, so compiled code
+can never touch anything else.  Array lookups and updates are address
+arithmetic, hash and LRU lookups a native probe of the map's own buffers;
+other helpers call back into Python.  An instruction budget holds as in the
+interpreter (counted per basic block).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import llvmlite.binding as llvm
+import llvmlite.ir as L
+
+from . import isa as I
+from .interp import ctx_write_mask
+from .maps import ARRAY, HASH, LRU_HASH, PERCPU_ARRAY, PERCPU_HASH, RINGBUF, USED, EMPTY
+from .program import Program
+
+I1, I8, I32, I64 = L.IntType(1), L.IntType(8), L.IntType(32), L.IntType(64)
+PTR = L.PointerType()
+STACK_SIZE, MAX_FRAMES, MAP_HANDLE = I.STACK_SIZE, I.MAX_FRAMES, I.MAP_HANDLE
+FAULT_OOB, FAULT_BUDGET, FAULT_HELPER, FAULT_DEPTH = 1, 2, 3, 4
+FAULTS = {FAULT_OOB: "out-of-bounds access", FAULT_BUDGET: "instruction budget exhausted",
+          FAULT_HELPER: "helper failed", FAULT_DEPTH: "call depth exceeds 8 frames"}
+
+
+def _crc_entry(i: int) -> int:
+    for _ in range(8):
+        i = (i >> 1) ^ 0xEDB88320 if i & 1 else i >> 1
+    return i
+
+
+CRC_TABLE = [_crc_entry(i) for i in range(256)]   # the table of zlib.crc32, which maps.py hashes keys with
+
+
+class Env(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in (
+        "budget", "executed", "fault", "fault_pc", "fault_addr", "stack", "ctx", "ctx_len", "mem", "mem_len",
+        "rec", "rec_len", "frames")]
+
+
+ENV_INDEX = {name: i for i, (name, _) in enumerate(Env._fields_)}
+
+
+def _const_bytes(m, name: str, data: bytes):
+    """An internal constant byte array (one string literal in the IR, quick to build and print)."""
+    ty = L.ArrayType(I8, len(data))
+    g = L.GlobalVariable(m, ty, name)
+    g.initializer = L.Constant(ty, bytearray(data))
+    g.global_constant = True
+    g.linkage = "internal"
+    return g
+
+
+def _acyclic(prog: Program) -> bool:
+    """No local call and no jump backwards: with every edge going forward in pc order the
+    control-flow graph can have no cycle (unreachable backward jumps count, to be safe)."""
+    for ins in prog.slots:
+        if ins is None or ins.cls not in (I.JMP, I.JMP32) or ins.op == I.EXIT:
+            continue
+        if ins.op == I.CALL:
+            if ins.src == I.PSEUDO_CALL:
+                return False
+        elif ins.jump_offset < 0:
+            return False
+    return True
+
+
+class Lifter:
+    """Builds the LLVM module for one program."""
+
+    def __init__(self, prog: Program, name: str, callback_addr: int, proof: dict | None, budget: int):
+        self.p, self.name, self.proof = prog, name, proof
+        # a program without cycles or calls runs each instruction at most once: within the
+        # budget it can never exhaust, so it needs no count
+        self.acyclic = _acyclic(prog)
+        self.counted = not self.acyclic or len(prog.slots) > budget
+        self.m = L.Module(name=name)
+        self.m.triple = llvm.get_default_triple()
+        self.cb_addr = callback_addr
+        self.slots = prog.slots
+        self.mask = ctx_write_mask(prog.hook, prog.ctx_size) if prog.ctx_size else b""
+        self.mask_g = None
+        if self.mask:
+            self.mask_g = _const_bytes(self.m, "ctx_mask", self.mask)
+        self.crc = None                 # the CRC-32 table, added by the first hash lookup
+        self.map_regions = []
+        for m in prog.maps:
+            if m.type != RINGBUF:
+                self.map_regions.append((m.values.ctypes.data, m.values.nbytes))
+        self.funcs = {}
+
+    # -- structure --------------------------------------------------------------------------
+    def entries(self) -> list[int]:
+        out = {0}
+        for pc, ins in enumerate(self.slots):
+            if ins is not None and ins.opcode == I.JMP | I.CALL and ins.src == I.PSEUDO_CALL:
+                out.add(pc + 1 + ins.imm)
+        return sorted(out)
+
+    def build(self):
+        entries = self.entries()
+        for e in entries:
+            args = [PTR] if e == 0 else [PTR, I64, I64, I64, I64, I64, I64]
+            fn = L.Function(self.m, L.FunctionType(I64, args), name=f"{self.name}_f{e}")
+            fn.linkage = "internal" if e else "external"
+            self.funcs[e] = fn
+        for e in entries:
+            self._function(e, entries)
+        self._batch()
+        return self.m
+
+    def _reachable(self, entry, entries):
+        """Slots of the subprogram starting at ``entry`` (up to the next entry)."""
+        nxt = min([x for x in entries if x > entry] + [len(self.slots)])
+        return range(entry, nxt)
+
+    def _function(self, entry, entries):
+        fn = self.funcs[entry]
+        env = fn.args[0]
+        body = self._reachable(entry, entries)
+        leaders = {entry}
+        for pc in body:
+            ins = self.slots[pc]
+            if ins is None or ins.cls not in (I.JMP, I.JMP32):
+                continue
+            if ins.op in (I.EXIT, I.CALL):
+                if ins.op == I.CALL:
+                    leaders.add(pc + 1)
+                continue
+            leaders |= {pc + 1 + ins.jump_offset, pc + 1}
+        leaders = sorted(x for x in leaders if x in body)
+        b0 = fn.append_basic_block("entry")
+        b = L.IRBuilder(b0)
+        self.b, self.env, self.fn = b, env, fn
+        self.regs = [b.alloca(I64, name=f"r{i}") for i in range(11)]
+        for r in self.regs:
+            b.store(I64(0), r)
+        # the instruction count lives in a register; env holds it across calls and at exit
+        self.count = b.alloca(I64, name="executed")
+        b.store(self.env_get("executed"), self.count)
+        self.budget = self.env_get("budget")
+        if entry == 0:
+            b.store(self.env_get("stack"), self.regs[10])
+            b.store(b.add(self.env_get("stack"), I64(STACK_SIZE)), self.regs[10])
+            ctx = self.env_get("ctx")
+            has_ctx = b.icmp_unsigned("!=", ctx, I64(0))
+            b.store(b.select(has_ctx, ctx, self.env_get("mem")), self.regs[1])
+            b.store(self.env_get("mem_len"), self.regs[2])
+        else:
+            for i in range(1, 6):
+                b.store(fn.args[i], self.regs[i])
+            b.store(fn.args[6], self.regs[10])
+        self.fault_bb = fn.append_basic_block("fault")
+        blocks = {pc: fn.append_basic_block(f"pc{pc}") for pc in leaders}
+        self.blocks = blocks
+        b.branch(blocks[leaders[0]])
+        for i, start in enumerate(leaders):
+            end = leaders[i + 1] if i + 1 < len(leaders) else body.stop
+            b.position_at_end(blocks[start])
+            n = sum(1 for pc in range(start, end) if self.slots[pc] is not None)
+            if self.counted:
+                self._count(n, start)
+            terminated = False
+            for pc in range(start, end):
+                ins = self.slots[pc]
+                if ins is None:
+                    continue
+                terminated = self._insn(pc, ins)
+                if terminated:
+                    break
+            if not terminated:
+                if end in blocks:
+                    b.branch(blocks[end])
+                else:
+                    self._fault_at(FAULT_OOB, end, I64(0))
+        b.position_at_end(self.fault_bb)
+        b.ret(I64(0))
+
+    # -- env ------------------------------------------------------------------------------------
+    def env_ptr(self, name):
+        return self.b.gep(self.env, [I64(ENV_INDEX[name] * 8)], source_etype=I8)
+
+    def env_get(self, name):
+        return self.b.load(self.env_ptr(name), typ=I64)
+
+    def _count(self, n, pc):
+        b = self.b
+        ex = b.add(b.load(self.count, typ=I64), I64(n))
+        b.store(ex, self.count)
+        with b.if_then(b.icmp_unsigned(">", ex, self.budget), likely=False):
+            self._set_fault(FAULT_BUDGET, pc, I64(0))
+            b.ret(I64(0))
+
+    def _sync_count(self):
+        self.b.store(self.b.load(self.count, typ=I64), self.env_ptr("executed"))
+
+    def _ret(self, value):
+        self._sync_count()
+        self.b.ret(value)
+
+    def _set_fault(self, code, pc, addr):
+        b = self.b
+        self._sync_count()
+        b.store(I64(code), self.env_ptr("fault"))
+        b.store(I64(pc), self.env_ptr("fault_pc"))
+        b.store(addr, self.env_ptr("fault_addr"))
+
+    def _fault_at(self, code, pc, addr):
+        self._set_fault(code, pc, addr)
+        self.b.ret(I64(0))
+
+    def reg(self, r):
+        return self.b.load(self.regs[r], typ=I64)
+
+    def set(self, r, v):
+        self.b.store(v, self.regs[r])
+
+    # -- memory checks ------------------------------------------------------------------------------
+    def _within(self, addr, size, lo, length):
+        b = self.b
+        end = b.add(addr, I64(size))
+        return b.and_(b.icmp_unsigned(">=", addr, lo), b.icmp_unsigned("<=", end, b.add(lo, length)))
+
+    def checked(self, pc, addr, size, write):
+        """Fault unless [addr, addr+size) is memory the program may touch; returns a pointer.
+
+        No check where the verifier proved the access on every path (see `verify`); a
+        pointer into memory given at run time is always checked."""
+        b = self.b
+        kinds = self.proof.get(pc) if self.proof is not None else None
+        if kinds and "mem" not in kinds:
+            return b.inttoptr(addr, PTR)
+        ok = self._within(addr, size, self.env_get("stack"), I64(STACK_SIZE * MAX_FRAMES))
+        ctx = self.env_get("ctx")
+        in_ctx = self._within(addr, size, ctx, self.env_get("ctx_len"))
+        if write and self.mask_g is not None:
+            off = b.sub(addr, ctx)
+            allowed = I1(1)
+            safe_off = b.select(in_ctx, off, I64(0))
+            for k in range(size):
+                idx = b.add(safe_off, I64(k))
+                idx = b.select(b.icmp_unsigned("<", idx, I64(len(self.mask))), idx, I64(0))
+                byte = b.load(b.gep(self.mask_g, [I64(0), idx], inbounds=True), typ=I8)
+                allowed = b.and_(allowed, b.icmp_unsigned("!=", byte, I8(0)))
+            in_ctx = b.and_(in_ctx, allowed)
+        ok = b.or_(ok, in_ctx)
+        ok = b.or_(ok, self._within(addr, size, self.env_get("mem"), self.env_get("mem_len")))
+        ok = b.or_(ok, self._within(addr, size, self.env_get("rec"), self.env_get("rec_len")))
+        for base, length in self.map_regions:
+            ok = b.or_(ok, self._within(addr, size, I64(base), I64(length)))
+        with b.if_then(b.not_(ok), likely=False):
+            self._set_fault(FAULT_OOB, pc, addr)
+            b.ret(I64(0))
+        return b.inttoptr(addr, PTR)
+
+    # -- instructions -----------------------------------------------------------------------------
+    def _insn(self, pc, ins) -> bool:
+        """Emit one instruction; True if it ended the block."""
+        c = ins.cls
+        b = self.b
+        if c in (I.ALU, I.ALU64):
+            self.set(ins.dst, self._alu(ins))
+            return False
+        if ins.is_lddw:
+            if ins.src == I.PSEUDO_MAP_FD:
+                self.set(ins.dst, I64(MAP_HANDLE | ins.imm))
+            elif ins.src == I.PSEUDO_MAP_VALUE:
+                m = self.p.maps[ins.imm]
+                self.set(ins.dst, I64(m.values.ctypes.data + ins.next_imm))
+            else:
+                self.set(ins.dst, I64(ins.imm & I.MASK64))
+            return False
+        if c == I.LDX:
+            n = I.SIZE_BYTES[ins.size]
+            addr = b.add(self.reg(ins.src), I64(ins.off & I.MASK64))
+            v = b.load(self.checked(pc, addr, n, False), typ=L.IntType(8 * n))
+            self.set(ins.dst, (b.sext if ins.mode == I.MEMSX else b.zext)(v, I64) if n < 8 else v)
+            return False
+        if c in (I.ST, I.STX):
+            n = I.SIZE_BYTES[ins.size]
+            addr = b.add(self.reg(ins.dst), I64(ins.off & I.MASK64))
+            ptr = self.checked(pc, addr, n, True)
+            if c == I.STX and ins.mode == I.ATOMIC:
+                self._atomic(ins, ptr, n)
+                return False
+            v = self.reg(ins.src) if c == I.STX else I64(ins.imm & I.MASK64)
+            b.store(b.trunc(v, L.IntType(8 * n)) if n < 8 else v, ptr)
+            return False
+        op = ins.op
+        if op == I.EXIT:
+            self._ret(self.reg(0))
+            return True
+        if op == I.CALL:
+            if ins.src == I.PSEUDO_CALL:
+                target = pc + 1 + ins.imm
+                r10 = b.add(self.reg(10), I64(STACK_SIZE))
+                limit = b.add(self.env_get("stack"), I64(STACK_SIZE * MAX_FRAMES))
+                with b.if_then(b.icmp_unsigned(">", r10, limit), likely=False):
+                    self._set_fault(FAULT_DEPTH, pc, I64(0))
+                    b.ret(I64(0))
+                self._sync_count()
+                r0 = b.call(self.funcs[target], [self.env] + [self.reg(i) for i in range(1, 6)] + [r10])
+                with b.if_then(b.icmp_unsigned("!=", self.env_get("fault"), I64(0)), likely=False):
+                    b.ret(I64(0))
+                b.store(self.env_get("executed"), self.count)
+                self.set(0, r0)
+            else:
+                self.set(0, self._helper(pc, ins.imm))
+            return False
+        if op == I.JA:
+            b.branch(self.blocks[pc + 1 + ins.jump_offset])
+            return True
+        a = self.reg(ins.dst)
+        x = self.reg(ins.src) if ins.opcode & I.X else I64(ins.imm & I.MASK64)
+        if c == I.JMP32:
+            a, x = b.trunc(a, I32), b.trunc(x, I32)
+        cond = self._cmp(op, a, x)
+        b.cbranch(cond, self.blocks[pc + 1 + ins.off], self.blocks[pc + 1])
+        return True
+
+    def _cmp(self, op, a, x):
+        b = self.b
+        if op == I.JSET:
+            return b.icmp_unsigned("!=", b.and_(a, x), L.Constant(a.type, 0))
+        signed = {I.JSGT: ">", I.JSGE: ">=", I.JSLT: "<", I.JSLE: "<="}
+        if op in signed:
+            return b.icmp_signed(signed[op], a, x)
+        return b.icmp_unsigned({I.JEQ: "==", I.JNE: "!=", I.JGT: ">", I.JGE: ">=", I.JLT: "<",
+                                I.JLE: "<="}[op], a, x)
+
+    def _alu(self, ins):
+        b = self.b
+        is64 = ins.cls == I.ALU64
+        T = I64 if is64 else I32
+        bits = 64 if is64 else 32
+        op = ins.op
+        d = self.reg(ins.dst)
+        s = self.reg(ins.src) if ins.opcode & I.X else I64(ins.imm & I.MASK64)
+        if not is64:
+            d, s = b.trunc(d, I32), b.trunc(s, I32)
+        if op == I.MOV:
+            if ins.off and ins.opcode & I.X:
+                r = b.sext(b.trunc(s, L.IntType(ins.off)), T)
+            else:
+                r = s
+        elif op == I.END:
+            w = ins.imm
+            v = b.trunc(self.reg(ins.dst), L.IntType(w)) if w < 64 else self.reg(ins.dst)
+            if is64 or ins.opcode & I.X:
+                v = b.bswap(v) if w > 8 else v
+            return b.zext(v, I64) if w < 64 else v
+        elif op == I.NEG:
+            r = b.neg(d)
+        elif op in (I.LSH, I.RSH, I.ARSH):
+            s = b.and_(s, L.Constant(T, bits - 1))
+            r = {I.LSH: b.shl, I.RSH: b.lshr, I.ARSH: b.ashr}[op](d, s)
+        elif op in (I.DIV, I.MOD):
+            zero = b.icmp_unsigned("==", s, L.Constant(T, 0))
+            safe = b.select(zero, L.Constant(T, 1), s)
+            if ins.off == 1:   # signed: also define INT_MIN / -1
+                neg1 = b.icmp_signed("==", safe, L.Constant(T, -1))
+                safe2 = b.select(neg1, L.Constant(T, 1), safe)
+                if op == I.DIV:
+                    q = b.select(neg1, b.neg(d), b.sdiv(d, safe2))
+                    r = b.select(zero, L.Constant(T, 0), q)
+                else:
+                    q = b.select(neg1, L.Constant(T, 0), b.srem(d, safe2))
+                    r = b.select(zero, d, q)
+            elif op == I.DIV:
+                r = b.select(zero, L.Constant(T, 0), b.udiv(d, safe))
+            else:
+                r = b.select(zero, d, b.urem(d, safe))
+        else:
+            r = {I.ADD: b.add, I.SUB: b.sub, I.MUL: b.mul, I.OR: b.or_, I.AND: b.and_, I.XOR: b.xor}[op](d, s)
+        return r if is64 else b.zext(r, I64)
+
+    def _atomic(self, ins, ptr, n):
+        b = self.b
+        T = L.IntType(8 * n)
+        src = b.trunc(self.reg(ins.src), T) if n < 8 else self.reg(ins.src)
+        if ins.imm == I.CMPXCHG:
+            r0 = b.trunc(self.reg(0), T) if n < 8 else self.reg(0)
+            pair = b.cmpxchg(ptr, r0, src, "seq_cst", "seq_cst")
+            old = b.extract_value(pair, 0)
+            self.set(0, b.zext(old, I64) if n < 8 else old)
+            return
+        opname = {I.ADD: "add", I.OR: "or", I.AND: "and", I.XOR: "xor"}.get(ins.imm & ~I.FETCH, "xchg")
+        if ins.imm == I.XCHG:
+            opname = "xchg"
+        old = b.atomic_rmw(opname, ptr, src, "seq_cst")
+        if ins.imm & I.FETCH:
+            self.set(ins.src, b.zext(old, I64) if n < 8 else old)
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _callback(self, hid):
+        b = self.b
+        ty = L.FunctionType(I64, [I64] * 6)
+        fn = I64(self.cb_addr).inttoptr(PTR)
+        fn.function_type = ty
+        return b.call(fn, [I64(hid)] + [self.reg(i) for i in range(1, 6)])
+
+    def _helper(self, pc, hid):
+        b = self.b
+        if hid in (1, 2):
+            out = self._native_map_op(pc, hid)
+            if out is not None:
+                return out
+        r0 = self._callback(hid)
+        with b.if_then(b.icmp_unsigned("!=", self.env_get("fault"), I64(0)), likely=False):
+            b.store(I64(pc), self.env_ptr("fault_pc"))
+            b.ret(I64(0))
+        return r0
+
+    def _native_map_op(self, pc, hid):
+        """Array lookup/update as address arithmetic, hash/LRU lookup as a native probe;
+        hash updates go to the callback.  Dispatches on the map index in r1."""
+        b = self.b
+        maps = self.p.maps
+        if not maps:
+            return None
+        r1 = self.reg(1)
+        idx = b.and_(r1, I64(0xFFFFFFFF))
+        done = self.fn.append_basic_block(f"map{pc}_done")
+        dflt = self.fn.append_basic_block(f"map{pc}_cb")
+        sw = b.switch(idx, dflt)
+        incoming = []
+        for i, m in enumerate(maps):
+            native = m.type in (ARRAY, PERCPU_ARRAY) or (hid == 1 and m.type in (HASH, PERCPU_HASH, LRU_HASH))
+            if not native:
+                continue
+            bb = self.fn.append_basic_block(f"map{pc}_{i}")
+            sw.add_case(I64(i), bb)
+            b.position_at_end(bb)
+            key_ptr = self.checked(pc, self.reg(2), m.key_size, False)
+            if m.type in (ARRAY, PERCPU_ARRAY):
+                key = b.zext(b.load(key_ptr, typ=I32), I64)
+                inb = b.icmp_unsigned("<", key, I64(m.max_entries))
+                addr = b.add(I64(m.values.ctypes.data), b.mul(key, I64(m.value_size)))
+                if hid == 1:
+                    v = b.select(inb, addr, I64(0))
+                else:
+                    v = self._array_update(pc, m, inb, addr)
+            else:
+                v = self._hash_lookup(m, key_ptr)
+            incoming.append((v, b.block))
+            b.branch(done)
+        b.position_at_end(dflt)
+        cb = self._callback(hid)
+        with b.if_then(b.icmp_unsigned("!=", self.env_get("fault"), I64(0)), likely=False):
+            b.store(I64(pc), self.env_ptr("fault_pc"))
+            b.ret(I64(0))
+        incoming.append((cb, b.block))
+        b.branch(done)
+        b.position_at_end(done)
+        phi = b.phi(I64)
+        for v, bb in incoming:
+            phi.add_incoming(v, bb)
+        return phi
+
+    def _array_update(self, pc, m, inb, addr):
+        b = self.b
+        val = self.checked(pc, self.reg(3), m.value_size, False)
+        flags = self.reg(4)
+        ok = b.and_(inb, b.icmp_unsigned("!=", flags, I64(1)))   # BPF_NOEXIST fails on arrays
+        with b.if_then(ok):
+            dst = b.inttoptr(addr, PTR)
+            for k in range(0, m.value_size):
+                byte = b.load(b.gep(val, [I64(k)], source_etype=I8), typ=I8)
+                b.store(byte, b.gep(dst, [I64(k)], source_etype=I8))
+        e2big = I64((-7) & I.MASK64)
+        eexist = I64((-17) & I.MASK64)
+        return b.select(inb, b.select(ok, I64(0), eexist), e2big)
+
+    def _hash_lookup(self, m, key_ptr):
+        """Linear probe of the map's open-addressing table, hashing the key with CRC-32 as maps.py does."""
+        b = self.b
+        fn = self.fn
+        ks, cap = m.key_size, m.cap
+        if self.crc is None:
+            self.crc = _const_bytes(self.m, "crc_table", b"".join(v.to_bytes(4, "little") for v in CRC_TABLE))
+        crc = I32(0xFFFFFFFF)
+        for k in range(ks):
+            byte = b.zext(b.load(b.gep(key_ptr, [I64(k)], source_etype=I8), typ=I8), I32)
+            ix = b.zext(b.and_(b.xor(crc, byte), I32(0xFF)), I64)
+            t = b.load(b.gep(self.crc, [ix], inbounds=True, source_etype=I32), typ=I32)
+            crc = b.xor(t, b.lshr(crc, I32(8)))
+        h = b.zext(b.xor(crc, I32(0xFFFFFFFF)), I64)
+        h = b.and_(h, I64(cap - 1))
+        head = fn.append_basic_block("probe")
+        body = fn.append_basic_block("probe_body")
+        cmpb = fn.append_basic_block("probe_cmp")
+        found = fn.append_basic_block("probe_found")
+        miss = fn.append_basic_block("probe_miss")
+        out = fn.append_basic_block("probe_out")
+        pre = b.block
+        b.branch(head)
+        b.position_at_end(head)
+        i = b.phi(I64)
+        i.add_incoming(I64(0), pre)
+        b.cbranch(b.icmp_unsigned("<", i, I64(cap)), body, miss)
+        b.position_at_end(body)
+        s = b.and_(b.add(h, i), I64(cap - 1))
+        st = b.load(b.gep(b.inttoptr(I64(m.state.ctypes.data), PTR), [s], source_etype=I8), typ=I8)
+        nxt = b.add(i, I64(1))
+        is_empty = b.icmp_unsigned("==", st, I8(EMPTY))
+        is_used = b.icmp_unsigned("==", st, I8(USED))
+        b.cbranch(is_empty, miss, cmpb)
+        b.position_at_end(cmpb)
+        kbase = b.add(I64(m.keys.ctypes.data), b.mul(s, I64(ks)))
+        same = is_used
+        for k in range(ks):
+            x = b.load(b.inttoptr(b.add(kbase, I64(k)), PTR), typ=I8)
+            y = b.load(b.gep(key_ptr, [I64(k)], source_etype=I8), typ=I8)
+            same = b.and_(same, b.icmp_unsigned("==", x, y))
+        i.add_incoming(nxt, cmpb)
+        b.cbranch(same, found, head)
+        b.position_at_end(found)
+        if m.type == LRU_HASH:
+            meta = b.inttoptr(I64(m.meta.ctypes.data + 8), PTR)
+            clock = b.add(b.load(meta, typ=I64), I64(1))
+            b.store(clock, meta)
+            b.store(clock, b.inttoptr(b.add(I64(m.stamp.ctypes.data), b.mul(s, I64(8))), PTR))
+        addr = b.add(I64(m.values.ctypes.data), b.mul(s, I64(m.value_size)))
+        b.branch(out)
+        b.position_at_end(miss)
+        b.branch(out)
+        b.position_at_end(out)
+        phi = b.phi(I64)
+        phi.add_incoming(addr, found)
+        phi.add_incoming(I64(0), miss)
+        return phi
+
+    # -- batch entry ------------------------------------------------------------------------------------
+    def _batch(self):
+        """``batch(env, base, n, stride)``: run the program on n contexts, stop at the first fault."""
+        fn = L.Function(self.m, L.FunctionType(I64, [PTR, I64, I64, I64]), name=f"{self.name}_batch")
+        env, base, n, stride = fn.args
+        b = L.IRBuilder(fn.append_basic_block("entry"))
+        head, body, out = (fn.append_basic_block(x) for x in ("head", "body", "out"))
+        pre = b.block
+        b.branch(head)
+        b.position_at_end(head)
+        i = b.phi(I64)
+        i.add_incoming(I64(0), pre)
+        b.cbranch(b.icmp_unsigned("<", i, n), body, out)
+        b.position_at_end(body)
+        ctx_p = b.gep(env, [I64(ENV_INDEX["ctx"] * 8)], source_etype=I8)
+        b.store(b.add(base, b.mul(i, stride)), ctx_p)
+        b.store(I64(0), b.gep(env, [I64(ENV_INDEX["executed"] * 8)], source_etype=I8))  # a budget per run
+        b.call(self.funcs[0], [env])
+        fault = b.load(b.gep(env, [I64(ENV_INDEX["fault"] * 8)], source_etype=I8), typ=I64)
+        nxt = b.add(i, I64(1))
+        i.add_incoming(nxt, body)
+        b.cbranch(b.icmp_unsigned("!=", fault, I64(0)), out, head)
+        b.position_at_end(out)
+        res = b.phi(I64)
+        res.add_incoming(i, head)
+        res.add_incoming(i, body)
+        b.ret(res)
