@@ -14,11 +14,16 @@ shared machine the speed drifts between runs.  Where it drifts too much to tell 
 per cent, --instructions also counts each run's instructions under valgrind (cachegrind,
 no cache simulation: about 30x slower), less those of a process that only starts up:
 the same on every run, though it does not see cache misses.
+
+The JIT keeps compiled programs in an on-disk code cache (runtime/codecache.py), as a
+user's repeated runs do: the bench gives the runs a cache of their own, makes one run with
+it empty ("cold s", compiling every program) and then the timed runs, which find it full.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -51,30 +56,37 @@ def run_once(folder, backend_name, model, prompt, tp, attach) -> tuple[float, di
     return wall, report
 
 
-def run_fresh(folder, backend_name, model, prompt, tp, attach) -> tuple[float, dict]:
-    """One run in a fresh process: (wall seconds, the report's events and TTFT)."""
+def _child_env(cache: Path) -> dict:
+    return os.environ | {"FABRIC_EXT_JIT_CACHE": str(cache)}
+
+
+def run_fresh(folder, backend_name, model, prompt, tp, attach, cache: Path) -> tuple[float, dict]:
+    """One run in a fresh process with the JIT code cache in ``cache``: (wall seconds, the
+    report's events and TTFT)."""
     out = subprocess.run([sys.executable, __file__, "--one", json.dumps(
-        [str(folder), backend_name, model, prompt, tp, attach])], capture_output=True, text=True)
+        [str(folder), backend_name, model, prompt, tp, attach])], capture_output=True, text=True,
+        env=_child_env(cache))
     if out.returncode:
         raise SystemExit(f"run failed ({backend_name} {model}):\n{out.stderr}")
     wall, report = json.loads(out.stdout)
     return wall, report
 
 
-def instructions(folder, backend_name, model, prompt, tp, attach) -> int:
+def instructions(folder, backend_name, model, prompt, tp, attach, cache: Path) -> int:
     """Instructions one fresh run executes (valgrind's count)."""
     out = subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
                           sys.executable, __file__, "--one", json.dumps(
-                              [str(folder), backend_name, model, prompt, tp, attach])], capture_output=True, text=True)
+                              [str(folder), backend_name, model, prompt, tp, attach])], capture_output=True, text=True,
+                         env=_child_env(cache))
     found = re.search(r"I\s+refs:\s+([\d,]+)", out.stderr)
     if out.returncode or not found:
         raise SystemExit(f"valgrind run failed ({backend_name} {model}):\n{out.stderr[-2000:]}")
     return int(found.group(1).replace(",", ""))
 
 
-def instruction_columns(folder, backend, model, prompt, tp) -> str:
-    start = instructions(folder, backend, model, prompt, tp, None)
-    pol, none = (instructions(folder, backend, model, prompt, tp, a) - start for a in (True, False))
+def instruction_columns(folder, backend, model, prompt, tp, cache) -> str:
+    start = instructions(folder, backend, model, prompt, tp, None, cache)
+    pol, none = (instructions(folder, backend, model, prompt, tp, a, cache) - start for a in (True, False))
     return f"{pol / 1e9:>9.2f}{none / 1e9:>9.2f}{pol / none - 1:>9.1%}"
 
 
@@ -98,18 +110,20 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "out"
         write_output(build(ROOT / "policies" / "prefill_qos.fx"), folder)
-        print(f"{'backend':<8}{'model':<12}{'prompt':>7}{'tp':>4}{'policy wall s':>15}{'events/s':>11}"
+        print(f"{'backend':<8}{'model':<12}{'prompt':>7}{'tp':>4}{'cold s':>8}{'policy wall s':>15}{'events/s':>11}"
               f"{'none wall s':>13}{'events/s':>11}{'overhead':>10}{'TTFT ms':>10}{'base TTFT':>11}"
               + (f"{'pol Ginsn':>10}{'none Ginsn':>11}{'insn ovh':>9}" if args.instructions else ""))
         for backend in args.backend.split(","):
             for model, prompt, tp in CONFIGS[:1] if args.quick else CONFIGS:
+                cache = Path(tmp) / f"jit-cache-{backend}-{model}"
+                cold = run_fresh(folder, backend, model, prompt, tp, True, cache)[0]
                 runs = {True: [], False: []}
                 for _ in range(max(1, args.repeat)):
                     for attach in (True, False):
-                        runs[attach].append(run_fresh(folder, backend, model, prompt, tp, attach))
+                        runs[attach].append(run_fresh(folder, backend, model, prompt, tp, attach, cache))
                 (w1, r1), (w0, r0) = (min(runs[a], key=lambda x: x[0]) for a in (True, False))
-                insn = instruction_columns(folder, backend, model, prompt, tp) if args.instructions else ""
-                print(f"{backend:<8}{model:<12}{prompt:>7}{tp:>4}{w1:>15.2f}{r1['events'] / w1:>11.0f}"
+                insn = instruction_columns(folder, backend, model, prompt, tp, cache) if args.instructions else ""
+                print(f"{backend:<8}{model:<12}{prompt:>7}{tp:>4}{cold:>8.2f}{w1:>15.2f}{r1['events'] / w1:>11.0f}"
                       f"{w0:>13.2f}{r0['events'] / w0:>11.0f}{w1 / w0 - 1:>9.0%}{r1['ttft_ms']:>10.1f}"
                       f"{r0['ttft_ms']:>11.1f}" + insn, flush=True)
 

@@ -1,12 +1,16 @@
 """The JIT backend: verified eBPF lifted to LLVM IR (`lift`), optimised, compiled to native code (MCJIT).
 
-Compiled code is cached per program and map layout; `run_batch` runs one
+Native code is made once per program and map shapes: in a process it is shared by
+every load, and across processes it is kept in the on-disk `codecache`, so a
+policy run again starts without compiling.  Each load gets its own environment
+and address table (its maps' buffers, its helper callback).  `run_batch` runs one
 program over N contexts in a single native call.  Helpers the lifted code does
 not do natively call back into the interpreter's implementations.
 """
 from __future__ import annotations
 
 import ctypes
+import time
 
 import llvmlite.binding as llvm
 import numpy as np
@@ -14,13 +18,17 @@ import numpy as np
 from . import helpers as Hl
 from . import isa as I
 from .interp import ctx_write_mask
-from .lift import FAULT_BUDGET, FAULT_HELPER, FAULT_OOB, FAULTS, MAP_HANDLE, MAX_FRAMES, STACK_SIZE, Env, Lifter
+from .codecache import CodeCache, default_dir
+from .lift import (FAULT_BUDGET, FAULT_HELPER, FAULT_OOB, FAULTS, MAP_HANDLE, MAX_FRAMES, STACK_SIZE, Env, Lifter,
+                   acyclic, address_table)
 from .maps import RINGBUF
 from .program import Backend, Program, VMFault
 
 CALLBACK = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
                             ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64)
 _tiers: dict = {}
+_native: dict[str, tuple[int, int]] = {}   # code digest -> (entry, batch entry) in this process
+_cache: CodeCache | None = None
 
 
 class _Tier:
@@ -55,6 +63,56 @@ def _tier(loops: bool) -> _Tier:
     if loops not in _tiers:
         _tiers[loops] = _Tier(loops)
     return _tiers[loops]
+
+
+def code_cache() -> CodeCache:
+    """The process's on-disk code cache (its folder read from the environment on first use)."""
+    global _cache
+    if _cache is None:
+        _cache = CodeCache(default_dir())
+    return _cache
+
+
+def _code_key(cache: CodeCache, prog: Program, proof: dict | None, counted: bool) -> str:
+    """A digest of everything the lifter reads: equal digests, equal object code."""
+    shapes = ";".join(f"{m.type},{m.key_size},{m.value_size},{m.max_entries},{m.cap},{m.values.nbytes}"
+                      for m in prog.maps)
+    mask = ctx_write_mask(prog.hook, prog.ctx_size) if prog.ctx_size else b""
+    proven = "-" if proof is None else ";".join(f"{pc}:{','.join(sorted(k))}" for pc, k in sorted(proof.items()))
+    return cache.key(prog.code, shapes.encode(), mask, proven.encode(), b"counted" if counted else b"")
+
+
+def _native_code(prog: Program, proof: dict | None, budget: int, stats: dict) -> tuple[int, int]:
+    """Entry and batch-entry addresses of the program's native code: made in this process
+    already, read from the code cache, or lifted, optimised and compiled (then cached)."""
+    loops = not acyclic(prog)
+    counted = loops or len(prog.slots) > budget
+    cache = code_cache()
+    key = _code_key(cache, prog, proof, counted)
+    if key in _native:
+        stats["reused"] += 1
+        return _native[key]
+    tier = _tier(loops)
+    name = f"fx{key[:20]}"
+    obj = cache.get(key)
+    if obj is None:
+        t = time.perf_counter()
+        mod = llvm.parse_assembly(str(Lifter(prog, name, proof, counted).build()))
+        mod.verify()
+        tier.optimise(mod)
+        obj = tier.tm.emit_object(mod)
+        cache.put(key, obj)
+        stats["compiled"] += 1
+        stats["compile_s"] += time.perf_counter() - t
+    else:
+        stats["cached"] += 1
+    tier.engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
+    tier.engine.finalize_object()
+    entries = (tier.engine.get_function_address(f"{name}_f0"), tier.engine.get_function_address(f"{name}_batch"))
+    if not all(entries):
+        raise RuntimeError(f"{prog.name}: native code for {name} lacks its entry points")
+    _native[key] = entries
+    return entries
 
 
 
@@ -108,13 +166,18 @@ class _NativeMemory:
 
 
 class _Compiled:
-    def __init__(self, prog, fn_addr, batch_addr, module_ref, callback):
+    """One load of a program: shared native code with this load's environment and address table."""
+
+    def __init__(self, prog, fn_addr, batch_addr, callback):
         self.prog = prog
         self.fn = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_void_p)(fn_addr)
         self.batch = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64,
                                       ctypes.c_uint64)(batch_addr)
-        self.module_ref, self.callback = module_ref, callback
+        self.callback = callback
+        table = address_table(prog, ctypes.cast(callback, ctypes.c_void_p).value)
+        self.table = (ctypes.c_uint64 * len(table))(*table)
         self.env = Env()
+        self.env.addrs = ctypes.addressof(self.table)
         self.env_addr = ctypes.addressof(self.env)
         self.stack = ctypes.create_string_buffer(STACK_SIZE * MAX_FRAMES)
         self.fast = False     # env holds the fixed fields (budget, stack, no memory) of the hot path
@@ -132,6 +195,7 @@ class JitBackend(Backend):
         self.current = None
         self.records: dict[int, tuple] = {}
         self.compiled: dict[tuple, _Compiled] = {}   # per backend: helper callbacks are bound to it
+        self.stats = {"compiled": 0, "cached": 0, "reused": 0, "compile_s": 0.0, "load_s": 0.0}
 
     # -- the Python side of helper calls ----------------------------------------------------------
     def _callback(self, hid, r1, r2, r3, r4, r5):
@@ -154,23 +218,21 @@ class JitBackend(Backend):
                ctx_write_mask(prog.hook, prog.ctx_size) if prog.ctx_size else b"", proof is not None)
         if key in self.compiled:
             return self.compiled[key]
-        cb = CALLBACK(self._callback)
-        cb_addr = ctypes.cast(cb, ctypes.c_void_p).value
-        name = f"fx{id(self) & 0xFFFFFF:x}_{len(self.compiled)}"
-        lifter = Lifter(prog, name, cb_addr, proof, self.budget)
-        tier = _tier(loops=not lifter.acyclic)
-        mod = llvm.parse_assembly(str(lifter.build()))
-        mod.verify()
-        tier.optimise(mod)
-        engine = tier.engine
-        engine.add_module(mod)
-        engine.finalize_object()
-        compiled = _Compiled(prog, engine.get_function_address(f"{name}_f0"),
-                             engine.get_function_address(f"{name}_batch"), mod, cb)
+        t = time.perf_counter()
+        compiled = _Compiled(prog, *_native_code(prog, proof, self.budget, self.stats), CALLBACK(self._callback))
+        self.stats["load_s"] += time.perf_counter() - t
         # the proof assumes a whole context: a shorter one runs the checked code
         compiled.min_ctx = prog.ctx_size if proof is not None else 0
         self.compiled[key] = compiled
         return compiled
+
+    def load_stats(self) -> dict:
+        """How this backend's programs were made ready: compiled, read from the code cache, or
+        already in this process (loaded before, by this or another backend)."""
+        st = self.stats
+        return {"compiled": st["compiled"], "from_cache": st["cached"], "in_process": st["reused"],
+                "compile_ms": round(st["compile_s"] * 1e3, 3), "load_ms": round(st["load_s"] * 1e3, 3),
+                "cache": str(code_cache().dir) if code_cache().dir else None}
 
     def _checked(self, c: _Compiled) -> _Compiled:
         return self._compile(c.prog, None)

@@ -12,6 +12,11 @@ can never touch anything else.  Array lookups and updates are address
 arithmetic, hash and LRU lookups a native probe of the map's own buffers;
 other helpers call back into Python.  An instruction budget holds as in the
 interpreter (counted per basic block).
+
+The code holds no address of the process that runs it: map buffers and the
+helper callback are read from an address table the environment points to
+(`address_table`), so the same object code serves any process with the same
+program and map shapes, and can be cached on disk (`codecache`).
 """
 from __future__ import annotations
 
@@ -45,10 +50,24 @@ CRC_TABLE = [_crc_entry(i) for i in range(256)]   # the table of zlib.crc32, whi
 class Env(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint64) for n in (
         "budget", "executed", "fault", "fault_pc", "fault_addr", "stack", "ctx", "ctx_len", "mem", "mem_len",
-        "rec", "rec_len", "frames")]
+        "rec", "rec_len", "addrs")]
 
 
 ENV_INDEX = {name: i for i, (name, _) in enumerate(Env._fields_)}
+MAP_ADDRS = ("values", "state", "keys", "meta", "stamp")   # a map's buffers in the address table
+
+
+def _map_slot(index: int, buffer: str) -> int:
+    return 1 + index * len(MAP_ADDRS) + MAP_ADDRS.index(buffer)
+
+
+def address_table(prog: Program, callback_addr: int) -> list[int]:
+    """The addresses compiled code reads at run time: the helper callback (slot 0), then
+    each map's buffers in `MAP_ADDRS` order (0 where the map has none)."""
+    table = [callback_addr]
+    for m in prog.maps:
+        table += [0 if (buf := getattr(m, b)) is None else buf.ctypes.data for b in MAP_ADDRS]
+    return table
 
 
 def _const_bytes(m, name: str, data: bytes):
@@ -61,7 +80,7 @@ def _const_bytes(m, name: str, data: bytes):
     return g
 
 
-def _acyclic(prog: Program) -> bool:
+def acyclic(prog: Program) -> bool:
     """No local call and no jump backwards: with every edge going forward in pc order the
     control-flow graph can have no cycle (unreachable backward jumps count, to be safe)."""
     for ins in prog.slots:
@@ -78,25 +97,22 @@ def _acyclic(prog: Program) -> bool:
 class Lifter:
     """Builds the LLVM module for one program."""
 
-    def __init__(self, prog: Program, name: str, callback_addr: int, proof: dict | None, budget: int):
+    def __init__(self, prog: Program, name: str, proof: dict | None, counted: bool):
+        """``counted``: the code counts instructions against the budget.  A program without
+        cycles or calls runs each instruction at most once, so within a budget at least as
+        long as itself it can never exhaust it and needs no count."""
         self.p, self.name, self.proof = prog, name, proof
-        # a program without cycles or calls runs each instruction at most once: within the
-        # budget it can never exhaust, so it needs no count
-        self.acyclic = _acyclic(prog)
-        self.counted = not self.acyclic or len(prog.slots) > budget
+        self.counted = counted
         self.m = L.Module(name=name)
         self.m.triple = llvm.get_default_triple()
-        self.cb_addr = callback_addr
         self.slots = prog.slots
         self.mask = ctx_write_mask(prog.hook, prog.ctx_size) if prog.ctx_size else b""
         self.mask_g = None
         if self.mask:
             self.mask_g = _const_bytes(self.m, "ctx_mask", self.mask)
         self.crc = None                 # the CRC-32 table, added by the first hash lookup
-        self.map_regions = []
-        for m in prog.maps:
-            if m.type != RINGBUF:
-                self.map_regions.append((m.values.ctypes.data, m.values.nbytes))
+        self.map_regions = [(i, m.values.nbytes) for i, m in enumerate(prog.maps) if m.type != RINGBUF]
+        self.invariant = self.m.add_metadata([])
         self.funcs = {}
 
     # -- structure --------------------------------------------------------------------------
@@ -193,6 +209,21 @@ class Lifter:
     def env_get(self, name):
         return self.b.load(self.env_ptr(name), typ=I64)
 
+    def _invariant_load(self, ptr):
+        """A load of memory that never changes while the code exists, which LLVM may
+        hoist and merge (the address table, and env's pointer to it)."""
+        v = self.b.load(ptr, typ=I64)
+        v.set_metadata("invariant.load", self.invariant)
+        return v
+
+    def addr(self, slot: int):
+        table = self.b.inttoptr(self._invariant_load(self.env_ptr("addrs")), PTR)
+        return self._invariant_load(self.b.gep(table, [I64(slot * 8)], source_etype=I8))
+
+    def map_addr(self, index: int, buffer: str, offset: int = 0):
+        a = self.addr(_map_slot(index, buffer))
+        return self.b.add(a, I64(offset)) if offset else a
+
     def _count(self, n, pc):
         b = self.b
         ex = b.add(b.load(self.count, typ=I64), I64(n))
@@ -256,8 +287,8 @@ class Lifter:
         ok = b.or_(ok, in_ctx)
         ok = b.or_(ok, self._within(addr, size, self.env_get("mem"), self.env_get("mem_len")))
         ok = b.or_(ok, self._within(addr, size, self.env_get("rec"), self.env_get("rec_len")))
-        for base, length in self.map_regions:
-            ok = b.or_(ok, self._within(addr, size, I64(base), I64(length)))
+        for index, length in self.map_regions:
+            ok = b.or_(ok, self._within(addr, size, self.map_addr(index, "values"), I64(length)))
         with b.if_then(b.not_(ok), likely=False):
             self._set_fault(FAULT_OOB, pc, addr)
             b.ret(I64(0))
@@ -275,8 +306,7 @@ class Lifter:
             if ins.src == I.PSEUDO_MAP_FD:
                 self.set(ins.dst, I64(MAP_HANDLE | ins.imm))
             elif ins.src == I.PSEUDO_MAP_VALUE:
-                m = self.p.maps[ins.imm]
-                self.set(ins.dst, I64(m.values.ctypes.data + ins.next_imm))
+                self.set(ins.dst, self.map_addr(ins.imm, "values", ins.next_imm))
             else:
                 self.set(ins.dst, I64(ins.imm & I.MASK64))
             return False
@@ -405,8 +435,7 @@ class Lifter:
     def _callback(self, hid):
         b = self.b
         ty = L.FunctionType(I64, [I64] * 6)
-        fn = I64(self.cb_addr).inttoptr(PTR)
-        fn.function_type = ty
+        fn = b.inttoptr(self.addr(0), ty.as_pointer())   # a typed pointer: the call reads its type
         return b.call(fn, [I64(hid)] + [self.reg(i) for i in range(1, 6)])
 
     def _helper(self, pc, hid):
@@ -445,13 +474,13 @@ class Lifter:
             if m.type in (ARRAY, PERCPU_ARRAY):
                 key = b.zext(b.load(key_ptr, typ=I32), I64)
                 inb = b.icmp_unsigned("<", key, I64(m.max_entries))
-                addr = b.add(I64(m.values.ctypes.data), b.mul(key, I64(m.value_size)))
+                addr = b.add(self.map_addr(i, "values"), b.mul(key, I64(m.value_size)))
                 if hid == 1:
                     v = b.select(inb, addr, I64(0))
                 else:
                     v = self._array_update(pc, m, inb, addr)
             else:
-                v = self._hash_lookup(m, key_ptr)
+                v = self._hash_lookup(i, m, key_ptr)
             incoming.append((v, b.block))
             b.branch(done)
         b.position_at_end(dflt)
@@ -481,7 +510,7 @@ class Lifter:
         eexist = I64((-17) & I.MASK64)
         return b.select(inb, b.select(ok, I64(0), eexist), e2big)
 
-    def _hash_lookup(self, m, key_ptr):
+    def _hash_lookup(self, index, m, key_ptr):
         """Linear probe of the map's open-addressing table, hashing the key with CRC-32 as maps.py does."""
         b = self.b
         fn = self.fn
@@ -510,13 +539,13 @@ class Lifter:
         b.cbranch(b.icmp_unsigned("<", i, I64(cap)), body, miss)
         b.position_at_end(body)
         s = b.and_(b.add(h, i), I64(cap - 1))
-        st = b.load(b.gep(b.inttoptr(I64(m.state.ctypes.data), PTR), [s], source_etype=I8), typ=I8)
+        st = b.load(b.gep(b.inttoptr(self.map_addr(index, "state"), PTR), [s], source_etype=I8), typ=I8)
         nxt = b.add(i, I64(1))
         is_empty = b.icmp_unsigned("==", st, I8(EMPTY))
         is_used = b.icmp_unsigned("==", st, I8(USED))
         b.cbranch(is_empty, miss, cmpb)
         b.position_at_end(cmpb)
-        kbase = b.add(I64(m.keys.ctypes.data), b.mul(s, I64(ks)))
+        kbase = b.add(self.map_addr(index, "keys"), b.mul(s, I64(ks)))
         same = is_used
         for k in range(ks):
             x = b.load(b.inttoptr(b.add(kbase, I64(k)), PTR), typ=I8)
@@ -526,11 +555,11 @@ class Lifter:
         b.cbranch(same, found, head)
         b.position_at_end(found)
         if m.type == LRU_HASH:
-            meta = b.inttoptr(I64(m.meta.ctypes.data + 8), PTR)
+            meta = b.inttoptr(self.map_addr(index, "meta", 8), PTR)
             clock = b.add(b.load(meta, typ=I64), I64(1))
             b.store(clock, meta)
-            b.store(clock, b.inttoptr(b.add(I64(m.stamp.ctypes.data), b.mul(s, I64(8))), PTR))
-        addr = b.add(I64(m.values.ctypes.data), b.mul(s, I64(m.value_size)))
+            b.store(clock, b.inttoptr(b.add(self.map_addr(index, "stamp"), b.mul(s, I64(8))), PTR))
+        addr = b.add(self.map_addr(index, "values"), b.mul(s, I64(m.value_size)))
         b.branch(out)
         b.position_at_end(miss)
         b.branch(out)

@@ -98,6 +98,10 @@ class Backend:
             row[:] = memoryview(buf)
         return len(ctxs)
 
+    def load_stats(self) -> dict:
+        """How loading made the programs ready (backends that compile say what it cost)."""
+        return {}
+
     def close(self) -> None:
         pass
 

@@ -63,6 +63,7 @@ def collect(e) -> dict:
     faults = [f for s in e.shims.values() for f in s.faults]
     maps = {name: m.dump() for name, m in sorted(e.maps.items())} if e.opts.attach else {}
     return {"schema": SCHEMA, "policy": str(e.folder), "backend": e.backend.name,
+            "backend_load": e.backend.load_stats() if e.opts.attach else {},
             "workload": {"model": w.model.name, "prompt": w.prompt, "batch": w.batch, "tp": w.tp,
                          "chunk_tokens": w.chunk_tokens or w.prompt, "weights": w.weights, "kv": w.kv,
                          "kv_export": w.kv_export},
@@ -85,12 +86,21 @@ def _table(rows, headers):
     return "\n".join(out)
 
 
+def _load_line(load: dict | None) -> str:
+    if not load or "compiled" not in load:
+        return ""
+    how = [f"{load['compiled']} compiled in {load['compile_ms']:.1f} ms"] if load["compiled"] else []
+    how += [f"{load['from_cache']} from the code cache"] if load["from_cache"] else []
+    how += [f"{load['in_process']} already loaded"] if load.get("in_process") else []
+    return f" ({', '.join(how) or 'no programs'}; ready in {load['load_ms']:.1f} ms)"
+
+
 def render(report: dict, baseline: dict | None = None) -> str:
     """The terminal summary: time to first token, movements, busiest links, islands, faults."""
     w = report["workload"]
     out = [f"prefill of {w['model']}: {w['prompt']} tokens x {w['batch']}, TP {w['tp']}; weights on {w['weights']}, "
            f"KV to {w['kv']}" + (f", exported through {w['kv_export']}" if w['kv_export'] else ""),
-           f"backend {report['backend']}, {report['events']} events", ""]
+           f"backend {report['backend']}{_load_line(report.get('backend_load'))}, {report['events']} events", ""]
     if baseline:
         gain = baseline["ttft_ms"] / report["ttft_ms"] if report["ttft_ms"] else 0
         out.append(f"time to first token: {report['ttft_ms']:.3f} ms with the policy, "

@@ -1,6 +1,15 @@
+import atexit
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# the JIT's code cache (runtime/codecache.py): one per session, so tests neither reuse nor
+# leave entries in the user's ~/.cache (set before any test imports the JIT)
+os.environ["FABRIC_EXT_JIT_CACHE"] = tempfile.mkdtemp(prefix="fx-jit-cache-")
+atexit.register(shutil.rmtree, os.environ["FABRIC_EXT_JIT_CACHE"], ignore_errors=True)
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ROOT / "policies"

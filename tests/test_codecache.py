@@ -1,0 +1,146 @@
+"""The JIT's on-disk code cache: entries read back whole or not at all, compiled code that
+holds no address of the process that made it, and a later fabric-run that compiles nothing."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fabric_ext.runtime import isa as I
+from fabric_ext.runtime import jit
+from fabric_ext.runtime.codecache import CodeCache, default_dir
+from fabric_ext.runtime.maps import ARRAY, HASH, LRU_HASH, Map
+from fabric_ext.runtime.program import Program
+from fabric_ext.runtime.verifier import verify
+from policy_helpers import compiled
+
+
+def test_an_entry_reads_back_whole_and_a_damaged_one_reads_as_absent(tmp_path):
+    cache = CodeCache(tmp_path)
+    key = cache.key(b"program")
+    assert cache.get(key) is None and cache.misses == 1
+    cache.put(key, b"\x7fELF object code")
+    assert cache.get(key) == b"\x7fELF object code" and cache.hits == 1
+    entry = tmp_path / f"{key}.o"
+    assert [p.name for p in tmp_path.iterdir()] == [entry.name]      # no temporary file left
+    data = entry.read_bytes()
+    for damaged in (data[:-1], data[:-1] + b"?", b"", b"FXJITOB1" + data[8:12]):
+        entry.write_bytes(damaged)
+        assert cache.get(key) is None
+
+
+def test_keys_tell_their_parts_apart():
+    cache = CodeCache(None)
+    assert cache.key(b"ab", b"c") != cache.key(b"a", b"bc") != cache.key(b"abc")
+    assert cache.key(b"x") == CodeCache(None).key(b"x")
+
+
+def test_a_folder_that_cannot_be_written_only_costs_a_compile(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cache = CodeCache(blocker / "jit")
+    cache.put("k", b"code")
+    assert cache.error.startswith(str(blocker / "jit")) and cache.get("k") is None
+    off = CodeCache(None)
+    off.put("k", b"code")
+    assert off.get("k") is None and not off.error
+
+
+def test_where_the_cache_lives(monkeypatch, tmp_path):
+    monkeypatch.setenv("FABRIC_EXT_JIT_CACHE", "off")
+    assert default_dir() is None
+    monkeypatch.setenv("FABRIC_EXT_JIT_CACHE", str(tmp_path / "c"))
+    assert default_dir() == tmp_path / "c"
+    monkeypatch.delenv("FABRIC_EXT_JIT_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_dir() == tmp_path / "fabric_ext" / "jit"
+
+
+def _maps():
+    return [Map("arr", ARRAY, 4, 8, 4), Map("hsh", HASH, 4, 8, 8), Map("lru", LRU_HASH, 4, 8, 4)]
+
+
+def _program(maps, value: int) -> Program:
+    """Store ``value`` under key 1 in every map (array natively, hashes through the helper
+    callback), then return the LRU entry's value as a native probe reads it."""
+    def lddw_map(i):
+        return I.Insn(I.LD | I.IMM | I.DW, dst=1, src=I.PSEUDO_MAP_FD, imm=i)
+    args = [I.Insn(I.ALU64 | I.MOV | I.X, dst=2, src=10), I.Insn(I.ALU64 | I.ADD | I.K, dst=2, imm=-4)]
+    insns = [I.Insn(I.ST | I.MEM | I.W, dst=10, off=-4, imm=1), I.Insn(I.ST | I.MEM | I.DW, dst=10, off=-16, imm=value)]
+    for i in range(3):
+        insns += [lddw_map(i), *args, I.Insn(I.ALU64 | I.MOV | I.X, dst=3, src=10),
+                  I.Insn(I.ALU64 | I.ADD | I.K, dst=3, imm=-16), I.Insn(I.ALU64 | I.MOV | I.K, dst=4, imm=0),
+                  I.Insn(I.JMP | I.CALL, imm=2)]
+    insns += [lddw_map(2), *args, I.Insn(I.JMP | I.CALL, imm=1), I.Insn(I.JMP | I.JEQ | I.K, dst=0, imm=0, off=2),
+              I.Insn(I.LDX | I.MEM | I.DW, dst=0, src=0, off=0), I.Insn(I.JMP | I.EXIT),
+              I.Insn(I.ALU64 | I.MOV | I.K, dst=0, imm=-1), I.Insn(I.JMP | I.EXIT)]
+    prog = Program("cached", insns, maps)
+    verify(prog)
+    return prog
+
+
+@pytest.fixture
+def fresh_process(monkeypatch, tmp_path):
+    """As if a new process started: no native code in memory, the code cache in tmp_path."""
+    def start():
+        monkeypatch.setattr(jit, "_native", {})
+        monkeypatch.setattr(jit, "_tiers", {})
+        monkeypatch.setattr(jit, "_cache", CodeCache(tmp_path))
+    start()
+    return start
+
+
+def _run(value: int):
+    maps = _maps()
+    backend = jit.JitBackend()
+    r0 = backend.run(backend.load(_program(maps, value)))
+    return r0, [m[1] for m in maps], backend.load_stats()
+
+
+def test_code_read_from_the_cache_runs_as_the_code_compiled(fresh_process, tmp_path):
+    r0, values, stats = _run(77)
+    assert (r0, values) == (77, [77, 77, 77])
+    assert (stats["compiled"], stats["from_cache"]) == (1, 0)
+    fresh_process()
+    r0, values, stats = _run(77)
+    assert (r0, values) == (77, [77, 77, 77])
+    assert (stats["compiled"], stats["from_cache"]) == (0, 1)
+    # a damaged entry is compiled again and rewritten, not run
+    entry, = tmp_path.glob("*.o")
+    entry.write_bytes(entry.read_bytes()[:100])
+    fresh_process()
+    r0, values, stats = _run(77)
+    assert (r0, values, stats["compiled"]) == (77, [77, 77, 77], 1)
+    fresh_process()
+    assert _run(77)[2]["from_cache"] == 1
+
+
+def test_loads_share_native_code_and_keep_their_own_maps(fresh_process):
+    """Two loads of one program on different maps: compiled once, each run writes its own maps."""
+    backend = jit.JitBackend()
+    first, second = _maps(), _maps()
+    assert backend.run(backend.load(_program(first, 5))) == 5
+    assert backend.run(backend.load(_program(second, 5))) == 5
+    assert len(jit._native) == 1 and backend.load_stats()["compiled"] == 1
+    first[0][1] = 9
+    assert [m[1] for m in second] == [5, 5, 5] and first[0][1] == 9
+
+
+def test_a_later_fabric_run_compiles_nothing_and_reports_the_same(tmp_path):
+    out = compiled("prefill_qos")
+    env = {"FABRIC_EXT_JIT_CACHE": str(tmp_path / "cache")}
+    reports = []
+    for i in range(2):
+        r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.cli", "--policy", str(out), "--model",
+                            "llama3-8b", "--prompt", "1024", "--backend", "jit", "--json", str(tmp_path / f"{i}.json"),
+                            "-q"], capture_output=True, text=True, env=os.environ | env)
+        assert r.returncode == 0, r.stderr
+        reports.append(json.loads((tmp_path / f"{i}.json").read_text()))
+    cold, warm = (r.pop("backend_load") for r in reports)
+    assert cold["compiled"] > 0 and cold["from_cache"] == 0
+    assert warm["compiled"] == 0 and warm["from_cache"] == cold["compiled"]
+    for r in reports:
+        for island in r["islands"]:
+            island.pop("ns_per_invocation")
+    assert reports[0] == reports[1]
