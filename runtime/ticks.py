@@ -9,7 +9,9 @@ runs, or the maps are read at the end: the engine lets ticks pile up and calls
 `TickSource.catch_up` at those moments.  It rebuilds every pending tick's counters
 from one flat record the island's servers append to (the time, lane and size of
 every transmission start and every enqueue: one append per event) and runs the
-ticks in native batches; where the compiler marked a period's handlers `last_wins`
+ticks in native batches (a catch-up that runs one tick per period, the common case
+once ticks are elided, counts in plain Python: numpy's cost per call would outweigh
+the work); where the compiler marked a period's handlers `last_wins`
 (each run overwrites everything the one before it wrote), only the last due tick of
 the period runs, the others are counted as passed over.  Islands whose tick programs
 share a map are caught up together, tick time by tick time (`catch_up_together`).
@@ -25,6 +27,7 @@ import bisect
 import numpy as np
 
 BLOCK = 4096               # ticks of the shortest period per batch
+ROW_FIELDS = ("now", "port", "peer", "util_pct", "bytes", "queue_bytes", "period")   # in offset order
 
 
 class _Period:
@@ -37,9 +40,10 @@ class _Period:
         self.last_wins = last_wins      # only the last of several ticks in a row has an effect
         self.next_k = 1                                  # the next tick is at next_k * period
         self.cursor = 0                                  # records before this are all before the last tick
-        self.before = np.zeros((2, len(bw)))             # (started, enqueued) per port
+        self.before = [0.0] * (2 * len(bw))              # bytes started, then enqueued, per port
         # bytes that make 1 % of a period's capacity; a port without a bandwidth reads 0 %
         self.per_pct = np.where(bw > 0, bw * period / 1e9 / 100, np.inf)
+        self.per_pct_list = self.per_pct.tolist()
 
     @property
     def due(self) -> float:
@@ -86,12 +90,40 @@ class _Period:
         ctx["util_pct"] = np.minimum(util, 100, out=util)      # the cast to an integer floors it
         if queue_read:
             sums = np.cumsum(binned, axis=0, dtype=np.float64)
-            sums += self.before
+            sums += np.reshape(self.before, (2, n))
             ctx["queue_bytes"] = sums[run, 1] - sums[run, 0]
-            self.before = sums[-1]
+            self.before = sums[-1].ravel().tolist()
         self.cursor += int(np.searchsorted(rec[:, 0], times[-1], side="left"))
         self.next_k = k1 + 1
         return times[run]
+
+    def last_tick(self, record: list, upto: float, queue_read: bool) -> tuple[int, list, list]:
+        """`fill` for only the last tick due by ``upto``, counted from the flat record in
+        Python: (its time, bytes sent per port, bytes queued per port, 0 unless read).
+
+        The same sums as `fill` (byte counts are whole numbers, exact in any order): a
+        tick sees sent what started since the tick before it, or since this period's
+        last run when none was due between."""
+        k1 = int(upto // self.period)
+        t_run = k1 * self.period
+        since = (k1 - 1) * self.period if self.next_k < k1 else float("-inf")
+        n = len(self.per_pct_list)
+        window = [0.0] * (2 * n)
+        before = self.before
+        i, end = self.cursor, len(record) // 3
+        while i < end:
+            t = record[3 * i]
+            if t >= t_run:
+                break
+            lane, size = int(record[3 * i + 1]), record[3 * i + 2]
+            if t >= since:
+                window[lane] += size
+            before[lane] += size
+            i += 1
+        self.cursor, self.next_k = i, k1 + 1
+        sent = window[:n]
+        queued = [before[n + j] - before[j] for j in range(n)] if queue_read else [0.0] * n
+        return t_run, sent, queued
 
 
 class TickSource:
@@ -122,6 +154,8 @@ class TickSource:
         self.template = np.frombuffer(codec.pack(), dtype=self.dtype)[0]
         self.ports = np.arange(n, dtype=np.uint32)
         self.peers = np.asarray(peers, dtype=np.uint32)
+        self.port_list, self.peer_list = self.ports.tolist(), self.peers.tolist()
+        self.row = codec.row_struct(ROW_FIELDS)
         self.buf = None
 
     @property
@@ -157,23 +191,48 @@ class TickSource:
                 if p.last_wins:     # only its last tick runs: what came before its period is moot
                     p.skip_to(self.record, (int(upto // p.period) - 1) * p.period)
             self._trim()
-        record = np.fromiter(self.record, dtype=np.float64, count=len(self.record)).reshape(-1, 3)
         counts = [p.runs(upto, self.elide) for p in due]
         passed = sum(p.due_by(upto) for p in due) - sum(counts)
         if passed:
             self.shim.pass_over("tick", passed * n)
-        buf = self._buffer(sum(counts) * n).reshape(-1, n)
-        times, at = [], 0
-        for p, k in zip(due, counts):
-            times.append(p.fill(record, upto, buf[at:at + k], self.queue_read))
-            at += k
-        times = times[0] if len(times) == 1 else self._in_time_order(buf, np.concatenate(times))
+        if max(counts) == 1:
+            buf, times = self._last_ticks(due, upto)
+        else:
+            buf, times = self._many_ticks(due, counts, upto)
         self._trim()
         rows = buf.reshape(-1).view(np.uint8).reshape(len(buf) * n, -1)
         ran = self.shim.deliver_batch("tick", rows, lambda row: float(times[row // n]))
         if self.spans is not None:
             self.spans.extend((self.island, "tick", float(t), 0.0) for t in times[:-(-ran // n)])
         return ran == len(rows)
+
+    def _many_ticks(self, due: list, counts: list, upto: float):
+        """Contexts of each due period's last ``counts`` ticks, built with numpy: (a (ticks,
+        ports) buffer, tick times)."""
+        record = np.fromiter(self.record, dtype=np.float64, count=len(self.record)).reshape(-1, 3)
+        buf = self._buffer(sum(counts) * len(self.ports)).reshape(-1, len(self.ports))
+        times, at = [], 0
+        for p, k in zip(due, counts):
+            times.append(p.fill(record, upto, buf[at:at + k], self.queue_read))
+            at += k
+        return buf, times[0] if len(times) == 1 else self._in_time_order(buf, np.concatenate(times))
+
+    def _last_ticks(self, due: list, upto: float):
+        """The contexts of one tick per due period, packed row by row: as `_many_ticks`."""
+        n = len(self.ports)
+        # in time order; at one time the shorter period first (`due` is shortest first)
+        ticks = sorted(((p.last_tick(self.record, upto, self.queue_read), i, p) for i, p in enumerate(due)),
+                       key=lambda tick: (tick[0][0], tick[1]))
+        buf = self._buffer(len(ticks) * n)
+        raw = buf.view(np.uint8)
+        pack, size, at = self.row.pack_into, self.dtype.itemsize, 0
+        for (t, sent, queued), _, p in ticks:
+            for j in range(n):
+                util = min(sent[j] / p.per_pct_list[j] + 0.5, 100)
+                pack(raw, at, t, self.port_list[j], self.peer_list[j], int(util), int(sent[j]), int(queued[j]),
+                     p.period)
+                at += size
+        return buf.reshape(-1, n), np.array([float(tick[0][0]) for tick in ticks])
 
     @staticmethod
     def _in_time_order(buf: np.ndarray, times: np.ndarray) -> np.ndarray:
