@@ -163,6 +163,10 @@ def test_jit_batch_runs_many_contexts_in_one_call():
     assert b.run_batch(b.load(prog), ctxs) == 1000
     prio = ctxs[:, hook.offset("priority")]
     assert list(prio[:9]) == [0, 1, 2, 3, 4, 5, 6, 7, 0]
+    assert b.run_batch(b.load(prog), ctxs[:0]) == 0
+    ctxs.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        b.run_batch(b.load(prog), ctxs)
 
 
 def test_fault_then_continue():
