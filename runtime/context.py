@@ -8,6 +8,7 @@ import struct
 import numpy as np
 
 _FMT = {"u32": "<I", "u64": "<Q"}
+SHARED_LIMIT = 1024     # distinct decision outcomes a codec keeps one shared dict for
 _MASK = {"<I": 0xFFFFFFFF, "<Q": 0xFFFFFFFFFFFFFFFF}
 
 
@@ -36,10 +37,13 @@ class ContextCodec:
         self.buffer = ctypes.create_string_buffer(self.size)   # reused by `fill`
         self._template_bytes = bytes(self._template)
         self._plans: dict[tuple, tuple] = {}
+        self._fills: dict[tuple, tuple | None] = {}
+        self._outcomes: dict[tuple, dict] = {}       # raw decision values -> their shared `changed` dict
         items = hook.layout.items()
         self._dtype = np.dtype({"names": [n for n, _ in items], "offsets": [off for _, (off, _) in items],
                                 "formats": [_FMT[f.ctype] for _, (_, f) in items], "itemsize": self.size})
         # every decision read back with one unpack, compared with the defaults at once
+        self._dec_defaults: tuple = ()
         if self._decisions:
             start = self._decisions[0][1]
             fmt, pos = "<", start
@@ -58,11 +62,35 @@ class ContextCodec:
         return buf
 
     def fill(self, values: dict[str, int]):
-        """The codec's own reusable buffer, filled: no allocation per event."""
+        """The codec's own reusable buffer, filled: no allocation per event.  Usually one pack
+        over the whole context: the given inputs, zeros for the others, the decisions' defaults."""
         buf = self.buffer
-        ctypes.memmove(buf, self._template_bytes, self.size)
-        self._write(buf, values)
+        names = tuple(values)
+        plan = self._fills[names] if names in self._fills else self._fill_plan(names)
+        if plan is None:
+            ctypes.memmove(buf, self._template_bytes, self.size)
+            self._write(buf, values)
+        else:
+            st, getter, masks = plan
+            _pack_into(st, buf, 0, getter(values) + self._dec_defaults, masks)
         return buf
+
+    def _fill_plan(self, names: tuple):
+        """`fill`'s struct for events with these fields, or None where they name a decision
+        (then the template is copied and the fields written over it)."""
+        plan = None
+        inputs_first = not self._decisions or all(
+            off < self._dec_start for n, (off, f) in self.hook.layout.items() if not f.decision)
+        if inputs_first and not any(n in self._offs and self.hook.layout[n][1].decision for n in names):
+            st, start, getter, masks = self._layout_for(names)
+            fmt, end = "<" + "x" * start + st.format[1:], start + st.size
+            if self._decisions:
+                fmt += "x" * (self._dec_start - end) + self._dec_struct.format[1:]
+                masks = masks + [_MASK[s.format] for _, _, s, _ in self._decisions]
+            st = struct.Struct(fmt)
+            plan = (struct.Struct(fmt + "x" * (self.size - st.size)), getter, masks)
+        self._fills[names] = plan
+        return plan
 
     def _layout_for(self, names: tuple):
         """One struct covering the given fields in offset order, and a getter that pulls
@@ -116,18 +144,11 @@ class ContextCodec:
         return np.frombuffer(buf, dtype=np.uint8).reshape(n, size)
 
     def changed_many(self, rows: np.ndarray) -> list[dict[str, int] | None]:
-        """`changed` for every row of a batch (None where nothing changed); rows that
-        decided alike share one dict."""
+        """`changed` for every row of a batch (None where nothing changed)."""
         if not self._decisions:
             return [None] * len(rows)
         data, size, start, unpack = rows.tobytes(), self.size, self._dec_start, self._dec_struct.unpack_from
-        shared, out = {}, []
-        for i in range(len(rows)):
-            values = unpack(data, i * size + start)
-            if values not in shared:
-                shared[values] = self._changed(values) or None
-            out.append(shared[values])
-        return out
+        return [self._changed(unpack(data, i * size + start)) or None for i in range(len(rows))]
 
     def dtype(self) -> np.dtype:
         """The context struct as a numpy structured dtype, to build many contexts at once."""
@@ -137,12 +158,17 @@ class ContextCodec:
         return {n: st.unpack_from(buf, off)[0] for n, off, st, _ in self._decisions}
 
     def changed(self, buf) -> dict[str, int]:
-        """Decisions whose value differs from the default (what the program decided)."""
+        """Decisions whose value differs from the default (what the program decided).  Read-only:
+        contexts that decided alike share one dict (up to SHARED_LIMIT outcomes per codec), so
+        callers may count outcomes by identity."""
         if not self._decisions:
             return {}
         return self._changed(self._dec_struct.unpack_from(buf, self._dec_start))
 
     def _changed(self, values: tuple) -> dict[str, int]:
-        if values == self._dec_defaults:
-            return {}
-        return {n: v for n, v, d in zip(self._dec_names, values, self._dec_defaults) if v != d}
+        out = self._outcomes.get(values)
+        if out is None:
+            out = {n: v for n, v, d in zip(self._dec_names, values, self._dec_defaults) if v != d}
+            if len(self._outcomes) < SHARED_LIMIT:
+                self._outcomes[values] = out
+        return out

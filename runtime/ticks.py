@@ -47,7 +47,9 @@ class _Period:
 
     @property
     def due(self) -> float:
-        return self.next_k * self.period
+        # a float, as every time it is compared with: Python compares a float with an int
+        # above 2**30 (a time past 1.07 s in ns) through a slow exact path
+        return float(self.next_k * self.period)
 
     def skip_to(self, record: list, t: float) -> None:
         """Move the cursor past the records before time t (the record is flat: time, lane, bytes)."""
@@ -105,8 +107,8 @@ class _Period:
         tick sees sent what started since the tick before it, or since this period's
         last run when none was due between."""
         k1 = int(upto // self.period)
-        t_run = k1 * self.period
-        since = (k1 - 1) * self.period if self.next_k < k1 else float("-inf")
+        t_run = float(k1 * self.period)         # floats, as the record's times (see `due`)
+        since = float((k1 - 1) * self.period) if self.next_k < k1 else float("-inf")
         n = len(self.per_pct_list)
         window = [0.0] * (2 * n)
         before = self.before
@@ -123,7 +125,7 @@ class _Period:
         self.cursor, self.next_k = i, k1 + 1
         sent = window[:n]
         queued = [before[n + j] - before[j] for j in range(n)] if queue_read else [0.0] * n
-        return t_run, sent, queued
+        return k1 * self.period, sent, queued
 
 
 class TickSource:
@@ -142,7 +144,7 @@ class TickSource:
             h.get("last_wins") for h in handlers if h["period"] == p)) for p in sorted({int(p) for p in periods})]
         self.elide = True                                # run only the last of `last_wins` ticks
         self.shortest = self.periods[0].period
-        self.next_due = self.shortest
+        self.next_due = float(self.shortest)
         self.record: list = []                           # time, lane, bytes, ... from every port's server
         # lanes: port i's transmission starts are lane i, its enqueues lane n + i; the queue is
         # rebuilt from enqueues only if a tick handler reads it (else it reads 0)
@@ -189,7 +191,7 @@ class TickSource:
         if self.elide and not self.queue_read:
             for p in due:
                 if p.last_wins:     # only its last tick runs: what came before its period is moot
-                    p.skip_to(self.record, (int(upto // p.period) - 1) * p.period)
+                    p.skip_to(self.record, float((int(upto // p.period) - 1) * p.period))
             self._trim()
         counts = [p.runs(upto, self.elide) for p in due]
         passed = sum(p.due_by(upto) for p in due) - sum(counts)

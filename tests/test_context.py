@@ -42,3 +42,18 @@ def test_changed_many_reads_each_row_as_changed_does(hook, data):
             rows[i, off:off + f.size] = list(data.draw(st.sampled_from([1, 7, 2**32 - 1])).to_bytes(f.size, "little"))
     got = codec.changed_many(rows)
     assert got == [codec.changed(rows[i].tobytes()) or None for i in range(n)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(HOOK_LIST), st.data())
+def test_the_reused_buffer_holds_exactly_what_a_new_context_would(hook, data):
+    """`fill` packs over whatever the last event and its program left in the buffer: every
+    field it is not given reads zero (inputs) or its default (decisions) again."""
+    codec = ContextCodec(hook)
+    names = [f.name for f in hook.fields]
+    for _ in range(3):
+        given_ = {k: data.draw(value) for k in data.draw(st.sets(st.sampled_from(names)))}
+        given_["not_a_field"] = 5
+        buf = codec.fill(given_)
+        assert bytes(buf) == bytes(codec.pack(given_))
+        buf[:] = bytes([0xA5]) * codec.size       # what a run might leave behind
