@@ -8,7 +8,7 @@ import struct
 import numpy as np
 
 _FMT = {"u32": "<I", "u64": "<Q"}
-SHARED_LIMIT = 1024     # distinct decision outcomes a codec keeps one shared dict for
+SHARED_LIMIT = 1024     # distinct decision outcomes (and batch sizes) a codec keeps structures for
 _MASK = {"<I": 0xFFFFFFFF, "<Q": 0xFFFFFFFFFFFFFFFF}
 
 
@@ -38,12 +38,14 @@ class ContextCodec:
         self._template_bytes = bytes(self._template)
         self._plans: dict[tuple, tuple] = {}
         self._fills: dict[tuple, tuple | None] = {}
+        self._many: dict[tuple, tuple] = {}     # (fill struct, rows) -> n rows' struct and masks
         self._outcomes: dict[tuple, dict] = {}       # raw decision values -> their shared `changed` dict
         items = hook.layout.items()
         self._dtype = np.dtype({"names": [n for n, _ in items], "offsets": [off for _, (off, _) in items],
                                 "formats": [_FMT[f.ctype] for _, (_, f) in items], "itemsize": self.size})
         # every decision read back with one unpack, compared with the defaults at once
         self._dec_defaults: tuple = ()
+        self._defaults = {n: d for n, _, _, d in self._decisions}
         if self._decisions:
             start = self._decisions[0][1]
             fmt, pos = "<", start
@@ -51,14 +53,14 @@ class ContextCodec:
                 fmt += "x" * (off - pos) + st.format[-1]
                 pos = off + st.size
             self._dec_struct, self._dec_start = struct.Struct(fmt), start
+            self._row_decisions = struct.Struct(fmt[:1] + "x" * start + fmt[1:] + "x" * (self.size - pos))
             self._dec_names = [n for n, *_ in self._decisions]
             self._dec_defaults = tuple(d for *_, d in self._decisions)
 
     def pack(self, values: dict[str, int] | None = None, **kw) -> bytearray:
         """A new context with the given inputs and every decision at its default."""
         buf = bytearray(self._template)
-        self._write(buf, values or {})
-        self._write(buf, kw)
+        self._write(buf, {**values, **kw} if values and kw else values or kw)   # one write: gaps pack as zeros
         return buf
 
     def fill(self, values: dict[str, int]):
@@ -71,7 +73,7 @@ class ContextCodec:
             ctypes.memmove(buf, self._template_bytes, self.size)
             self._write(buf, values)
         else:
-            st, getter, masks = plan
+            st, getter, masks, _ = plan
             _pack_into(st, buf, 0, getter(values) + self._dec_defaults, masks)
         return buf
 
@@ -81,26 +83,28 @@ class ContextCodec:
         plan = None
         inputs_first = not self._decisions or all(
             off < self._dec_start for n, (off, f) in self.hook.layout.items() if not f.decision)
-        if inputs_first and not any(n in self._offs and self.hook.layout[n][1].decision for n in names):
-            st, start, getter, masks = self._layout_for(names)
+        if inputs_first and self._defaults.keys().isdisjoint(names):
+            st, start, getter, masks, order = self._layout_for(names)
             fmt, end = "<" + "x" * start + st.format[1:], start + st.size
             if self._decisions:
                 fmt += "x" * (self._dec_start - end) + self._dec_struct.format[1:]
                 masks = masks + [_MASK[s.format] for _, _, s, _ in self._decisions]
             st = struct.Struct(fmt)
-            plan = (struct.Struct(fmt + "x" * (self.size - st.size)), getter, masks)
+            plan = (struct.Struct(fmt + "x" * (self.size - st.size)), getter, masks, order)
         self._fills[names] = plan
         return plan
 
     def _layout_for(self, names: tuple):
-        """One struct covering the given fields in offset order, and a getter that pulls
-        their values from a dict in that order (cached per set of names).
+        """One struct covering the given inputs (other names are left out) in offset order, a
+        getter that pulls their values from a dict in that order, their masks and names in
+        that order (cached per set of names).
 
         Padding between them packs as zeros, which is safe: every hook lays its inputs out
-        before its decisions, and only inputs are filled this way."""
+        before its decisions, so no decision lies between two inputs."""
         hit = self._plans.get(names)
         if hit is None:
-            fields = sorted((self._offs[n][0], n, self._offs[n][1]) for n in names if n in self._offs)
+            fields = sorted((self._offs[n][0], n, self._offs[n][1]) for n in names
+                            if n in self._offs and n not in self._defaults)
             fmt, pos, order = "<", fields[0][0] if fields else 0, []
             start = pos
             for off, n, st in fields:
@@ -110,7 +114,7 @@ class ContextCodec:
             getter = operator.itemgetter(*order) if len(order) > 1 else (
                 (lambda d, n=order[0]: (d[n],)) if order else (lambda d: ()))
             masks = [_MASK[self._offs[n][1].format] for n in order]
-            hit = self._plans[names] = (struct.Struct(fmt), start, getter, masks)
+            hit = self._plans[names] = (struct.Struct(fmt), start, getter, masks, order)
         return hit
 
     def row_struct(self, names: tuple) -> struct.Struct:
@@ -118,14 +122,17 @@ class ContextCodec:
         (the gaps as zeros: give it inputs only), for contexts built one at a time."""
         if list(names) != sorted(names, key=lambda n: self._offs[n][0]):
             raise ValueError(f"{self.hook.name}: fields {names} are not in offset order")
-        st, start, _, _ = self._layout_for(names)
+        st, start, *_ = self._layout_for(names)
         return struct.Struct("<" + "x" * start + st.format[1:])
 
     def _write(self, buf, values):
         if not values:
             return
-        st, start, getter, masks = self._layout_for(tuple(values))
+        st, start, getter, masks, _ = self._layout_for(tuple(values))
         _pack_into(st, buf, start, getter(values), masks)
+        for name in self._defaults.keys() & values.keys():     # decisions one by one
+            off, fst = self._offs[name]
+            _pack_into(fst, buf, off, (values[name],), (_MASK[fst.format],))
 
     def pack_many(self, n: int, common: dict[str, int], columns: dict[str, list] | None = None) -> np.ndarray:
         """A 2-D uint8 array of n contexts (for batch runs): every decision at its default,
@@ -133,22 +140,33 @@ class ContextCodec:
 
         Built as bytes and viewed once: a transfer has a handful of chunks, where numpy's
         per-call cost would outweigh the per-row work."""
-        size = self.size
-        buf = bytearray(bytes(self.pack(common)) * n)
-        for name, values in (columns or {}).items():
-            if name in self._offs:
-                off, st = self._offs[name]
-                masks = (_MASK[st.format],)
-                for i, v in enumerate(values):
-                    _pack_into(st, buf, i * size + off, (v,), masks)
+        size, columns = self.size, columns or {}
+        names = tuple(common) + tuple(k for k in columns if k not in common)
+        plan = self._fills[names] if names in self._fills else self._fill_plan(names)
+        if plan is None:       # a decision among the fields: each row as `pack` makes it
+            buf = bytearray(b"".join(bytes(self.pack(common, **{k: v[i] for k, v in columns.items()}))
+                                     for i in range(n)))
+        else:
+            st, getter, masks, order = plan
+            row = getter({**common, **dict.fromkeys(columns, 0)}) + self._dec_defaults
+            flat, width = list(row) * n, len(row)      # every row's values, then one pack
+            for k, values in columns.items():
+                if k in order:
+                    flat[order.index(k)::width] = values
+            many = self._many.get((st, n))
+            if many is None:
+                many = (struct.Struct("<" + st.format[1:] * n), masks * n)
+                if len(self._many) < SHARED_LIMIT:
+                    self._many[st, n] = many
+            buf = bytearray(n * size)
+            _pack_into(many[0], buf, 0, flat, many[1])
         return np.frombuffer(buf, dtype=np.uint8).reshape(n, size)
 
     def changed_many(self, rows: np.ndarray) -> list[dict[str, int] | None]:
         """`changed` for every row of a batch (None where nothing changed)."""
         if not self._decisions:
             return [None] * len(rows)
-        data, size, start, unpack = rows.tobytes(), self.size, self._dec_start, self._dec_struct.unpack_from
-        return [self._changed(unpack(data, i * size + start)) or None for i in range(len(rows))]
+        return [self._changed(v) or None for v in self._row_decisions.iter_unpack(rows.tobytes())]
 
     def dtype(self) -> np.dtype:
         """The context struct as a numpy structured dtype, to build many contexts at once."""

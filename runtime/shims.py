@@ -154,7 +154,8 @@ class Shim:
         ran = self.deliver_batch(hook, rows, lambda row: now)
         out = codec.changed_many(rows[:ran]) + [None] * (n - ran)   # a faulting event gets the defaults
         for d in out[:ran]:
-            self._count(hook, d)
+            if d:
+                self._count(hook, d)
         if ran == n:                 # every row decided alike where the key covers all they read
             act.remember(key, out[0] or {})
         return out

@@ -13,9 +13,10 @@ value = st.one_of(st.integers(0, 2**64 - 1), st.integers(-5, -1), st.floats(0, 1
 def batches(draw):
     hook = draw(st.sampled_from(HOOK_LIST))
     inputs = [f.name for f in hook.fields if not f.decision]
+    fields = inputs + ["not_a_field"] + ([f.name for f in hook.fields] if draw(st.booleans()) else [])
     n = draw(st.integers(1, 6))
-    common = {k: draw(value) for k in draw(st.sets(st.sampled_from(inputs)))}
-    columns = {k: draw(st.lists(value, min_size=n, max_size=n)) for k in draw(st.sets(st.sampled_from(inputs)))}
+    common = {k: draw(value) for k in draw(st.sets(st.sampled_from(fields)))}
+    columns = {k: draw(st.lists(value, min_size=n, max_size=n)) for k in draw(st.sets(st.sampled_from(fields)))}
     return hook, n, common, columns
 
 
