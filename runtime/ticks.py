@@ -23,6 +23,8 @@ million program runs.
 from __future__ import annotations
 
 import bisect
+import struct
+from itertools import chain, repeat
 
 import numpy as np
 
@@ -158,7 +160,8 @@ class TickSource:
         self.peers = np.asarray(peers, dtype=np.uint32)
         self.port_list, self.peer_list = self.ports.tolist(), self.peers.tolist()
         self.row = codec.row_struct(ROW_FIELDS)
-        self.buf = None
+        self._rows: dict[int, struct.Struct] = {}
+        self.buf = self.raw = None
 
     @property
     def active(self) -> bool:
@@ -192,49 +195,52 @@ class TickSource:
             for p in due:
                 if p.last_wins:     # only its last tick runs: what came before its period is moot
                     p.skip_to(self.record, float((int(upto // p.period) - 1) * p.period))
-            self._trim()
         counts = [p.runs(upto, self.elide) for p in due]
         passed = sum(p.due_by(upto) for p in due) - sum(counts)
         if passed:
             self.shim.pass_over("tick", passed * n)
-        if max(counts) == 1:
-            buf, times = self._last_ticks(due, upto)
-        else:
-            buf, times = self._many_ticks(due, counts, upto)
+        times = self._last_ticks(due, upto) if max(counts) == 1 else self._many_ticks(due, counts, upto)
         self._trim()
-        rows = buf.reshape(-1).view(np.uint8).reshape(len(buf) * n, -1)
+        rows = self.raw[:len(times) * n]
         ran = self.shim.deliver_batch("tick", rows, lambda row: float(times[row // n]))
         if self.spans is not None:
             self.spans.extend((self.island, "tick", float(t), 0.0) for t in times[:-(-ran // n)])
         return ran == len(rows)
 
     def _many_ticks(self, due: list, counts: list, upto: float):
-        """Contexts of each due period's last ``counts`` ticks, built with numpy: (a (ticks,
-        ports) buffer, tick times)."""
+        """Write the contexts of each due period's last ``counts`` ticks into the buffer, with
+        numpy; returns the tick times."""
+        self._trim()
         record = np.fromiter(self.record, dtype=np.float64, count=len(self.record)).reshape(-1, 3)
         buf = self._buffer(sum(counts) * len(self.ports)).reshape(-1, len(self.ports))
         times, at = [], 0
         for p, k in zip(due, counts):
             times.append(p.fill(record, upto, buf[at:at + k], self.queue_read))
             at += k
-        return buf, times[0] if len(times) == 1 else self._in_time_order(buf, np.concatenate(times))
+        return times[0] if len(times) == 1 else self._in_time_order(buf, np.concatenate(times))
 
     def _last_ticks(self, due: list, upto: float):
-        """The contexts of one tick per due period, packed row by row: as `_many_ticks`."""
+        """`_many_ticks` for one tick per due period, counted and packed in Python."""
         n = len(self.ports)
-        # in time order; at one time the shorter period first (`due` is shortest first)
-        ticks = sorted(((p.last_tick(self.record, upto, self.queue_read), i, p) for i, p in enumerate(due)),
-                       key=lambda tick: (tick[0][0], tick[1]))
-        buf = self._buffer(len(ticks) * n)
-        raw = buf.view(np.uint8)
-        pack, size, at = self.row.pack_into, self.dtype.itemsize, 0
-        for (t, sent, queued), _, p in ticks:
-            for j in range(n):
-                util = min(sent[j] / p.per_pct_list[j] + 0.5, 100)
-                pack(raw, at, t, self.port_list[j], self.peer_list[j], int(util), int(sent[j]), int(queued[j]),
-                     p.period)
-                at += size
-        return buf.reshape(-1, n), np.array([float(tick[0][0]) for tick in ticks])
+        ticks = [p.last_tick(self.record, upto, self.queue_read) + (i, p) for i, p in enumerate(due)]
+        if len(ticks) > 1:      # in time order; at one time the shorter period first (`due` is so)
+            ticks.sort(key=lambda tick: (tick[0], tick[3]))
+        values = []
+        for t, sent, queued, _, p in ticks:
+            utils = [int(min(s / pct + 0.5, 100)) for s, pct in zip(sent, p.per_pct_list)]
+            values += chain.from_iterable(zip(repeat(t, n), self.port_list, self.peer_list, utils, map(int, sent),
+                                              map(int, queued), repeat(p.period, n)))
+        self._buffer(len(ticks) * n)
+        self._rows_struct(len(ticks) * n).pack_into(self.raw, 0, *values)
+        return [float(tick[0]) for tick in ticks]
+
+    def _rows_struct(self, rows: int) -> struct.Struct:
+        """`row` repeated for ``rows`` contexts, each padded to a whole context."""
+        st = self._rows.get(rows)
+        if st is None:
+            pad = "x" * (self.dtype.itemsize - self.row.size)
+            st = self._rows[rows] = struct.Struct("<" + (self.row.format[1:] + pad) * rows)
+        return st
 
     @staticmethod
     def _in_time_order(buf: np.ndarray, times: np.ndarray) -> np.ndarray:
@@ -262,7 +268,7 @@ class TickSource:
             reps = -(-rows // len(self.ports))
             buf["port"] = np.tile(self.ports, reps)[:rows]
             buf["peer"] = np.tile(self.peers, reps)[:rows]
-            self.buf = buf
+            self.buf, self.raw = buf, buf.view(np.uint8).reshape(rows, -1)   # the rows as the VM takes them
         return self.buf[:n]
 
 
