@@ -284,7 +284,8 @@ class JitBackend(Backend):
 
     def run_batch(self, c: _Compiled, ctxs: np.ndarray) -> int:
         """Run the program on every row of a 2-D uint8 array of contexts, in place; returns rows run."""
-        if ctxs.ndim != 2 or ctxs.dtype != np.uint8 or not ctxs.flags.c_contiguous or not ctxs.flags.writeable:
+        flags = ctxs.flags
+        if ctxs.ndim != 2 or ctxs.dtype != np.uint8 or not (flags.c_contiguous and flags.writeable):
             raise ValueError("contexts must be a writable C-contiguous 2-D uint8 array")
         if not ctxs.size:
             return 0
