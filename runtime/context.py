@@ -58,7 +58,7 @@ class ContextCodec:
             self._dec_defaults = tuple(d for *_, d in self._decisions)
 
     def pack(self, values: dict[str, int] | None = None, **kw) -> bytearray:
-        """A new context with the given inputs and every decision at its default."""
+        """A new context with the given fields (decisions too) and every other decision at its default."""
         buf = bytearray(self._template)
         self._write(buf, {**values, **kw} if values and kw else values or kw)   # one write: gaps pack as zeros
         return buf
@@ -89,8 +89,7 @@ class ContextCodec:
             if self._decisions:
                 fmt += "x" * (self._dec_start - end) + self._dec_struct.format[1:]
                 masks = masks + [_MASK[s.format] for _, _, s, _ in self._decisions]
-            st = struct.Struct(fmt)
-            plan = (struct.Struct(fmt + "x" * (self.size - st.size)), getter, masks, order)
+            plan = (struct.Struct(fmt + "x" * (self.size - struct.calcsize(fmt))), getter, masks, order)
         self._fills[names] = plan
         return plan
 

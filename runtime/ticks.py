@@ -160,6 +160,8 @@ class TickSource:
         self.peers = np.asarray(peers, dtype=np.uint32)
         self.port_list, self.peer_list = self.ports.tolist(), self.peers.tolist()
         self.row = codec.row_struct(ROW_FIELDS)
+        if any(codec.pack()[self.row.size:]):   # `_rows_struct` packs what follows the inputs as zeros
+            raise ValueError(f"{island}: a tick context must end with its inputs (tick hooks decide nothing)")
         self._rows: dict[int, struct.Struct] = {}
         self.buf = self.raw = None
 
