@@ -55,7 +55,8 @@ def manifest(analysis, ids, compiled, opt: int, mcpu: str, files: dict[str, byte
                              "section": spec.section, "symbol": spec.name, "insns": len(spec.insns),
                              "ctx_size": pir.hook.ctx_size, "tick_periods_ns": periods,
                              "handlers": [{"movement": h.movement_id, "period": h.period, "maps": h.maps,
-                                           "reads": h.reads, "last_wins": h.last_wins, "line": h.span.line}
+                                           "reads": h.reads, "map_reads": h.map_reads, "last_wins": h.last_wins,
+                                           "line": h.span.line}
                                           for h in pir.handlers]})
     maps = []
     for name, info in sym.maps.items():

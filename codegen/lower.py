@@ -191,6 +191,39 @@ def _last_wins(h: ir.HandlerIR, prog: ir.ProgramIR, maps: dict) -> bool:
     return not any(written & set(o.maps) for o in prog.handlers if o is not h)
 
 
+def _map_reads(h: ir.HandlerIR, maps: dict) -> list | None:
+    """The map entries a handler's decisions depend on besides its context fields, when it
+    only reads maps and only at keys the runtime can work out before it runs: array maps at
+    constant keys or keys that are a context field.  Then (`runtime/dispatch.py`) its
+    decisions are a function of the fields it reads and those entries' values.  A list of
+    [map, {"const": k}] or [map, {"field": name}]; None where the handler writes or emits
+    anything but context decisions, or reads a map otherwise."""
+    reads = []
+
+    def expr(e) -> bool:
+        if isinstance(e, ir.MapGet):
+            if maps[e.map].kind != "array" or not isinstance(e.key, (ir.Const, ir.CtxField)):
+                return False
+            key = {"const": e.key.value} if isinstance(e.key, ir.Const) else {"field": e.key.name}
+            if [e.map, key] not in reads:
+                reads.append([e.map, key])
+        return all(expr(o) for o in ir.operands(e))
+
+    def stmts(body) -> bool:
+        for s in body:
+            if isinstance(s, (ir.SetField, ir.SetVar)):
+                ok = expr(s.value)
+            elif isinstance(s, ir.If):
+                ok = expr(s.cond) and stmts(s.then) and stmts(s.orelse)
+            else:                      # a map write, an emit, a loop
+                ok = False
+            if not ok:
+                return False
+        return True
+
+    return reads if (h.guard is None or expr(h.guard)) and stmts(h.body) else None
+
+
 def lower(analysis, ids: IdTables, opt: int, diags: Diagnostics) -> list[ir.ProgramIR]:
     """One ProgramIR per (island, hook) that has handlers, in island then hook order."""
     groups = defaultdict(list)
@@ -221,6 +254,7 @@ def lower(analysis, ids: IdTables, opt: int, diags: Diagnostics) -> list[ir.Prog
         prog.maps = sorted(used_maps)
         for h in prog.handlers:
             h.last_wins = _last_wins(h, prog, analysis.symbols.maps)
+            h.map_reads = _map_reads(h, analysis.symbols.maps)
         used = _stack_bytes(prog, max((_max_emit(h.body) for h in prog.handlers), default=0))
         if used > STACK_LIMIT:
             diags.error(pls[0].handler.span, f"the program for {island}.{prog.hook.name} needs {used} bytes "

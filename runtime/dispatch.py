@@ -10,9 +10,17 @@ it reads.  So for an event of a given movement the shim knows:
   deferred ticks must run first (`ticks.py`);
 - whether they use no map at all: then their decisions are a function of the
   fields they read (decisions start at their defaults on every run), and the
-  shim remembers them per value of those fields instead of running again.
+  shim remembers them per value of those fields instead of running again;
+- or whether they only read array maps at keys known before the run (the
+  compiler's `map_reads`: constants or context fields): then their decisions are
+  a function of those fields and of the entries' values, which the shim reads
+  first and remembers the decisions per value of both.  This needs the maps in
+  this process's memory (the JIT and the interpreter; not the kernel backend,
+  whose maps live in the kernel).
 """
 from __future__ import annotations
+
+from .maps import ARRAY
 
 MEMO_LIMIT = 256       # distinct field values per (hook, movement) before remembering stops
 
@@ -29,19 +37,23 @@ class Known:
 
 class Acting:
     """The handlers of one program that act on one movement's events."""
-    __slots__ = ("hook", "maps", "key_fields", "memo", "retired")
+    __slots__ = ("hook", "maps", "key_fields", "entries", "memo", "retired")
 
-    def __init__(self, hook: str, maps: frozenset, key_fields: tuple | None):
+    def __init__(self, hook: str, maps: frozenset, key_fields: tuple | None, entries: tuple = ()):
         self.hook = hook
         self.maps = maps                 # maps the handlers may touch
         self.key_fields = key_fields     # fields the decisions depend on; None: not a function of them
+        self.entries = entries           # the map entries they also depend on: (values, size, count, field, const)
         self.memo: dict[tuple, Known] = {}
         self.retired: list[Known] = []   # remembered once, kept for their counts
 
     def key(self, fields: dict) -> tuple | None:
         if self.key_fields is None:
             return None
-        return tuple([fields.get(f, 0) for f in self.key_fields])
+        key = tuple([fields.get(f, 0) for f in self.key_fields])
+        if self.entries:
+            key += tuple([_entry(fields, *e) for e in self.entries])
+        return key
 
     def recall(self, key) -> Known | None:
         return self.memo.get(key) if key is not None else None
@@ -62,8 +74,17 @@ class Acting:
         return list(self.memo.values()) + self.retired
 
 
-def acting(hook: str, prog, handlers: list[dict] | None, movement: int | None) -> Acting | None:
+def _entry(fields: dict, values: memoryview, size: int, count: int, field: str | None, const: int):
+    """An array entry's bytes as a lookup at this key would find them (None: out of range)."""
+    index = (fields.get(field, 0) if field is not None else const) & 0xFFFFFFFF
+    return bytes(values[index * size:(index + 1) * size]) if index < count else None
+
+
+def acting(hook: str, prog, handlers: list[dict] | None, movement: int | None,
+           host_maps: bool = False) -> Acting | None:
     """What ``prog`` does for events of ``movement``: None if no handler acts on them.
+    ``host_maps``: the program's maps are the ones in this process (not copies elsewhere),
+    so entries read before a run are what it would read.
 
     Without a handler list (a program attached by hand) every event is delivered, every
     map of the program may be touched, and nothing is remembered."""
@@ -74,5 +95,15 @@ def acting(hook: str, prog, handlers: list[dict] | None, movement: int | None) -
     if not act:
         return None
     maps = frozenset(m for h in act for m in h["maps"])
-    pure = not maps and all("reads" in h for h in act)
-    return Acting(hook, maps, tuple(sorted({f for h in act for f in h["reads"]})) if pure else None)
+    fields = tuple(sorted({f for h in act for f in h.get("reads", ())}))
+    if not maps:
+        return Acting(hook, maps, fields if all("reads" in h for h in act) else None)
+    by_name = {m.name: m for m in prog.maps}
+    reads = [r for h in act for r in h.get("map_reads") or ()]
+    if not host_maps or any(h.get("map_reads") is None or "reads" not in h for h in act) \
+            or any(by_name[name].type != ARRAY for name, _ in reads):
+        return Acting(hook, maps, None)
+    entries = {(name, key.get("field"), key.get("const", 0)) for name, key in reads}
+    return Acting(hook, maps, fields, tuple(
+        (memoryview(by_name[name].values), by_name[name].value_size, by_name[name].max_entries, field, const)
+        for name, field, const in sorted(entries, key=str)))

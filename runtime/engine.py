@@ -273,7 +273,8 @@ class Engine(HookSite):
         shim = self.shims.get(island)
         acting = [(h, shim.acting(h, movement)) for h in hooks] if shim else []
         acting = [(h, a) for h, a in acting if a is not None]
-        static = all(a.key_fields is not None and set(a.key_fields).issubset(TRANSFER_FIELDS) for _, a in acting)
+        static = all(a.key_fields is not None and not a.entries and set(a.key_fields).issubset(TRANSFER_FIELDS)
+                     for _, a in acting)
         plan = self._plans[where] = (tuple(h for h, _ in acting), static)
         return plan
 

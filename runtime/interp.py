@@ -142,6 +142,7 @@ class _Fault(Exception):
 class Interpreter(Backend):
     """The reference backend.  ``clock`` gives ktime_get_ns; ``seed`` get_prandom_u32."""
     name = "interp"
+    host_maps = True
 
     def __init__(self, budget: int = 1_000_000, clock=None, seed: int = 1, cpu: int = 0, printk=None):
         self.budget = budget

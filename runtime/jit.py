@@ -188,6 +188,7 @@ class _Compiled:
 class JitBackend(Backend):
     """Native code through LLVM.  ``budget``, ``clock`` and ``seed`` as for the interpreter."""
     name = "jit"
+    host_maps = True
 
     def __init__(self, budget: int = 1_000_000, clock=None, seed: int = 1, cpu: int = 0):
         from .interp import Interpreter

@@ -76,6 +76,7 @@ class Backend:
     returns r0.  Faults raise `VMFault`.
     """
     name = "?"
+    host_maps = False     # programs work on the `Map` objects' own buffers (so the shims may read them)
 
     def load(self, program: Program):
         return program

@@ -338,3 +338,32 @@ policy p {
     (handlers,) = [p["handlers"] for p in json.loads((out / "manifest.json").read_text())["programs"]
                    if p["hook"] == "tick"]
     assert [h["last_wins"] for h in handlers] == [False, False]
+
+
+MAP_READS_CASES = [
+    ("priority = 7", []),
+    ("if util[ev.out_port] > 80% { rate = 16GB/s }", [["util", {"field": "out_port"}]]),
+    ("if util[3] > 50% && util[ev.in_port] < 20% { priority = 7 } else { priority = 2 }",
+     [["util", {"const": 3}], ["util", {"field": "in_port"}]]),
+    ("if util[ev.out_port + 1] > 80% { priority = 7 }", None),      # a key worked out in the program
+    ("if hot[ev.out_port] > 80% { priority = 7 }", None),           # a hash lookup
+    ("util[ev.out_port] = 1", None),                                # writes the map
+    ("emit log(ev.bytes)", None),
+]
+
+
+@pytest.mark.parametrize("body,expect", MAP_READS_CASES)
+def test_handlers_whose_decisions_follow_fields_and_map_entries(tmp_path, body, expect):
+    """`map_reads` in the manifest: the array entries, at keys known before a run, a
+    handler's decisions depend on besides its fields (None: they depend on more)."""
+    from test_runtime import compile_text
+    out = compile_text(tmp_path, f"""
+import "fabrics/dgx_cxl.fx"
+movement kv = kv : gpu* -> pool0
+map util : array<u32, percent>[16]
+map hot : hash<u32, percent>[16]
+map log : ringbuf[4KiB]
+policy p {{ on kv.forward at sw0 {{ {body} }} }}""")
+    (handlers,) = [p["handlers"] for p in json.loads((out / "manifest.json").read_text())["programs"]
+                   if p["hook"] == "forward"]
+    assert handlers[0]["map_reads"] == expect

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fabric_ext.runtime import dispatch
-from fabric_ext.runtime.bundle import load_bundle, load_manifest
+from fabric_ext.runtime.bundle import create_maps, load_bundle, load_manifest
 from fabric_ext.runtime.context import ContextCodec
 from fabric_ext.runtime.interp import Interpreter
 from policy_helpers import compiled
@@ -54,7 +54,7 @@ def _timeless(report):
                                   for i in report["islands"]]}
 
 
-@pytest.mark.parametrize("name", ["prefill_qos", "nic_pacing"])
+@pytest.mark.parametrize("name", ["prefill_qos", "nic_pacing", "kv_tiering"])
 def test_remembering_decisions_changes_nothing_but_the_runs(name, monkeypatch):
     from fabric_ext.runtime.jit import JitBackend
     remembered, _ = run_engine(compiled(name), backend=JitBackend())
@@ -89,3 +89,34 @@ def test_decisions_standing_for_a_transfer_are_dropped_when_their_program_is_det
     assert standing and all(t.standing["sw0"].decisions.get("priority") for t in standing)
     eng.shims["sw0"].detach("forward")
     assert not any("sw0" in t.standing for t in eng.fabric.transfers)
+
+
+def test_decisions_remembered_per_map_entry_follow_the_entry(tmp_path):
+    """A handler that reads an array entry at a context field's key: its decisions are
+    remembered per field value and entry value, so a changed entry runs the program again;
+    without the maps in this process (the kernel's) nothing is remembered."""
+    from fabric_ext.runtime.dispatch import acting
+    from fabric_ext.runtime.jit import JitBackend
+    from fabric_ext.runtime.shims import DputimeShim
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+movement kv = kv : gpu* -> pool0
+map util : array<u32, percent>[4]
+policy p { on kv.forward at sw0 { if util[ev.out_port] > 80% { rate = 16GB/s } } }""")
+    man = load_manifest(out)
+    maps = create_maps(man)
+    shim = DputimeShim("sw0", "cxl_switch", JitBackend())
+    shim.load(out, man, maps)
+    kv = man["ids"]["movements"]["kv"]
+    decide = lambda port: (shim.decide("forward", {"movement": kv, "out_port": port}).decisions,
+                           shim.invocations["forward"])
+    assert decide(1) == ({}, 1) and decide(1) == ({}, 1)          # remembered
+    maps["util"][1] = 90
+    assert decide(1) == ({"rate": 16 * 10**9}, 2) and decide(1)[1] == 2
+    assert decide(2) == ({}, 3) and decide(9) == ({}, 4)          # another entry; out of range
+    maps["util"][1] = 0
+    assert decide(1) == ({}, 4)                                    # this value was seen before
+    maps["util"][1] = 10
+    assert decide(1) == ({}, 5)
+    handlers = shim.handlers["forward"]
+    assert acting("forward", shim.programs["forward"], handlers, kv, host_maps=False).key_fields is None
