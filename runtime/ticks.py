@@ -55,8 +55,8 @@ class _Period:
 
     def skip_to(self, record: list, t: float) -> None:
         """Move the cursor past the records before time t (the record is flat: time, lane, bytes)."""
-        rows = range(self.cursor, len(record) // 3)
-        self.cursor += bisect.bisect_left(rows, t, key=lambda i: record[3 * i])
+        # the times alone, copied: a bisect in C beats one calling a key function per step
+        self.cursor += bisect.bisect_left(record[3 * self.cursor::3], t)
 
     def due_by(self, upto: float) -> int:
         """How many ticks are due by ``upto``."""
