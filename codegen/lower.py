@@ -191,10 +191,11 @@ def _last_wins(h: ir.HandlerIR, prog: ir.ProgramIR, maps: dict) -> bool:
     return not any(written & set(o.maps) for o in prog.handlers if o is not h)
 
 
-def _map_reads(h: ir.HandlerIR, maps: dict) -> list | None:
+def _map_reads(h: ir.HandlerIR, hook, maps: dict) -> list | None:
     """The map entries a handler's decisions depend on besides its context fields, when it
     only reads maps and only at keys the runtime can work out before it runs: array maps at
-    constant keys or keys that are a context field.  Then (`runtime/dispatch.py`) its
+    constant keys or keys that are an input field of the context (a decision field holds
+    what the program stored there, unknown before it runs).  Then (`runtime/dispatch.py`) its
     decisions are a function of the fields it reads and those entries' values.  A list of
     [map, {"const": k}] or [map, {"field": name}]; None where the handler writes or emits
     anything but context decisions, or reads a map otherwise."""
@@ -202,7 +203,9 @@ def _map_reads(h: ir.HandlerIR, maps: dict) -> list | None:
 
     def expr(e) -> bool:
         if isinstance(e, ir.MapGet):
-            if maps[e.map].kind != "array" or not isinstance(e.key, (ir.Const, ir.CtxField)):
+            known = isinstance(e.key, ir.Const) or (isinstance(e.key, ir.CtxField)
+                                                     and not hook.field(e.key.name).decision)
+            if maps[e.map].kind != "array" or not known:
                 return False
             key = {"const": e.key.value} if isinstance(e.key, ir.Const) else {"field": e.key.name}
             if [e.map, key] not in reads:
@@ -254,7 +257,7 @@ def lower(analysis, ids: IdTables, opt: int, diags: Diagnostics) -> list[ir.Prog
         prog.maps = sorted(used_maps)
         for h in prog.handlers:
             h.last_wins = _last_wins(h, prog, analysis.symbols.maps)
-            h.map_reads = _map_reads(h, analysis.symbols.maps)
+            h.map_reads = _map_reads(h, prog.hook, analysis.symbols.maps)
         used = _stack_bytes(prog, max((_max_emit(h.body) for h in prog.handlers), default=0))
         if used > STACK_LIMIT:
             diags.error(pls[0].handler.span, f"the program for {island}.{prog.hook.name} needs {used} bytes "

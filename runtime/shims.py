@@ -99,7 +99,7 @@ class Shim:
         if key not in self._acting:
             prog = self.programs.get(hook)
             self._acting[key] = acting(hook, prog, self.handlers.get(hook), movement,
-                                       getattr(self.backend, "host_maps", False)) if prog else None
+                                       self.backend.host_maps) if prog else None
         return self._acting[key]
 
     def maps_for(self, hook: str, movement: int | None) -> frozenset | None:

@@ -346,6 +346,7 @@ MAP_READS_CASES = [
     ("if util[3] > 50% && util[ev.in_port] < 20% { priority = 7 } else { priority = 2 }",
      [["util", {"const": 3}], ["util", {"field": "in_port"}]]),
     ("if util[ev.out_port + 1] > 80% { priority = 7 }", None),      # a key worked out in the program
+    ("priority = 2; if util[ev.priority] > 80% { rate = 1GB/s }", None),   # a key the program stored
     ("if hot[ev.out_port] > 80% { priority = 7 }", None),           # a hash lookup
     ("util[ev.out_port] = 1", None),                                # writes the map
     ("emit log(ev.bytes)", None),
