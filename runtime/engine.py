@@ -248,12 +248,14 @@ class Engine(HookSite):
             fields["queue_bytes"] = fabric.wires[dev].queued_bytes
         if "mem_access" in hooks:
             fields["write"] = int(self.devices[path[-1]]["kind"] == "cxl_mem")
-        merged, each = {}, []
-        for h in hooks:
-            known = self._run(island, h, fields)
-            each.append(known)
-            if known is not None:
-                merged.update(known.decisions)
+        each = [self._run(island, h, fields) for h in hooks]
+        if len(each) == 1:          # read-only, like every Known's decisions
+            merged = each[0].decisions if each[0] is not None else {}
+        else:
+            merged = {}
+            for known in each:
+                if known is not None:
+                    merged.update(known.decisions)
         merged = self._devices(merged)
         if static and path is t.path and not self.opts.trace and all(k is not None and k.kept for k in each):
             # the same for every chunk of this transfer here (None: the program faulted)
