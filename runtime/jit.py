@@ -115,7 +115,6 @@ def _native_code(prog: Program, proof: dict | None, budget: int, stats: dict) ->
     return entries
 
 
-
 class _NativeMemory:
     """A native run's memory as `helpers.call` sees an interpreter's: maps by handle, reads
     checked against the run's regions, one reserved ringbuf record at a time (the compiled
