@@ -48,22 +48,30 @@ def test_tick_contexts_match_counters_sampled_one_tick_at_a_time(chunks, catch_u
     before its time, however the catch-ups and batches fall, in time order (at one time the
     shorter period first), each period's bytes counted since its own last tick."""
     sim, shim = Sim(), RecordingShim()
-    # 1, 0.5 and 4 bytes per ns: every event falls on a quarter nanosecond
     servers = [Server(sim, f"p{i}", bw) for i, bw in enumerate([1e9, 0.5e9, 4e9])]
     src = TickSource(shim, "sw0", periods, servers, [11, 12, 13], block=block)
+    end = 420
+    due = sorted({(k * p, p) for p in periods for k in range(1, end // p + 1)})
+    samples = _sample_before_ticks(sim, servers, due)
     flow = Transfer("m", 1, "kv", "", "a", "b", 0)
     for i, (t, port, size) in enumerate(chunks):
         sim.at(t, servers[port].enqueue, Chunk(flow, i, size, ["a", "b"]), lambda c: None)
     for t in catch_up_at:
         sim.at(t, src.catch_up, t)
-    end = 420
-    samples = {0: [(0, 0)] * 3}           # tick time -> [(bytes, queued) per port] just before it
-    due = sorted({(k * p, p) for p in periods for k in range(1, end // p + 1)})
-    for t, _ in due:
-        sim.at(t - 0.1, lambda t=t: samples.__setitem__(t, [(s.bytes, s.queued_bytes) for s in servers]))
     sim.run(until=end)
     src.catch_up(end)
     assert got_rows(shim) == sampled(due, samples, servers)
+
+
+def _sample_before_ticks(sim, servers, due):
+    """tick time -> [(bytes, queued) per port] as they stand just before it: sampled at the
+    tick's time, ahead of every other event then (scheduled first, so the simulator runs it
+    first), as a tick runs.  (A sample a little earlier misses events whose times carry
+    rounding, such as 30 bytes at 1 GB/s ending at 29.999999999999996 ns.)"""
+    samples = {0: [(0, 0)] * len(servers)}
+    for t, _ in due:
+        sim.at(t, lambda t=t: samples.__setitem__(t, [(s.bytes, s.queued_bytes) for s in servers]))
+    return samples
 
 
 def sampled(due, samples, servers):
@@ -94,17 +102,15 @@ def test_only_the_last_of_overwriting_ticks_runs_and_sees_its_own_counters(chunk
     shim = RecordingShim(last_wins_periods=periods, reads=("queue_bytes",) if queue_read else ("util_pct",))
     servers = [Server(sim, f"p{i}", bw) for i, bw in enumerate([1e9, 0.5e9, 4e9])]
     src = TickSource(shim, "sw0", periods, servers, [11, 12, 13])
+    end = 420
+    every = sorted({(k * p, p) for p in periods for k in range(1, end // p + 1)})
+    samples = _sample_before_ticks(sim, servers, every)
     flow = Transfer("m", 1, "kv", "", "a", "b", 0)
     for i, (t, port, size) in enumerate(chunks):
         sim.at(t, servers[port].enqueue, Chunk(flow, i, size, ["a", "b"]), lambda c: None)
-    end = 420
     points = sorted(set(catch_up_at) | {end})
     for t in points[:-1]:
         sim.at(t, src.catch_up, t)
-    samples = {0: [(0, 0)] * 3}
-    every = sorted({(k * p, p) for p in periods for k in range(1, end // p + 1)})
-    for t, _ in every:
-        sim.at(t - 0.1, lambda t=t: samples.__setitem__(t, [(s.bytes, s.queued_bytes) for s in servers]))
     sim.run(until=end)
     src.catch_up(end)
     runs, last = [], {p: 0 for p in periods}
