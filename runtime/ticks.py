@@ -44,8 +44,7 @@ class _Period:
         self.cursor = 0                                  # records before this are all before the last tick
         self.before = [0.0] * (2 * len(bw))              # bytes started, then enqueued, per port
         # bytes that make 1 % of a period's capacity; a port without a bandwidth reads 0 %
-        self.per_pct = np.where(bw > 0, bw * period / 1e9 / 100, np.inf)
-        self.per_pct_list = self.per_pct.tolist()
+        self.per_pct = np.where(bw > 0, bw * period / 1e9 / 100, np.inf).tolist()
 
     @property
     def due(self) -> float:
@@ -89,7 +88,7 @@ class _Period:
         ctx["now"] = times[run, None]
         ctx["period"] = self.period
         ctx["bytes"] = sent
-        util = sent / self.per_pct
+        util = sent / np.asarray(self.per_pct)
         util += 0.5
         ctx["util_pct"] = np.minimum(util, 100, out=util)      # the cast to an integer floors it
         if queue_read:
@@ -111,8 +110,8 @@ class _Period:
         k1 = int(upto // self.period)
         t_run = float(k1 * self.period)         # floats, as the record's times (see `due`)
         since = float((k1 - 1) * self.period) if self.next_k < k1 else float("-inf")
-        n = len(self.per_pct_list)
-        window = [0.0] * (2 * n)
+        n = len(self.per_pct)
+        sent = [0.0] * n
         before = self.before
         i, end = self.cursor, len(record) // 3
         while i < end:
@@ -120,12 +119,11 @@ class _Period:
             if t >= t_run:
                 break
             lane, size = int(record[3 * i + 1]), record[3 * i + 2]
-            if t >= since:
-                window[lane] += size
+            if t >= since and lane < n:      # lanes n and up are enqueues
+                sent[lane] += size
             before[lane] += size
             i += 1
         self.cursor, self.next_k = i, k1 + 1
-        sent = window[:n]
         queued = [before[n + j] - before[j] for j in range(n)] if queue_read else [0.0] * n
         return k1 * self.period, sent, queued
 
@@ -155,12 +153,11 @@ class TickSource:
             srv.watch(self.record, port, n + port if self.queue_read else None)
         codec = shim.codecs["tick"]
         self.dtype = codec.dtype()
-        self.template = np.frombuffer(codec.pack(), dtype=self.dtype)[0]
-        self.ports = np.arange(n, dtype=np.uint32)
-        self.peers = np.asarray(peers, dtype=np.uint32)
-        self.port_list, self.peer_list = self.ports.tolist(), self.peers.tolist()
+        blank = codec.pack()
+        self.template = np.frombuffer(blank, dtype=self.dtype)[0]
+        self.ports, self.peers = list(range(n)), list(peers)
         self.row = codec.row_struct(ROW_FIELDS)
-        if any(codec.pack()[self.row.size:]):   # `_rows_struct` packs what follows the inputs as zeros
+        if any(blank[self.row.size:]):   # `_rows_struct` packs what follows the inputs as zeros
             raise ValueError(f"{island}: a tick context must end with its inputs (tick hooks decide nothing)")
         self._rows: dict[int, struct.Struct] = {}
         self.buf = self.raw = None
@@ -229,8 +226,8 @@ class TickSource:
             ticks.sort(key=lambda tick: (tick[0], tick[3]))
         values = []
         for t, sent, queued, _, p in ticks:
-            utils = [int(min(s / pct + 0.5, 100)) for s, pct in zip(sent, p.per_pct_list)]
-            values += chain.from_iterable(zip(repeat(t, n), self.port_list, self.peer_list, utils, map(int, sent),
+            utils = [int(min(s / pct + 0.5, 100)) for s, pct in zip(sent, p.per_pct)]
+            values += chain.from_iterable(zip(repeat(t, n), self.ports, self.peers, utils, map(int, sent),
                                               map(int, queued), repeat(p.period, n)))
         self._buffer(len(ticks) * n)
         self._rows_struct(len(ticks) * n).pack_into(self.raw, 0, *values)
@@ -268,8 +265,8 @@ class TickSource:
             buf = np.empty(rows, dtype=self.dtype)
             buf[:] = self.template
             reps = -(-rows // len(self.ports))
-            buf["port"] = np.tile(self.ports, reps)[:rows]
-            buf["peer"] = np.tile(self.peers, reps)[:rows]
+            buf["port"] = np.tile(np.array(self.ports, dtype=np.uint32), reps)[:rows]
+            buf["peer"] = np.tile(np.array(self.peers, dtype=np.uint32), reps)[:rows]
             self.buf, self.raw = buf, buf.view(np.uint8).reshape(rows, -1)   # the rows as the VM takes them
         return self.buf[:n]
 
