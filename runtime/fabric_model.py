@@ -275,6 +275,8 @@ class Fabric:
         """Apply decisions; returns when the chunk may move on."""
         if "priority" in d:
             chunk.priority = d["priority"]
+            if len(d) == 1:         # the usual decision: nothing else to look up
+                return now
         release = now + d.get("defer", 0)
         rate = d.get("rate", 0)
         if rate:
@@ -320,15 +322,12 @@ class Fabric:
             else:
                 d = self.hooks.on_enter(chunk, isl)
             if d:
-                if len(d) == 1 and "priority" in d:      # the usual decision, without a call per chunk
-                    chunk.priority = d["priority"]
-                else:
-                    release = self._apply(chunk, isl, d, release)
-                    coalesce = d.get("coalesce", 0)
-                    if coalesce and chunk.bytes < coalesce:
-                        chunk = self._coalesce(chunk, isl, coalesce)
-                        if chunk is None:
-                            return
+                release = self._apply(chunk, isl, d, release)
+                coalesce = d.get("coalesce", 0)
+                if coalesce and chunk.bytes < coalesce:
+                    chunk = self._coalesce(chunk, isl, coalesce)
+                    if chunk is None:
+                        return
         if release > self.sim.now:
             self.sim.at(release, self._forward, chunk)
         else:
