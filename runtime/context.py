@@ -56,6 +56,8 @@ class ContextCodec:
             self._row_decisions = struct.Struct(fmt[:1] + "x" * start + fmt[1:] + "x" * (self.size - pos))
             self._dec_names = [n for n, *_ in self._decisions]
             self._dec_defaults = tuple(d for *_, d in self._decisions)
+        self._inputs_first = not self._decisions or all(       # what `fill`'s one struct assumes
+            off < self._dec_start for off, f in hook.layout.values() if not f.decision)
 
     def pack(self, values: dict[str, int] | None = None, **kw) -> bytearray:
         """A new context with the given fields (decisions too) and every other decision at its default."""
@@ -81,9 +83,7 @@ class ContextCodec:
         """`fill`'s struct for events with these fields, or None where they name a decision
         (then the template is copied and the fields written over it)."""
         plan = None
-        inputs_first = not self._decisions or all(
-            off < self._dec_start for n, (off, f) in self.hook.layout.items() if not f.decision)
-        if inputs_first and self._defaults.keys().isdisjoint(names):
+        if self._inputs_first and self._defaults.keys().isdisjoint(names):
             st, start, getter, masks, order = self._layout_for(names)
             fmt, end = "<" + "x" * start + st.format[1:], start + st.size
             if self._decisions:

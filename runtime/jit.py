@@ -20,7 +20,7 @@ from . import isa as I
 from .interp import ctx_write_mask
 from .codecache import CodeCache, default_dir
 from .lift import (FAULT_BUDGET, FAULT_HELPER, FAULT_OOB, FAULTS, MAP_HANDLE, MAX_FRAMES, STACK_SIZE, Env, Lifter,
-                   acyclic, address_table)
+                   acyclic, address_table, map_slot)
 from .maps import RINGBUF
 from .program import Backend, Program, VMFault
 
@@ -174,7 +174,7 @@ class _Compiled:
         self.callback = callback
         table = address_table(prog, ctypes.cast(callback, ctypes.c_void_p).value)
         self.table = (ctypes.c_uint64 * len(table))(*table)
-        self.values = [m.values.ctypes.data for m in prog.maps]     # value buffers by map index
+        self.values = [table[map_slot(i, "values")] for i in range(len(prog.maps))]   # by map index
         self.map_regions = [(a, m.values.nbytes) for a, m in zip(self.values, prog.maps) if m.type != RINGBUF]
         self.env = Env()
         self.env.addrs = ctypes.addressof(self.table)

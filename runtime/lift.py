@@ -57,7 +57,8 @@ ENV_INDEX = {name: i for i, (name, _) in enumerate(Env._fields_)}
 MAP_ADDRS = ("values", "state", "keys", "meta", "stamp")   # a map's buffers in the address table
 
 
-def _map_slot(index: int, buffer: str) -> int:
+def map_slot(index: int, buffer: str) -> int:
+    """Where map ``index``'s ``buffer`` (one of MAP_ADDRS) is in the address table."""
     return 1 + index * len(MAP_ADDRS) + MAP_ADDRS.index(buffer)
 
 
@@ -221,7 +222,7 @@ class Lifter:
         return self._invariant_load(self.b.gep(table, [I64(slot * 8)], source_etype=I8))
 
     def map_addr(self, index: int, buffer: str, offset: int = 0):
-        a = self.addr(_map_slot(index, buffer))
+        a = self.addr(map_slot(index, buffer))
         return self.b.add(a, I64(offset)) if offset else a
 
     def _count(self, n, pc):

@@ -166,7 +166,7 @@ class Shim:
         self.passed[hook] += n
 
     def _count(self, hook, decisions, n=1):
-        for k, v in (decisions or {}).items():
+        for k, v in decisions.items():
             self.decisions[hook, k][v] += n
 
     def deliver_batch(self, hook: str, ctxs, row_time=lambda row: 0.0) -> int:
