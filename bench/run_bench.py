@@ -56,16 +56,17 @@ def run_once(folder, backend_name, model, prompt, tp, attach) -> tuple[float, di
     return wall, report
 
 
-def _child_env(cache: Path) -> dict:
-    return os.environ | {"FABRIC_EXT_JIT_CACHE": str(cache)}
+def _child(folder, backend_name, model, prompt, tp, attach, cache: Path, prefix=()):
+    """Run this script as a child that runs one configuration (under ``prefix``, if given)."""
+    return subprocess.run([*prefix, sys.executable, __file__, "--one", json.dumps(
+        [str(folder), backend_name, model, prompt, tp, attach])], capture_output=True, text=True,
+        env=os.environ | {"FABRIC_EXT_JIT_CACHE": str(cache)})
 
 
 def run_fresh(folder, backend_name, model, prompt, tp, attach, cache: Path) -> tuple[float, dict]:
     """One run in a fresh process with the JIT code cache in ``cache``: (wall seconds, the
     report's events and TTFT)."""
-    out = subprocess.run([sys.executable, __file__, "--one", json.dumps(
-        [str(folder), backend_name, model, prompt, tp, attach])], capture_output=True, text=True,
-        env=_child_env(cache))
+    out = _child(folder, backend_name, model, prompt, tp, attach, cache)
     if out.returncode:
         raise SystemExit(f"run failed ({backend_name} {model}):\n{out.stderr}")
     wall, report = json.loads(out.stdout)
@@ -74,10 +75,8 @@ def run_fresh(folder, backend_name, model, prompt, tp, attach, cache: Path) -> t
 
 def instructions(folder, backend_name, model, prompt, tp, attach, cache: Path) -> int:
     """Instructions one fresh run executes (valgrind's count)."""
-    out = subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
-                          sys.executable, __file__, "--one", json.dumps(
-                              [str(folder), backend_name, model, prompt, tp, attach])], capture_output=True, text=True,
-                         env=_child_env(cache))
+    out = _child(folder, backend_name, model, prompt, tp, attach, cache,
+                 ("valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null"))
     found = re.search(r"I\s+refs:\s+([\d,]+)", out.stderr)
     if out.returncode or not found:
         raise SystemExit(f"valgrind run failed ({backend_name} {model}):\n{out.stderr[-2000:]}")
