@@ -47,20 +47,31 @@ def test_tick_contexts_match_counters_sampled_one_tick_at_a_time(chunks, catch_u
     """Chunks arrive at three ports and queue; each tick must see every port as it stood just
     before its time, however the catch-ups and batches fall, in time order (at one time the
     shorter period first), each period's bytes counted since its own last tick."""
-    sim, shim = Sim(), RecordingShim()
-    servers = [Server(sim, f"p{i}", bw) for i, bw in enumerate([1e9, 0.5e9, 4e9])]
-    src = TickSource(shim, "sw0", periods, servers, [11, 12, 13], block=block)
-    end = 420
-    due = sorted({(k * p, p) for p in periods for k in range(1, end // p + 1)})
-    samples = _sample_before_ticks(sim, servers, due)
-    flow = Transfer("m", 1, "kv", "", "a", "b", 0)
-    for i, (t, port, size) in enumerate(chunks):
-        sim.at(t, servers[port].enqueue, Chunk(flow, i, size, ["a", "b"]), lambda c: None)
+    shim = RecordingShim()
+    sim, servers, src, due, samples = _three_ports(shim, periods, chunks, block=block)
+    end = END
     for t in catch_up_at:
         sim.at(t, src.catch_up, t)
     sim.run(until=end)
     src.catch_up(end)
     assert got_rows(shim) == sampled(due, samples, servers)
+
+
+END = 420
+
+
+def _three_ports(shim, periods, chunks, **kw):
+    """Three ports (1, 0.5 and 4 bytes per ns) the chunks queue at, a tick source over
+    them, every tick due by END, and the counters sampled just before each."""
+    sim = Sim()
+    servers = [Server(sim, f"p{i}", bw) for i, bw in enumerate([1e9, 0.5e9, 4e9])]
+    src = TickSource(shim, "sw0", periods, servers, [11, 12, 13], **kw)
+    due = sorted({(k * p, p) for p in periods for k in range(1, END // p + 1)})
+    samples = _sample_before_ticks(sim, servers, due)
+    flow = Transfer("m", 1, "kv", "", "a", "b", 0)
+    for i, (t, port, size) in enumerate(chunks):
+        sim.at(t, servers[port].enqueue, Chunk(flow, i, size, ["a", "b"]), lambda c: None)
+    return sim, servers, src, due, samples
 
 
 def _sample_before_ticks(sim, servers, due):
@@ -98,16 +109,9 @@ def test_only_the_last_of_overwriting_ticks_runs_and_sees_its_own_counters(chunk
     """Handlers whose runs overwrite each other (`last_wins`): of the ticks each catch-up
     finds due, each period's last runs, with the counters it would have had anyway (the
     queue reads 0 where no handler reads it)."""
-    sim = Sim()
     shim = RecordingShim(last_wins_periods=periods, reads=("queue_bytes",) if queue_read else ("util_pct",))
-    servers = [Server(sim, f"p{i}", bw) for i, bw in enumerate([1e9, 0.5e9, 4e9])]
-    src = TickSource(shim, "sw0", periods, servers, [11, 12, 13])
-    end = 420
-    every = sorted({(k * p, p) for p in periods for k in range(1, end // p + 1)})
-    samples = _sample_before_ticks(sim, servers, every)
-    flow = Transfer("m", 1, "kv", "", "a", "b", 0)
-    for i, (t, port, size) in enumerate(chunks):
-        sim.at(t, servers[port].enqueue, Chunk(flow, i, size, ["a", "b"]), lambda c: None)
+    sim, servers, src, every, samples = _three_ports(shim, periods, chunks)
+    end = END
     points = sorted(set(catch_up_at) | {end})
     for t in points[:-1]:
         sim.at(t, src.catch_up, t)
