@@ -4,6 +4,7 @@
     jeq %r1, 5, +1          jne %r0, 15, failed      call local fn
     lock fetch add [%r10-8], %r1                     lddw %r0, 0x123456789abcdef0
     be16 %r0                # comments; labels end with ':'
+    lddw %r1, map 0         # the program's first map (a map reference)
 
 Errors raise `AsmError` naming the line.
 """
@@ -125,6 +126,9 @@ def _one(n: int, line: str, at: int, labels) -> Insn:
         return Insn(I.JMP32 | I.JA, imm=t) if mnem != "ja" else Insn(I.JMP | I.JA, off=t)
     if mnem == "lddw":
         want(2)
+        ref = re.fullmatch(r"map\s+(\d+)", ops[1])
+        if ref:     # the program's map by index (src 1), as libbpf's relocations leave it
+            return Insn(I.LD | I.IMM | I.DW, dst=_reg(ops[0], n), src=I.PSEUDO_MAP_FD, imm=int(ref[1]))
         return Insn(I.LD | I.IMM | I.DW, dst=_reg(ops[0], n), imm=_int(ops[1], n) & I.MASK64)
     if mnem in MOVSX:
         want(2)

@@ -259,9 +259,12 @@ class Lifter:
 
     # -- memory checks ------------------------------------------------------------------------------
     def _within(self, addr, size, lo, length):
+        """[addr, addr+size) lies in [lo, lo+length), with no sum that can wrap: the offset
+        addr - lo (huge when addr < lo) is at most length - size, and length holds size."""
         b = self.b
-        end = b.add(addr, I64(size))
-        return b.and_(b.icmp_unsigned(">=", addr, lo), b.icmp_unsigned("<=", end, b.add(lo, length)))
+        off = b.sub(addr, lo)
+        room = b.sub(length, I64(size))
+        return b.and_(b.icmp_unsigned(">=", length, I64(size)), b.icmp_unsigned("<=", off, room))
 
     def checked(self, pc, addr, size, write):
         """Fault unless [addr, addr+size) is memory the program may touch; returns a pointer.

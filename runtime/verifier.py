@@ -24,6 +24,9 @@ from .program import Program
 M64, M32 = I.MASK64, I.MASK32
 FULL = (0, M64)
 STACK = I.STACK_SIZE
+# how far a pointer's offset may range, as the kernel's BPF_MAX_VAR_OFF: offsets stay far
+# from 2^63, so sums of them never wrap and every bounds test below is on exact integers
+MAX_VAR_OFF = 1 << 29
 VALID_OPCODES = set()
 for _c in (I.ALU, I.ALU64):
     for _op in (I.ADD, I.SUB, I.MUL, I.DIV, I.OR, I.AND, I.LSH, I.RSH, I.MOD, I.XOR, I.MOV, I.ARSH):
@@ -41,6 +44,47 @@ for _s in (I.B, I.H, I.W):
 VALID_OPCODES |= {I.STX | I.ATOMIC | I.W, I.STX | I.ATOMIC | I.DW, I.LD | I.IMM | I.DW}
 ATOMIC_IMMS = {I.ADD, I.OR, I.AND, I.XOR, I.ADD | I.FETCH, I.OR | I.FETCH, I.AND | I.FETCH,
                I.XOR | I.FETCH, I.XCHG, I.CMPXCHG}
+
+
+def reserved_fields(ins) -> str | None:
+    """Why ``ins`` sets a field its opcode does not use (None if it sets none).
+
+    The kernel rejects such instructions ("uses reserved fields"); so must we, or the verifier
+    and a backend could read one instruction two ways (a ``mov`` with an ``off`` is a constant
+    to the one and a sign extension to the other)."""
+    c, op, x = ins.cls, ins.op, ins.opcode & I.X
+    if ins.is_lddw:
+        return "off" if ins.off else None
+    if c in (I.ALU, I.ALU64):
+        if op == I.NEG:
+            return "src, off or imm" if (x or ins.src or ins.off or ins.imm) else None
+        if op == I.END:
+            return "src or off" if (ins.src or ins.off) else None
+        if op == I.MOV:
+            if x:
+                widths = (0, 8, 16, 32) if c == I.ALU64 else (0, 8, 16)
+                return "imm" if ins.imm else (None if ins.off in widths else f"off ({ins.off} is no sign-extension width)")
+            return "src or off" if (ins.src or ins.off) else None
+        signed_ok = op in (I.DIV, I.MOD)
+        if ins.off not in ((0, 1) if signed_ok else (0,)):
+            return f"off ({ins.off})"
+        return ("imm" if ins.imm else None) if x else ("src" if ins.src else None)
+    if c == I.LDX:
+        return "imm" if ins.imm else None
+    if c == I.ST:
+        return "src" if ins.src else None
+    if c == I.STX:
+        return "imm" if ins.mode == I.MEM and ins.imm else None
+    if c in (I.JMP, I.JMP32):
+        if op == I.CALL:
+            return "dst, off or the X bit" if (ins.dst or ins.off or x or c == I.JMP32) else None
+        if op == I.EXIT:
+            return "dst, src, off, imm or the X bit" if (ins.dst or ins.src or ins.off or ins.imm or x or c == I.JMP32) else None
+        if op == I.JA:
+            extra = ins.off if c == I.JMP32 else ins.imm
+            return "dst, src, off/imm or the X bit" if (ins.dst or ins.src or extra or x) else None
+        return ("imm" if ins.imm else None) if x else ("src" if ins.src else None)
+    return None
 
 
 class VerifierError(ValueError):
@@ -67,6 +111,23 @@ def is_ptr(r):
     return r[0] not in ("scalar", "uninit")
 
 
+def signed_range(v):
+    """A scalar's unsigned range [lo, hi] as a signed one, or None where it spans 2^63 (then its
+    values read as signed are not one interval: it is unbounded below)."""
+    lo, hi = v[1], v[2]
+    if hi < 1 << 63:
+        return lo, hi
+    if lo >= 1 << 63:
+        return lo - (1 << 64), hi - (1 << 64)
+    return None
+
+
+# what each non-memory pointer kind is called in messages
+POINTER_WORDS = {"map_ptr": "a map reference", "map_value_or_null": "a pointer that may be null; check it against 0 first",
+                 "record_or_null": "a pointer that may be null; check it against 0 first",
+                 "released": "a ringbuf record that was already submitted or discarded"}
+
+
 @dataclass
 class Frame:
     regs: list
@@ -82,20 +143,29 @@ class Frame:
 
 
 class State:
-    __slots__ = ("frames", "next_id")
+    """One path's abstract machine: its frames, and the ringbuf records it holds (reference
+    id -> pc of the reserve), each of which must be submitted or discarded before exit."""
+    __slots__ = ("frames", "next_id", "refs")
 
-    def __init__(self, frames, next_id=1):
+    def __init__(self, frames, next_id=1, refs=None):
         self.frames, self.next_id = frames, next_id
+        self.refs: dict[int, int] = refs if refs is not None else {}
 
     @property
     def top(self) -> Frame:
         return self.frames[-1]
 
     def copy(self):
-        return State([f.copy() for f in self.frames], self.next_id)
+        return State([f.copy() for f in self.frames], self.next_id, dict(self.refs))
 
     def key(self):
-        return tuple(f.key() for f in self.frames)
+        return tuple(f.key() for f in self.frames), tuple(sorted(self.refs.items()))
+
+    def replace_values(self, fix):
+        """Apply ``fix`` to every register and spilled value of every frame."""
+        for f in self.frames:
+            f.regs = [fix(v) for v in f.regs]
+            f.spills = {k: fix(v) for k, v in f.spills.items()}
 
 
 class Verifier:
@@ -109,6 +179,7 @@ class Verifier:
         self.wmask = ctx_write_mask(prog.hook, self.ctx_size) if self.ctx_size else b""
         self.bare = not self.ctx_size if bare_mem is None else bare_mem
         self.kinds: dict[int, set] = {}   # pc -> the kinds of memory its accesses were proven in
+        self.pc = 0                       # the instruction being checked (for a defect's message)
 
     def fail(self, pc, msg):
         raise VerifierError(self.p, pc, msg)
@@ -132,10 +203,9 @@ class Verifier:
                 self.fail(pc, "frame pointer r10 is read only")
             if c in (I.ALU, I.ALU64) and op == I.END and ins.imm not in (16, 32, 64):
                 self.fail(pc, f"invalid byte swap width {ins.imm}")
-            if c in (I.ALU, I.ALU64) and op in (I.DIV, I.MOD) and ins.off not in (0, 1):
-                self.fail(pc, f"invalid offset {ins.off} for division")
-            if c in (I.ALU, I.ALU64) and op == I.MOV and ins.off not in (0, 8, 16, 32):
-                self.fail(pc, f"invalid sign-extension width {ins.off}")
+            why = reserved_fields(ins)
+            if why:
+                self.fail(pc, f"instruction uses reserved fields: {why} must be 0 for this opcode")
             if c == I.STX and ins.mode == I.ATOMIC and ins.imm not in ATOMIC_IMMS:
                 self.fail(pc, f"unknown atomic operation {ins.imm:#x}")
             if ins.is_lddw:
@@ -209,6 +279,7 @@ class Verifier:
                     if k in bucket:
                         break
                     bucket.add(k)
+                self.pc = pc
                 nxt = self.step(pc, slots[pc], st, work, len(path))
                 if nxt is None:
                     break
@@ -269,7 +340,13 @@ class Verifier:
             if len(st.frames) == 1:
                 if is_ptr(r0):
                     self.fail(pc, "the program returns a pointer; return a number")
+                if st.refs:
+                    ref_pc = min(st.refs.values())
+                    self.fail(pc, f"reference leak: the ringbuf record reserved at pc {ref_pc} is neither "
+                              "submitted nor discarded on this path")
                 return None
+            if r0[0] == "stack" and r0[1] == len(st.frames) - 1:
+                self.fail(pc, "cannot return a stack pointer to the caller: the callee's frame ends here")
             ret = st.frames.pop()
             caller = st.top
             caller.regs[0] = r0
@@ -333,33 +410,32 @@ class Verifier:
         op = ins.op
         if not is64:
             self.fail(pc, "32-bit arithmetic on a pointer")
-        if d[0] in ("map_ptr", "map_value_or_null", "record_or_null") or s[0] in ("map_ptr", "map_value_or_null", "record_or_null"):
-            self.fail(pc, f"arithmetic on {'a map reference' if 'map_ptr' in (d[0], s[0]) else 'a pointer that may be null; check it against 0 first'}")
+        for v in (d, s):
+            if v[0] in ("map_ptr", "map_value_or_null", "record_or_null", "released"):
+                self.fail(pc, f"arithmetic on {POINTER_WORDS[v[0]]}")
         if op == I.ADD:
             ptr, sc = (d, s) if is_ptr(d) else (s, d)
             if is_ptr(sc):
                 self.fail(pc, "adding two pointers")
-            return self._shift_ptr(pc, ptr, sc[1], sc[2])
+            return self._shift_ptr(pc, ptr, signed_range(sc))
         if op == I.SUB:
             if is_ptr(d) and not is_ptr(s):
-                if s[1] != s[2]:
-                    return self._shift_ptr(pc, d, -s[2], -s[1])
-                return self._shift_ptr(pc, d, -s[1], -s[1])
+                delta = signed_range(s)
+                return self._shift_ptr(pc, d, delta and (-delta[1], -delta[0]))
             if is_ptr(d) and is_ptr(s) and d[0] == s[0]:
                 return scalar()
         self.fail(pc, f"pointer arithmetic with '{I.ALU_NAMES.get(op, op)}' is not allowed")
 
-    def _shift_ptr(self, pc, ptr, lo, hi):
-        def signed(v):
-            return v - (1 << 64) if v > (1 << 63) else v
-        lo, hi = signed(lo), signed(hi)
-        if hi - lo > 1 << 32:
-            self.fail(pc, "pointer offset is unbounded; bound the index with a comparison first")
-        if ptr[0] == "stack":
-            return ("stack", ptr[1], ptr[2] + lo, ptr[3] + hi)
-        kind = ptr[0]
-        head = ptr[:-2]
-        return head + (ptr[-2] + lo, ptr[-1] + hi) if kind in ("ctx", "map_value", "mem", "record") else ptr
+    def _shift_ptr(self, pc, ptr, delta):
+        """``ptr`` moved by a signed offset range; the offsets stay within ±MAX_VAR_OFF."""
+        if delta is None:
+            self.fail(pc, f"math between a {ptr[0]} pointer and a register with an unbounded range is not "
+                      "allowed; bound the value with a comparison first")
+        lo, hi = ptr[-2] + delta[0], ptr[-1] + delta[1]
+        if max(-lo, hi) >= MAX_VAR_OFF:
+            self.fail(pc, f"pointer offset range {lo}..{hi} makes the {ptr[0]} pointer go out of bounds "
+                      f"(offsets must stay within ±{MAX_VAR_OFF})")
+        return ptr[:-2] + (lo, hi)
 
     def scalar_op(self, ins, d, s, is64):
         """The result range of a scalar operation (exact when both are constants)."""
@@ -387,9 +463,11 @@ class Verifier:
         elif op == I.MUL and hi * shi <= mask:
             r = (lo * slo, hi * shi)
         elif op == I.DIV and ins.off == 0:
-            r = (lo // shi if shi else 0, hi // slo if slo else hi)
-        elif op == I.MOD and ins.off == 0 and slo > 0:
-            r = (0, min(hi, shi - 1))
+            # x / 0 = 0 in eBPF: a divisor range holding 0 puts 0 in the result
+            r = (0, hi) if slo == 0 else (lo // shi, hi // slo)
+        elif op == I.MOD and ins.off == 0:
+            # x % 0 = x: a divisor range holding 0 keeps the dividend's range
+            r = (0, hi) if slo == 0 else (0, min(hi, shi - 1))
         elif op == I.AND:
             r = (0, min(hi, shi))
         elif op == I.RSH and slo == shi:
@@ -448,7 +526,7 @@ class Verifier:
                           f"its {m.value_size}-byte value")
             return
         if kind == "record":
-            lo, hi = ptr[2] + off, ptr[3] + off
+            lo, hi = ptr[3] + off, ptr[4] + off
             if lo < 0 or hi + size > ptr[1]:
                 self.fail(pc, f"access to a {ptr[1]}-byte ringbuf record at offset {lo} is out of bounds")
             return
@@ -456,6 +534,8 @@ class Verifier:
             return  # memory given to a bare program: size known only at run time; checked there
         if kind in ("map_value_or_null", "record_or_null"):
             self.fail(pc, "access through a pointer that may be null; compare it with 0 first")
+        if kind == "released":
+            self.fail(pc, f"access to a ringbuf record after it was submitted or discarded at pc {ptr[1]}")
         if kind == "map_ptr":
             self.fail(pc, "a map reference cannot be dereferenced; use bpf_map_lookup_elem")
         self.fail(pc, f"invalid memory access through {kind}")
@@ -491,6 +571,9 @@ class Verifier:
                 if a < at + size and at < a + 8:
                     del fr.spills[a]
             fr.init[at:at + size] = b"\x01" * size
+            if val[0] == "stack" and val[1] > ptr[1]:
+                self.fail(pc, "cannot spill a pointer to a callee's stack into a caller's frame: "
+                          "it would outlive the callee")
             if size == 8 and at % 8 == 0:
                 fr.spills[at] = val
             elif is_ptr(val):
@@ -558,8 +641,11 @@ class Verifier:
                 if is_ptr(v):
                     self.fail(pc, f"{spec.name}: r{i} must be a number, not a pointer")
             elif kind == Hl.RECORD:
-                if v[0] != "record" or v[2] != 0:
-                    self.fail(pc, f"{spec.name}: r{i} must be a record from bpf_ringbuf_reserve")
+                if v[0] == "released":
+                    self.fail(pc, f"{spec.name}: the record in r{i} was already submitted or discarded at pc {v[1]}")
+                if v[0] != "record" or v[3:] != (0, 0):
+                    self.fail(pc, f"{spec.name}: r{i} must be a record from bpf_ringbuf_reserve, at its start")
+                self._release(st, v[2], pc)
         for r in range(1, 6):
             regs[r] = UNINIT
         if spec.ret == Hl.RET_MAP_VALUE_OR_NULL:
@@ -567,6 +653,7 @@ class Verifier:
             st.next_id += 1
         elif spec.ret == Hl.RET_RECORD_OR_NULL:
             regs[0] = ("record_or_null", reserve_size, st.next_id)
+            st.refs[st.next_id] = pc
             st.next_id += 1
         else:
             regs[0] = scalar()
@@ -603,17 +690,25 @@ class Verifier:
         self._refine(ins, st, a, b, False)
         return fall_pc
 
-    def _resolve_null(self, st, ptr, is_null):
+    @staticmethod
+    def _resolve_null(st, ptr, is_null):
         nid = ptr[2]
+
         def fix(v):
             if v[0] == ptr[0] and v[2] == nid:
                 if is_null:
                     return const(0)
-                return ("map_value", v[1], 0, 0) if v[0] == "map_value_or_null" else ("record", v[1], 0, 0)
+                return ("map_value", v[1], 0, 0) if v[0] == "map_value_or_null" else ("record", v[1], nid, 0, 0)
             return v
-        for f in st.frames:
-            f.regs = [fix(v) for v in f.regs]
-            f.spills = {k: fix(v) for k, v in f.spills.items()}
+        st.replace_values(fix)
+        if is_null and ptr[0] == "record_or_null":
+            st.refs.pop(nid, None)     # a failed reserve holds nothing
+
+    @staticmethod
+    def _release(st, ref, pc):
+        """Submit or discard: the record is gone, and so is every copy of its pointer."""
+        st.refs.pop(ref, None)
+        st.replace_values(lambda v: ("released", pc) if v[0] == "record" and v[2] == ref else v)
 
     @staticmethod
     def _ranges(ins, a, b):
@@ -699,5 +794,14 @@ def verify(prog: Program, max_insns: int = 100_000) -> int:
 
     On success ``prog.proof`` maps each memory instruction's pc to the kinds of memory
     (stack, ctx, map_value, record, mem) it was proven to stay within on every path;
-    the JIT drops the run-time check where no kind is ``mem`` (checked only at run time)."""
-    return Verifier(prog, max_insns).run()
+    the JIT drops the run-time check where no kind is ``mem`` (checked only at run time).
+    Nothing else escapes: a defect of the verifier itself rejects the program."""
+    v = Verifier(prog, max_insns)
+    try:
+        return v.run()
+    except VerifierError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a verifier defect must reject, never crash the caller
+        prog.proof = None
+        raise VerifierError(prog, v.pc, f"verifier bug ({type(e).__name__}: {e}); the program is "
+                            "rejected; please report it") from None

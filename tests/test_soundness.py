@@ -1,0 +1,173 @@
+"""Hostile programs: each once made the JIT touch host memory or crashed the verifier.
+
+Every one must be rejected by our verifier (with a message that says why) and, where bpf(2)
+is permitted, by the kernel's; run without a proof, every backend must stop it with a fault."""
+import pytest
+
+from fabric_ext.runtime import isa as I
+from fabric_ext.runtime import kernel
+from fabric_ext.runtime.asm import assemble
+from fabric_ext.runtime.interp import Interpreter
+from fabric_ext.runtime.maps import ARRAY, RINGBUF, Map
+from fabric_ext.runtime.program import Program, VMFault
+from fabric_ext.runtime.verifier import VerifierError, verify
+
+KERNEL_OK, KERNEL_WHY = kernel.permitted()
+
+LOOKUP = """
+stw [%r10-4], 0
+mov %r2, %r10
+add %r2, -4
+lddw %r1, map 0
+call 1
+jeq %r0, 0, out
+"""
+RESERVE = """
+lddw %r1, map 0
+mov %r2, 8
+mov %r3, 0
+call 131
+jeq %r0, 0, out
+mov %r6, %r0
+"""
+OUT = "out:\nmov %r0, 0\nexit\n"
+
+MAP_VALUE_PLUS_UNBOUNDED = "ldxdw %r7, [%r1+0]\n" + LOOKUP + "add %r0, %r7\nldxdw %r0, [%r0+0]\nexit\n" + OUT
+DIV_BY_RANGE_WITH_ZERO = ("ldxb %r2, [%r1+0]\nand %r2, 1\nmov %r7, 4096\ndiv %r7, %r2\n" + LOOKUP
+                          + "mov %r5, 4096\nsub %r5, %r7\nadd %r0, %r5\nldxdw %r0, [%r0+0]\nexit\n" + OUT)
+RECORD_PLUS_UNBOUNDED = "ldxdw %r7, [%r1+0]\n" + RESERVE + ("add %r0, %r7\nstdw [%r0+0], 1\n"
+                        "mov %r1, %r6\nmov %r2, 0\ncall 132\n") + OUT
+WRITE_AFTER_SUBMIT = RESERVE + "mov %r1, %r6\nmov %r2, 0\ncall 132\nstdw [%r6+0], 1\n" + OUT
+NEVER_SUBMITTED = RESERVE + "stdw [%r6+0], 1\n" + OUT
+DOUBLE_SUBMIT = RESERVE + "mov %r1, %r6\nmov %r2, 0\ncall 132\nmov %r1, %r6\nmov %r2, 0\ncall 132\n" + OUT
+RETURNS_STACK_POINTER = "call local f\nldxdw %r0, [%r0+0]\nexit\nf:\nstdw [%r10-8], 1\nmov %r0, %r10\nadd %r0, -8\nexit"
+SPILLS_CALLEE_STACK = ("mov %r1, %r10\nadd %r1, -8\ncall local f\nldxdw %r1, [%r10-8]\nldxdw %r0, [%r1+0]\nexit\n"
+                       "f:\nstdw [%r10-8], 1\nmov %r2, %r10\nadd %r2, -8\nstxdw [%r1+0], %r2\nmov %r0, 0\nexit")
+
+# mov r1, 0x7fffff00 with off = 8: the verifier once read it as a sign extension (r1 = 0)
+MOV_WITH_OFF = [I.Insn(I.ALU64 | I.MOV | I.K, dst=1, off=8, imm=0x7FFFFF00)] + assemble(
+    "mov %r2, %r10\nadd %r2, %r1\nstdw [%r2-8], 1\nmov %r0, 0\nexit")
+MOV32_WITH_OFF = [I.Insn(I.ALU | I.MOV | I.K, dst=1, off=8, imm=0x7FFFFF00)] + MOV_WITH_OFF[1:]
+
+
+def _value_map():
+    return [Map("v", ARRAY, 4, 256, 1)]
+
+
+def _ringbuf():
+    return [Map("rb", RINGBUF, 0, 0, 4096)]
+
+
+HOSTILE = {
+    # name: (instructions, maps, a fragment of our verifier's message)
+    "map_value_plus_unbounded": (assemble(MAP_VALUE_PLUS_UNBOUNDED), _value_map, "unbounded range"),
+    "record_plus_unbounded": (assemble(RECORD_PLUS_UNBOUNDED), _ringbuf, "unbounded range"),
+    "mov_with_off": (MOV_WITH_OFF, list, "reserved fields"),
+    "mov32_with_off": (MOV32_WITH_OFF, list, "reserved fields"),
+    "div_by_range_with_zero": (assemble(DIV_BY_RANGE_WITH_ZERO), _value_map, "outside its 256-byte value"),
+    "write_after_submit": (assemble(WRITE_AFTER_SUBMIT), _ringbuf, "after it was submitted or discarded"),
+    "never_submitted": (assemble(NEVER_SUBMITTED), _ringbuf, "reference leak"),
+    "double_submit": (assemble(DOUBLE_SUBMIT), _ringbuf, "already submitted or discarded"),
+    "returns_stack_pointer": (assemble(RETURNS_STACK_POINTER), list, "cannot return a stack pointer"),
+    "spills_callee_stack": (assemble(SPILLS_CALLEE_STACK), list, "callee's stack into a caller's frame"),
+}
+# the ones whose run reaches memory it must not: without a proof every backend faults
+RUNNABLE = ["map_value_plus_unbounded", "record_plus_unbounded", "mov_with_off", "mov32_with_off",
+            "div_by_range_with_zero", "write_after_submit"]
+# the memory each bare program is given: an even first byte (a divisor of 0), a huge u64
+MEM = b"\xfe" + b"\xff" * 6 + b"\x7f"
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_verifier_rejects(name):
+    insns, maps, why = HOSTILE[name]
+    prog = Program(name, insns, maps())
+    with pytest.raises(VerifierError) as e:
+        verify(prog)
+    assert why in str(e.value)
+
+
+@pytest.mark.skipif(not KERNEL_OK, reason=KERNEL_WHY)
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_kernel_rejects_too(name):
+    insns, maps, _ = HOSTILE[name]
+    kb = kernel.KernelBackend()
+    try:
+        with pytest.raises(kernel.KernelError):
+            kb.load(Program(name, insns, maps()))
+    finally:
+        kb.close()
+
+
+def _backends():
+    from fabric_ext.runtime.jit import JitBackend
+    return [Interpreter(), JitBackend()]
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_unverified_runs_fault_on_every_backend(name):
+    """What the verifier now rejects could only have run on its false proof: with no proof
+    at all, each backend checks every access and stops the program with a fault."""
+    insns, maps, _ = HOSTILE[name]
+    for vm in _backends():
+        prog = Program(name, insns, maps())
+        with pytest.raises(VMFault):
+            vm.run(vm.load(prog), mem=bytearray(MEM))
+
+
+def test_jit_bounds_check_cannot_wrap():
+    """addr + size overflowed for an address near 2^64, passing for any region."""
+    from fabric_ext.runtime.jit import JitBackend
+    vm = JitBackend()
+    for addr in (0xFFFFFFFFFFFFFFFC, 0xFFFFFFFFFFFFFFFF, 0xFFFFFFFFFFFFFFF8):
+        prog = Program("wrap", assemble(f"lddw %r1, {addr:#x}\nldxw %r0, [%r1+0]\nstw [%r1+0], 1\nexit"))
+        with pytest.raises(VMFault, match="out-of-bounds"):
+            vm.run(vm.load(prog), mem=bytearray(8))
+
+
+@pytest.mark.parametrize("bad", [
+    I.Insn(I.ALU64 | I.NEG, dst=0, imm=1),
+    I.Insn(I.ALU64 | I.ADD | I.X, dst=0, src=1, imm=5),
+    I.Insn(I.ALU64 | I.ADD | I.K, dst=0, src=1, imm=5),
+    I.Insn(I.ALU64 | I.ADD | I.K, dst=0, off=1, imm=5),
+    I.Insn(I.ALU | I.MOV | I.X, dst=0, src=1, off=32),
+    I.Insn(I.LDX | I.MEM | I.W, dst=0, src=10, off=-8, imm=1),
+    I.Insn(I.ST | I.MEM | I.W, dst=10, src=1, off=-8, imm=1),
+    I.Insn(I.JMP | I.JEQ | I.K, dst=0, src=1, off=0, imm=0),
+    I.Insn(I.JMP | I.JA, dst=1, off=0),
+    I.Insn(I.JMP | I.CALL, dst=1, imm=5),
+])
+def test_reserved_fields_are_rejected(bad):
+    prog = Program("r", [I.Insn(I.ALU64 | I.MOV | I.K, dst=0, imm=0), I.Insn(I.ALU64 | I.MOV | I.K, dst=1),
+                         I.Insn(I.STX | I.MEM | I.DW, dst=10, src=0, off=-8), bad, I.Insn(I.JMP | I.EXIT)])
+    with pytest.raises(VerifierError, match="reserved fields"):
+        verify(prog)
+
+
+def test_division_ranges_keep_zero():
+    """x / y with y possibly 0 may be 0 (RFC 9669); x % y may be x: the checked read at a
+    derived offset inside the value is accepted, the one past it is not."""
+    ok = assemble("ldxb %r2, [%r1+0]\nand %r2, 1\nmov %r7, 248\ndiv %r7, %r2\n" + LOOKUP
+                  + "add %r0, %r7\nldxdw %r0, [%r0+0]\nexit\n" + OUT)
+    verify(Program("ok", ok, _value_map()))
+    vm = Interpreter()
+    assert vm.run(Program("ok", ok, _value_map()), mem=bytearray(8)) == 0
+
+
+def test_records_released_on_every_path_are_accepted():
+    src = RESERVE + "stdw [%r6+0], 7\nldxdw %r2, [%r1+0]\njeq %r2, 0, drop\nmov %r1, %r6\nmov %r2, 0\ncall 132\nja out\n" \
+          "drop:\nmov %r1, %r6\nmov %r2, 0\ncall 133\n" + OUT
+    src = "mov %r9, %r1\n" + src.replace("ldxdw %r2, [%r1+0]", "ldxdw %r2, [%r9+0]")
+    prog = Program("rb", assemble(src), _ringbuf())
+    verify(prog)
+    for mem, records in ((b"\x01" + bytes(7), 1), (bytes(8), 0)):
+        rb = _ringbuf()
+        Interpreter().run(Program("rb", prog.insns, rb), mem=bytearray(mem))
+        assert len(rb[0].records) == records
+
+
+def test_a_verifier_defect_rejects_instead_of_raising(monkeypatch):
+    from fabric_ext.runtime import verifier
+    monkeypatch.setattr(verifier.Verifier, "load", lambda *a: [][1])
+    with pytest.raises(VerifierError, match="verifier bug"):
+        verify(Program("p", assemble("ldxdw %r0, [%r10-8]\nexit")))
