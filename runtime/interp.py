@@ -5,15 +5,21 @@ its 512-byte stack per frame, the context (writes only to decision bytes of
 its hook), map values, ringbuf records and the memory given to it.  Division
 by zero gives 0 and modulo by zero the dividend (RFC 9669); shift amounts are
 masked; 32-bit results zero-extend.  An instruction budget bounds every run.
+
+With ``check_proofs`` (or ``FABRIC_EXT_CHECK_PROOFS=1`` in the environment) the
+interpreter also checks the verifier's claims: an access the verifier proved
+in bounds (where the JIT emits no check) must land in the kind of memory it was
+proven in, and a fault there is reported as `ProofViolation`, a verifier defect.
 """
 from __future__ import annotations
 
+import os
 import struct
 
 from . import helpers as Hl
 from . import isa as I
 from .maps import RINGBUF
-from .program import Backend, Program, VMFault
+from .program import Backend, Program, ProofViolation, VMFault
 
 M64, M32 = I.MASK64, I.MASK32
 STACK_SIZE, MAX_FRAMES, MAP_HANDLE = I.STACK_SIZE, I.MAX_FRAMES, I.MAP_HANDLE
@@ -46,10 +52,11 @@ def ctx_write_mask(hook, size: int) -> bytes:
 
 
 class Region:
-    __slots__ = ("lo", "hi", "buf", "name", "wmask", "readonly")
+    """Memory a run may touch; ``kind`` names it as the verifier's proofs do."""
+    __slots__ = ("lo", "hi", "buf", "name", "kind", "wmask", "readonly")
 
-    def __init__(self, lo, buf, name, wmask=None, readonly=False):
-        self.lo, self.hi, self.buf, self.name = lo, lo + len(buf), buf, name
+    def __init__(self, lo, buf, name, kind, wmask=None, readonly=False):
+        self.lo, self.hi, self.buf, self.name, self.kind = lo, lo + len(buf), buf, name, kind
         self.wmask, self.readonly = wmask, readonly
 
 
@@ -60,14 +67,19 @@ class Machine:
         self.vm, self.prog = vm, prog
         self.regions: list[Region] = []
         self.frames: list[bytearray] = []
+        self.pc = 0
+        # the proof holds for a whole context only (as the JIT uses it)
+        whole = ctx is None or len(ctx) >= prog.ctx_size
+        self.proven = prog.proof if vm.check_proofs and whole else None
         if ctx is not None:
-            self.regions.append(Region(CTX_BASE, memoryview(ctx).cast("B"), "context",
+            self.regions.append(Region(CTX_BASE, memoryview(ctx).cast("B"), "context", "ctx",
                                        ctx_write_mask(prog.hook, len(ctx))))
         if mem is not None:
-            self.regions.append(Region(MEM_BASE, memoryview(mem).cast("B"), "memory"))
+            self.regions.append(Region(MEM_BASE, memoryview(mem).cast("B"), "memory", "mem"))
         for i, m in enumerate(prog.maps):
             if m.type != RINGBUF:
-                self.regions.append(Region(MAP_BASE + (i << 32), memoryview(m.values), f"map '{m.name}'"))
+                self.regions.append(Region(MAP_BASE + (i << 32), memoryview(m.values), f"map '{m.name}'",
+                                           "map_value"))
         self.records: dict[int, tuple[object, bytearray]] = {}
         self.next_record = 0
 
@@ -77,7 +89,7 @@ class Machine:
         buf = bytearray(STACK_SIZE)
         base = STACK_BASE + len(self.frames) * 0x10000
         self.frames.append(buf)
-        self.regions.insert(0, Region(base, buf, f"stack frame {len(self.frames) - 1}"))
+        self.regions.insert(0, Region(base, buf, f"stack frame {len(self.frames) - 1}", "stack"))
         return base + STACK_SIZE
 
     def pop_frame(self):
@@ -89,12 +101,24 @@ class Machine:
             if r.lo <= addr and addr + size <= r.hi:
                 off = addr - r.lo
                 if write and (r.readonly or (r.wmask is not None and r.wmask.find(0, off, off + size) != -1)):
-                    raise _Fault(f"write of {size} bytes to read-only {r.name} at offset {off}")
+                    self.fault(f"write of {size} bytes to read-only {r.name} at offset {off}")
+                if self.proven is not None:
+                    kinds = self.proven.get(self.pc)
+                    if kinds and "mem" not in kinds and r.kind not in kinds:
+                        self.fault(f"it reached {r.name} ({r.kind})")
                 return r, off
         what = "write" if write else "read"
         near = next((r for r in self.regions if r.lo <= addr < r.hi + 4096), None)
         where = f" ({near.name} is {near.hi - near.lo} bytes; offset {addr - near.lo})" if near else ""
-        raise _Fault(f"out-of-bounds {what} of {size} bytes at {addr:#x}{where}")
+        self.fault(f"out-of-bounds {what} of {size} bytes at {addr:#x}{where}")
+
+    def fault(self, why: str):
+        """Stop the run; where the verifier proved this access safe, the fault is its defect."""
+        kinds = self.proven.get(self.pc) if self.proven is not None else None
+        if kinds and "mem" not in kinds:
+            raise _ProofViolation(f"verifier bug: the access was proven to stay in {'/'.join(sorted(kinds))}, "
+                                  f"but {why}")
+        raise _Fault(why)
 
     def load(self, addr, size, signed=False):
         r, off = self.region(addr, size, False)
@@ -122,7 +146,7 @@ class Machine:
         buf = bytearray(size)
         addr = RECORD_BASE + (self.next_record << 24)
         self.next_record += 1
-        self.regions.append(Region(addr, buf, "ringbuf record"))
+        self.regions.append(Region(addr, buf, "ringbuf record", "record"))
         self.records[addr] = (m, buf)
         return addr
 
@@ -139,13 +163,21 @@ class _Fault(Exception):
     pass
 
 
+class _ProofViolation(_Fault):
+    pass
+
+
 class Interpreter(Backend):
     """The reference backend.  ``clock`` gives ktime_get_ns; ``seed`` get_prandom_u32."""
     name = "interp"
     host_maps = True
 
-    def __init__(self, budget: int = 1_000_000, clock=None, seed: int = 1, cpu: int = 0, printk=None):
+    def __init__(self, budget: int = 1_000_000, clock=None, seed: int = 1, cpu: int = 0, printk=None,
+                 check_proofs: bool | None = None):
         self.budget = budget
+        if check_proofs is None:
+            check_proofs = os.environ.get("FABRIC_EXT_CHECK_PROOFS", "") not in ("", "0")
+        self.check_proofs = check_proofs
         self.clock = clock or (lambda: 0)
         self.rng = Hl.Prandom(seed)
         self.cpu = cpu
@@ -162,6 +194,8 @@ class Interpreter(Backend):
             regs[1], regs[2] = MEM_BASE, len(mem)
         try:
             return self._loop(prog, m, regs)
+        except _ProofViolation as e:
+            raise ProofViolation(prog, m.pc, str(e)) from None
         except _Fault as e:
             raise VMFault(prog, m.pc, str(e)) from None
 

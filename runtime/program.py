@@ -68,6 +68,11 @@ class VMFault(RuntimeError):
         super().__init__(f"{program.where(pc)}: {reason}")
 
 
+class ProofViolation(VMFault):
+    """A fault at an access the verifier proved safe: a defect of the verifier, found by the
+    interpreter's proof checking (the JIT would have run that access unchecked)."""
+
+
 class Backend:
     """A VM backend: load a verified program once, run it many times.
 

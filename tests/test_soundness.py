@@ -144,16 +144,6 @@ def test_reserved_fields_are_rejected(bad):
         verify(prog)
 
 
-def test_division_ranges_keep_zero():
-    """x / y with y possibly 0 may be 0 (RFC 9669); x % y may be x: the checked read at a
-    derived offset inside the value is accepted, the one past it is not."""
-    ok = assemble("ldxb %r2, [%r1+0]\nand %r2, 1\nmov %r7, 248\ndiv %r7, %r2\n" + LOOKUP
-                  + "add %r0, %r7\nldxdw %r0, [%r0+0]\nexit\n" + OUT)
-    verify(Program("ok", ok, _value_map()))
-    vm = Interpreter()
-    assert vm.run(Program("ok", ok, _value_map()), mem=bytearray(8)) == 0
-
-
 def test_records_released_on_every_path_are_accepted():
     src = RESERVE + "stdw [%r6+0], 7\nldxdw %r2, [%r1+0]\njeq %r2, 0, drop\nmov %r1, %r6\nmov %r2, 0\ncall 132\nja out\n" \
           "drop:\nmov %r1, %r6\nmov %r2, 0\ncall 133\n" + OUT
@@ -171,3 +161,32 @@ def test_a_verifier_defect_rejects_instead_of_raising(monkeypatch):
     monkeypatch.setattr(verifier.Verifier, "load", lambda *a: [][1])
     with pytest.raises(VerifierError, match="verifier bug"):
         verify(Program("p", assemble("ldxdw %r0, [%r10-8]\nexit")))
+
+
+def test_proof_checking_finds_a_verifier_defect(monkeypatch):
+    """With the map-value bounds check knocked out of the verifier, the hostile program is
+    'proven'; the proof-checking interpreter reports the defect instead of a plain fault."""
+    from fabric_ext.runtime import verifier
+    from fabric_ext.runtime.program import ProofViolation
+    real = verifier.Verifier._check_access
+
+    def no_map_bounds(self, pc, ptr, off, size, write):
+        if ptr[0] != "map_value":
+            real(self, pc, ptr, off, size, write)
+    monkeypatch.setattr(verifier.Verifier, "_check_access", no_map_bounds)
+    prog = Program("p", assemble(DIV_BY_RANGE_WITH_ZERO), _value_map())
+    verify(prog)
+    with pytest.raises(ProofViolation, match="verifier bug: the access was proven to stay in map_value"):
+        Interpreter(check_proofs=True).run(prog, mem=bytearray(MEM))
+    with pytest.raises(VMFault) as e:
+        Interpreter(check_proofs=False).run(prog, mem=bytearray(MEM))
+    assert not isinstance(e.value, ProofViolation)
+
+
+def test_division_ranges_keep_zero():
+    """x / y with y possibly 0 may be 0 (RFC 9669): a read at such a derived offset inside the
+    value is accepted (the one past it is not, above), and runs clean under proof checking."""
+    prog = Program("ok", assemble("ldxb %r2, [%r1+0]\nand %r2, 1\nmov %r7, 248\ndiv %r7, %r2\n" + LOOKUP
+                                  + "add %r0, %r7\nldxdw %r0, [%r0+0]\nexit\n" + OUT), _value_map())
+    verify(prog)
+    assert Interpreter(check_proofs=True).run(prog, mem=bytearray(MEM)) == 0
