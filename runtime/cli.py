@@ -38,6 +38,10 @@ def build_parser():
                         "(default: the bundled policies/prefill_qos.fx)")
     p.add_argument("--backend", choices=("interp", "jit", "kernel"), default=None,
                    help="VM backend for the programs (default: jit where it works, else interp)")
+    p.add_argument("--jit-checks", choices=("unproven", "all"), default=None,
+                   help="run-time bounds checks in JIT code: on accesses the verifier did not prove "
+                        "(default), or on all of them, for policy folders you do not trust "
+                        "(docs/security.md; FABRIC_EXT_JIT_CHECKS)")
     p.add_argument("--model", help="llama3-8b, llama3-70b, qwen2.5-7b, or a Hugging Face config.json")
     p.add_argument("--prompt", type=int, help="prompt tokens")
     p.add_argument("--batch", type=int, help="prompts in the batch")
@@ -97,7 +101,7 @@ def run(args) -> int:
         else:
             folder = policy
         man = load_manifest(folder)
-        backend = get_backend(args.backend or "auto")
+        backend = get_backend(args.backend or "auto", jit_checks=args.jit_checks)
         try:
             reports = {}
             for attach in ([True, False] if args.baseline else [True]):

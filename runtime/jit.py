@@ -10,6 +10,7 @@ not do natively call back into the interpreter's implementations.
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 
 import llvmlite.binding as llvm
@@ -184,13 +185,26 @@ class _Compiled:
         self.min_ctx = 0      # contexts shorter than this run the checked variant
 
 
+JIT_CHECKS = ("unproven", "all")
+
+
 class JitBackend(Backend):
-    """Native code through LLVM.  ``budget``, ``clock`` and ``seed`` as for the interpreter."""
+    """Native code through LLVM.  ``budget``, ``clock`` and ``seed`` as for the interpreter.
+
+    ``checks``: ``unproven`` (the default) emits a run-time bounds check on every access the
+    verifier did not prove; ``all`` keeps them on proven accesses too, so a verifier defect
+    cannot reach host memory (defence in depth for programs from folders you do not trust;
+    ``FABRIC_EXT_JIT_CHECKS=all`` sets it for a whole process)."""
     name = "jit"
     host_maps = True
 
-    def __init__(self, budget: int = 1_000_000, clock=None, seed: int = 1, cpu: int = 0):
+    def __init__(self, budget: int = 1_000_000, clock=None, seed: int = 1, cpu: int = 0,
+                 checks: str | None = None):
         from .interp import Interpreter
+        checks = checks or os.environ.get("FABRIC_EXT_JIT_CHECKS") or "unproven"
+        if checks not in JIT_CHECKS:
+            raise ValueError(f"JIT checks must be one of {', '.join(JIT_CHECKS)}, not '{checks}'")
+        self.checks = checks
         self.budget = budget
         self.helper_vm = Interpreter(budget, clock, seed, cpu)   # clock, prandom and printk state
         self.current = None
@@ -212,7 +226,7 @@ class JitBackend(Backend):
 
     # -- backend interface ---------------------------------------------------------------------------------
     def load(self, prog: Program) -> _Compiled:
-        return self._compile(prog, prog.proof)
+        return self._compile(prog, prog.proof if self.checks == "unproven" else None)
 
     def _compile(self, prog: Program, proof: dict | None) -> _Compiled:
         key = (prog.code, tuple((m.values.ctypes.data, m.values.nbytes) for m in prog.maps),
@@ -231,7 +245,7 @@ class JitBackend(Backend):
         """How this backend's programs were made ready: compiled, read from the code cache, or
         already in this process (loaded before, by this or another backend)."""
         st = self.stats
-        return {"compiled": st["compiled"], "from_cache": st["cached"], "in_process": st["reused"],
+        return {"checks": self.checks, "compiled": st["compiled"], "from_cache": st["cached"], "in_process": st["reused"],
                 "compile_ms": round(st["compile_s"] * 1e3, 3), "load_ms": round(st["load_s"] * 1e3, 3),
                 "cache": str(code_cache().dir) if code_cache().dir else None}
 

@@ -92,6 +92,7 @@ def _load_line(load: dict | None) -> str:
     how = [f"{load['compiled']} compiled in {load['compile_ms']:.1f} ms"] if load["compiled"] else []
     how += [f"{load['from_cache']} from the code cache"] if load["from_cache"] else []
     how += [f"{load['in_process']} already loaded"] if load.get("in_process") else []
+    how += ["every access checked at run time"] if load.get("checks") == "all" else []
     return f" ({', '.join(how) or 'no programs'}; ready in {load['load_ms']:.1f} ms)"
 
 

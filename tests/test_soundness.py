@@ -190,3 +190,28 @@ def test_division_ranges_keep_zero():
                                   + "add %r0, %r7\nldxdw %r0, [%r0+0]\nexit\n" + OUT), _value_map())
     verify(prog)
     assert Interpreter(check_proofs=True).run(prog, mem=bytearray(MEM)) == 0
+
+
+def test_jit_checks_all_stops_what_a_wrong_proof_lets_through(monkeypatch):
+    """Defence in depth: with checks=all the JIT keeps run-time checks on proven accesses, so
+    even a verifier defect (simulated here) ends in a fault, not in host memory."""
+    from fabric_ext.runtime import verifier
+    from fabric_ext.runtime.jit import JitBackend
+    real = verifier.Verifier._check_access
+
+    def no_map_bounds(self, pc, ptr, off, size, write):
+        if ptr[0] != "map_value":
+            real(self, pc, ptr, off, size, write)
+    monkeypatch.setattr(verifier.Verifier, "_check_access", no_map_bounds)
+    prog = Program("p", assemble(DIV_BY_RANGE_WITH_ZERO), _value_map())
+    verify(prog)
+    assert prog.proof
+    vm = JitBackend(checks="all")
+    with pytest.raises(VMFault, match="out-of-bounds"):
+        vm.run(vm.load(prog), mem=bytearray(MEM))
+    assert vm.load_stats()["checks"] == "all"
+    monkeypatch.setenv("FABRIC_EXT_JIT_CHECKS", "all")
+    assert JitBackend().checks == "all"
+    monkeypatch.setenv("FABRIC_EXT_JIT_CHECKS", "some")
+    with pytest.raises(ValueError, match="unproven, all"):
+        JitBackend()
