@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fabric_ext.diagnostics import Diagnostics
 from fabric_ext.frontend import analyze
-from fabric_ext.fsutil import replace_dir
+from fabric_ext.fsutil import OutputError, check_replaceable, replace_dir
 from fabric_ext.loader import display_path
 from fabric_ext.runtime import isa
 from fabric_ext.runtime.elf import load_object
@@ -127,7 +127,10 @@ def _kernel_verify(loaded, hooks, progs, specs, island, diags):
 
 
 def write_output(res: CompileResult, out: Path) -> None:
+    """Write the output folder whole, replacing only an empty folder or an earlier output
+    (`fsutil.check_replaceable`); raises `OutputError` (an OSError) where it cannot."""
     out = out.resolve()
+    check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -149,10 +152,12 @@ def compile_policy(path: Path, out: Path, opt=2, mcpu="v3", emit=(), kernel_veri
         n = len(diags.errors)
         print(f"{path}: {n} error{'s' * (n != 1)}; {out} left as it was", file=sys.stderr)
         return 1
-    if out.exists() and not out.is_dir():
-        print(f"fabricc: {out} exists and is not a folder", file=sys.stderr)
-        return 2
-    write_output(res, out)
+    try:
+        write_output(res, out)
+    except OSError as e:
+        why = str(e) if isinstance(e, OutputError) else f"cannot write {out}: {e.strerror or e}"
+        print(f"fabricc: {why}", file=sys.stderr)
+        return 1
     for line in res.summary:
         print(line)
     print(f"wrote {len(res.files)} files to {out}")

@@ -69,6 +69,8 @@ def cmd_graph(args) -> int:
 
 def cmd_compile(args) -> int:
     from .codegen.driver import compile_policy
+    if not args.output.strip():
+        raise UsageError("fabricc: -o needs a folder name")
     return compile_policy(_existing(args.file), Path(args.output), opt=args.O, mcpu=args.mcpu,
                           emit=args.emit or [], kernel_verify=args.kernel_verify)
 

@@ -1,6 +1,7 @@
-"""Writing files so that a failure never leaves them half-written."""
+"""Writing files so that a failure never leaves them half-written, nor removes what we did not write."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -23,8 +24,45 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
+class OutputError(OSError):
+    """An output folder we must not (or cannot) replace; the message says why and what to do."""
+
+
+def check_replaceable(target: Path, manifest: str = "manifest.json") -> None:
+    """``target`` may be replaced only if it does not exist, is empty, or is an earlier output of
+    ours: a folder whose ``manifest`` lists (under ``files``) every other entry in it.  Anything
+    else would lose what the user put there."""
+    if not target.exists() and not target.is_symlink():
+        return
+    if target.is_symlink() or not target.is_dir():
+        raise OutputError(f"{target} exists and is not a folder; choose a folder for the output")
+    entries = {p.name for p in target.iterdir()}
+    if not entries:
+        return
+    try:
+        man = json.loads((target / manifest).read_text())
+        ours = set(man["files"]) | {manifest}
+    except (OSError, ValueError, KeyError, TypeError):
+        raise OutputError(f"{target} is not empty and is not an earlier fabricc output (no readable "
+                          f"{manifest}); fabricc will not replace it: choose a new or empty folder") from None
+    foreign = sorted(entries - ours)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise OutputError(f"{target} holds what fabricc did not write ({shown}); fabricc removes nothing it "
+                          "did not write: move those away or choose another folder")
+
+
 def replace_dir(staging: Path, target: Path) -> None:
-    """Move a fully written ``staging`` folder into place at ``target``."""
+    """Move a fully written ``staging`` folder into place at ``target`` (see `check_replaceable`),
+    with the mode the old folder had (a new one: the umask's)."""
+    check_replaceable(target)
+    if target.is_dir():
+        mode = target.stat().st_mode & 0o7777
+    else:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o777 & ~umask
+    os.chmod(staging, mode)
     old = None
     if target.exists():
         old = target.with_name(f".{target.name}.old.{os.getpid()}")

@@ -70,3 +70,34 @@ def test_internal_error_is_one_line(monkeypatch, capsys):
     assert cli.main(["check", "x.fx"]) == 3
     err = capsys.readouterr().err
     assert "internal error" in err and "Traceback" not in err
+
+
+REFERENCE = [p for p in EXAMPLES if p.name == "prefill_qos.fx"][0]
+
+
+def test_compile_replaces_only_empty_folders_and_its_own_output(tmp_path):
+    """`-o .` once deleted the working folder's contents: fabricc now replaces only an empty
+    folder or an earlier output whose manifest lists every entry, and keeps the folder's mode."""
+    (tmp_path / "mine.txt").write_text("keep")
+    for out in (".", ""):
+        r = fabricc("compile", REFERENCE, "-o", out, cwd=tmp_path)
+        assert r.returncode in (1, 2) and "Traceback" not in r.stderr, r.stderr
+        assert (tmp_path / "mine.txt").read_text() == "keep"
+    out = tmp_path / "out"
+    out.mkdir(mode=0o750)
+    out.chmod(0o750)
+    assert fabricc("compile", REFERENCE, "-o", out).returncode == 0
+    assert out.stat().st_mode & 0o777 == 0o750
+    assert fabricc("compile", REFERENCE, "-o", out).returncode == 0      # its own output: replaced
+    (out / "notes.txt").write_text("mine")
+    r = fabricc("compile", REFERENCE, "-o", out)
+    assert r.returncode == 1 and "notes.txt" in r.stderr and "removes nothing it did not write" in r.stderr
+    assert (out / "notes.txt").read_text() == "mine" and (out / "manifest.json").is_file()
+    r = fabricc("compile", REFERENCE, "-o", tmp_path / "mine.txt")
+    assert r.returncode == 1 and "not a folder" in r.stderr
+
+
+@pytest.mark.parametrize("out", ["/proc/fabricc-out", "/dev/null/x"])
+def test_unwritable_output_is_an_input_error(out):
+    r = fabricc("compile", REFERENCE, "-o", out)
+    assert r.returncode == 1 and "cannot write" in r.stderr and "Traceback" not in r.stderr
