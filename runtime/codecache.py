@@ -9,23 +9,33 @@ so an entry serves any later process.
 
 The cache lives in ``$FABRIC_EXT_JIT_CACHE``, else ``$XDG_CACHE_HOME/fabric_ext/jit``,
 else ``~/.cache/fabric_ext/jit``; ``FABRIC_EXT_JIT_CACHE=off`` turns it off.  Entries
-are written whole (a temporary file renamed into place) and checked against
-their own SHA-256 when read, so a truncated or damaged entry is recompiled,
-never run.  Nothing in it is needed: deleting the folder only costs a compile.
-The cache is trusted like ``__pycache__``: whoever can write the folder can
-change what runs.
+are written whole (a temporary file renamed into place).
+
+Native code from disk runs with the user's rights, so the cache trusts only
+what it wrote itself: each entry carries an HMAC-SHA256, under a per-user key
+kept 0600 in the folder (``key``), of its own name and its code.  An entry that
+is planted, damaged, truncated, or another program's (renamed) fails the check
+and is a miss: recompiled and replaced, never run.  A folder that is group- or
+world-writable, or owned by someone else, is not used at all (said once, on
+standard error), and neither is a key file others can read or that is not ours.
+Nothing in the cache is needed: deleting the folder only costs a compile.
 """
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
+import stat
+import sys
 import tempfile
 from pathlib import Path
 
 import llvmlite
 import llvmlite.binding as llvm
 
-MAGIC = b"FXJITOB1"
+MAGIC = b"FXJITOB2"          # 2: authenticated entries
+KEY_FILE, KEY_SIZE = "key", 32
+_warned: set[str] = set()    # folders already reported as unusable in this process
 _SOURCES = ("lift.py", "jit.py", "maps.py", "isa.py")
 
 
@@ -52,6 +62,15 @@ def _compiler_salt() -> bytes:
     return h.digest()
 
 
+def _unsafe(st: os.stat_result, what: str, private: bool) -> str | None:
+    """Why a file or folder with status ``st`` cannot be trusted (None if it can)."""
+    if st.st_uid != os.getuid():
+        return f"{what} is owned by uid {st.st_uid}, not by you"
+    if st.st_mode & (0o077 if private else 0o022):
+        return f"{what} has mode {stat.S_IMODE(st.st_mode):o} (others can {'read' if private else 'write'} it)"
+    return None
+
+
 class CodeCache:
     """Object code by digest, in one folder (None: a cache that keeps nothing)."""
 
@@ -60,6 +79,48 @@ class CodeCache:
         self.salt = _compiler_salt()
         self.hits = self.misses = 0
         self.error = ""          # the last reason an entry could not be written
+        self.refused = ""        # why the folder is not used at all
+        self._key: bytes | None = None
+        if directory is not None:
+            self._open()
+
+    def _open(self):
+        """Make or check the folder and its key; on any doubt, use no cache and say so once."""
+        try:
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            why = _unsafe(os.stat(self.dir), str(self.dir), private=False)
+            if why is None:
+                self._key, why = self._read_key()
+        except OSError as e:
+            why = f"{self.dir}: {e.strerror or e}"
+        if why is not None:
+            self.refused, self.dir = why, None
+            if why not in _warned:
+                _warned.add(why)
+                print(f"fabric_ext: the JIT code cache is not used: {why}; programs are compiled "
+                      "every run (set FABRIC_EXT_JIT_CACHE to a folder of your own, or 'off')", file=sys.stderr)
+
+    def _read_key(self) -> tuple[bytes | None, str | None]:
+        path = self.dir / KEY_FILE
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(os.urandom(KEY_SIZE))
+        except FileExistsError:
+            pass
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            why = _unsafe(st, str(path), private=True)
+            if why is None and not stat.S_ISREG(st.st_mode):
+                why = f"{path} is not a regular file"
+            key = f.read(KEY_SIZE + 1)
+        if why is None and len(key) != KEY_SIZE:
+            why = f"{path} is not a key of {KEY_SIZE} bytes"
+        return (None, why) if why else (key, None)
+
+    def _tag(self, key: str, obj: bytes) -> bytes:
+        return hmac.new(self._key, key.encode() + b"\0" + obj, hashlib.sha256).digest()
 
     def key(self, *parts: bytes) -> str:
         h = hashlib.sha256(self.salt)
@@ -78,8 +139,8 @@ class CodeCache:
             data = self._path(key).read_bytes()
         except OSError:
             data = b""
-        head, digest, obj = data[:8], data[8:40], data[40:]
-        if head == MAGIC and hashlib.sha256(obj).digest() == digest:
+        head, tag, obj = data[:8], data[8:40], data[40:]
+        if head == MAGIC and hmac.compare_digest(tag, self._tag(key, obj)):
             self.hits += 1
             return obj
         self.misses += 1
@@ -92,10 +153,9 @@ class CodeCache:
             return
         tmp = None
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=".o")
             with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + hashlib.sha256(obj).digest() + obj)
+                f.write(MAGIC + self._tag(key, obj) + obj)
             os.replace(tmp, self._path(key))
             tmp = None
         except OSError as e:

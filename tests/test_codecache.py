@@ -23,11 +23,52 @@ def test_an_entry_reads_back_whole_and_a_damaged_one_reads_as_absent(tmp_path):
     cache.put(key, b"\x7fELF object code")
     assert cache.get(key) == b"\x7fELF object code" and cache.hits == 1
     entry = tmp_path / f"{key}.o"
-    assert [p.name for p in tmp_path.iterdir()] == [entry.name]      # no temporary file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([entry.name, "key"])   # no temporary file
     data = entry.read_bytes()
-    for damaged in (data[:-1], data[:-1] + b"?", b"", b"FXJITOB1" + data[8:12]):
+    for damaged in (data[:-1], data[:-1] + b"?", b"", b"FXJITOB2" + data[8:12]):
         entry.write_bytes(damaged)
         assert cache.get(key) is None
+
+
+def test_entries_it_did_not_write_are_misses(tmp_path):
+    """A planted entry runs native code as the user: only entries tagged with the user's own
+    key (HMAC of name and code) are used; a valid entry of another program under this name,
+    one tagged with the old plain digest, or with another key, are all misses."""
+    import hashlib
+    import hmac
+    cache = CodeCache(tmp_path)
+    mine, other = cache.key(b"mine"), cache.key(b"other")
+    cache.put(other, b"other code")
+    (tmp_path / f"{mine}.o").write_bytes((tmp_path / f"{other}.o").read_bytes())
+    assert cache.get(mine) is None and cache.get(other) == b"other code"
+    planted = b"\x7fELF evil"
+    for tag in (hashlib.sha256(planted).digest(),
+                hmac.new(os.urandom(32), mine.encode() + b"\0" + planted, hashlib.sha256).digest()):
+        (tmp_path / f"{mine}.o").write_bytes(b"FXJITOB2" + tag + planted)
+        assert cache.get(mine) is None
+    assert (tmp_path / "key").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("spoil", ["group-writable", "others' folder", "readable key", "short key"])
+def test_an_untrustworthy_folder_is_not_used_and_said_once(tmp_path, capsys, spoil):
+    folder = tmp_path / "jit"
+    CodeCache(folder)                              # made 0700 with a 0600 key
+    assert folder.stat().st_mode & 0o777 == 0o700
+    if spoil == "group-writable":
+        folder.chmod(0o775)
+    elif spoil == "others' folder":
+        if os.getuid() != 0:
+            pytest.skip("changing a folder's owner needs root")
+        os.chown(folder, 65534, 65534)
+    elif spoil == "readable key":
+        (folder / "key").chmod(0o644)
+    else:
+        (folder / "key").write_bytes(b"short")
+    caches = [CodeCache(folder), CodeCache(folder)]
+    assert all(c.dir is None and c.refused for c in caches)
+    caches[0].put("k", b"code")
+    assert caches[0].get("k") is None and not list(folder.glob("*.o"))
+    assert capsys.readouterr().err.count("the JIT code cache is not used") == 1
 
 
 def test_keys_tell_their_parts_apart():
@@ -41,7 +82,12 @@ def test_a_folder_that_cannot_be_written_only_costs_a_compile(tmp_path):
     blocker.write_text("")
     cache = CodeCache(blocker / "jit")
     cache.put("k", b"code")
-    assert cache.error.startswith(str(blocker / "jit")) and cache.get("k") is None
+    assert cache.refused.startswith(str(blocker / "jit")) and cache.get("k") is None
+    cache = CodeCache(tmp_path / "c")
+    (tmp_path / "c").chmod(0o500)                   # unwritable after it was opened
+    cache.put("k", b"code")
+    if os.getuid() != 0:                            # root writes anyway
+        assert cache.error.startswith(str(tmp_path / "c")) and cache.get("k") is None
     off = CodeCache(None)
     off.put("k", b"code")
     assert off.get("k") is None and not off.error
