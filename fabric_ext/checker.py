@@ -15,7 +15,7 @@ from . import schema as S
 from .diagnostics import Diagnostics, closest, did_you_mean
 from .hooks import CLASSES, DEVICE_ISLAND_KIND, OPERATORS, Hook
 from .loader import Program
-from .units import BOOL, COUNT, DEVICE, DIM_NAMES, PERCENT, SIZE, TIME, BANDWIDTH
+from .units import BOOL, COUNT, DEVICE, DIM_NAMES, PERCENT, SIZE, TIME, BANDWIDTH, format_quantity
 
 _SCALAR = (None, COUNT)
 
@@ -114,6 +114,11 @@ def _check_props(props, table, what, diags, devices=None):
         elif not compatible(v.dim, kind):
             diags.error(v.span, f"'{name}' must be {dim_name(kind)}, not {dim_name(v.dim)}",
                         _unit_hint(kind))
+        elif name in S.PROP_RANGES:
+            lo, hi = S.PROP_RANGES[name]
+            if v.value != int(v.value) or not lo <= v.value <= hi:
+                diags.error(v.span, f"'{name}' must be a whole {dim_name(kind)[2:]} from "
+                            f"{format_quantity(lo, kind)} to {format_quantity(hi, kind)}")
     return seen
 
 

@@ -26,6 +26,10 @@ WORKLOAD_PROPS = {"model": STRING, "prompt": COUNT, "batch": COUNT, "tp": COUNT,
 WORKLOAD_MEMORY_WORDS = ("hbm", "none")
 
 MOVEMENT_PROPS = {"critical": FLAG, "pattern": NAME, "chunk": SIZE, "background": FLAG}
+#: the values a workload or movement property may take (base units), so that no run is endless:
+#: a chunk is at least a page (a 1-byte chunk is ~10^10 events), a prompt at most 2^20 tokens
+PROP_RANGES = {"prompt": (1, 1 << 20), "batch": (1, 1 << 16), "tp": (1, 1 << 16),
+               "chunk": (4096, 1 << 40), "prefetch": (0, 1 << 16)}
 MOVEMENT_PATTERNS = ("bulk", "stream", "burst")
 
 MAP_KINDS = ("array", "hash", "percpu_array", "percpu_hash", "lru_hash", "ringbuf")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from fabric_ext.hooks import HOOKS
 
 from . import isa
 from .elf import MapSpec, ObjectError, load_object
+from .manifest_schema import SchemaError, validate
 from .maps import Map
 from .program import Program
 from .verifier import VerifierError, verify
@@ -26,8 +29,27 @@ MANIFEST_SCHEMA = "fabric-manifest/2"   # 2: programs list their handlers
 DPUTIME_SCHEMA = "dputime/1"
 
 
+MAX_ARTIFACT = 64 << 20     # no file of a policy folder is read if it is larger
+
+
 class BundleError(ValueError):
     """A missing, corrupt or mismatched artifact; the message names the file and what to do."""
+
+
+def read_artifact(path: Path, what: str) -> bytes:
+    """A file of a policy folder: a regular file (not a link out of it, nor a device), of
+    bounded size."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise BundleError(f"{path}: missing {what}; compile the policy with 'fabricc compile POLICY -o "
+                          f"{path.parent}'") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise BundleError(f"{path}: {what} is not a regular file (a link or a device); recompile the policy")
+    if st.st_size > MAX_ARTIFACT:
+        raise BundleError(f"{path}: {what} is {st.st_size} bytes, more than the {MAX_ARTIFACT >> 20} MiB "
+                          "a policy folder's file may have")
+    return path.read_bytes()
 
 
 @dataclass
@@ -56,32 +78,40 @@ class Bundle:
 
 
 def _read_json(path: Path, what: str) -> dict:
+    data = read_artifact(path, what)
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise BundleError(f"{path}: missing {what}; compile the policy with 'fabricc compile POLICY -o "
-                          f"{path.parent}'") from None
+        return json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BundleError(f"{path}: corrupt {what} ({e}); recompile the policy") from None
+    except RecursionError:
+        raise BundleError(f"{path}: corrupt {what} (nested too deeply); recompile the policy") from None
 
 
 def load_manifest(folder: Path) -> dict:
     folder = Path(folder)
     if not folder.is_dir():
         raise BundleError(f"{folder}: no such folder; compile a policy first: fabricc compile POLICY -o {folder}")
-    man = _read_json(folder / "manifest.json", "manifest.json")
-    if man.get("schema") != MANIFEST_SCHEMA:
-        raise BundleError(f"{folder / 'manifest.json'}: schema {man.get('schema')!r}, expected {MANIFEST_SCHEMA!r}; "
+    path = folder / "manifest.json"
+    man = _read_json(path, "manifest.json")
+    schema = man.get("schema") if isinstance(man, dict) else None
+    if schema != MANIFEST_SCHEMA:
+        raise BundleError(f"{path}: schema {str(schema)[:40]!r}, expected {MANIFEST_SCHEMA!r}; "
                           "recompile the policy with this version of fabricc")
-    for name, digest in man.get("files", {}).items():
+    try:
+        validate(man)
+    except SchemaError as e:
+        raise BundleError(f"{path}: {e}; recompile the policy") from None
+    for name, digest in man["files"].items():
         p = folder / name
-        if not p.is_file():
-            raise BundleError(f"{p}: missing; recompile the policy")
-        if hashlib.sha256(p.read_bytes()).hexdigest() != digest:
+        if hashlib.sha256(read_artifact(p, "artifact")).hexdigest() != digest:
             raise BundleError(f"{p}: does not match manifest.json (changed or corrupt); recompile the policy")
     for src in man.get("sources", []):
-        p = Path(src["path"])
-        if p.is_file() and hashlib.sha256(p.read_bytes()).hexdigest() != src["sha256"]:
+        p = Path(src["path"])      # checked only where it is still a policy source of sane size
+        try:
+            fresh = p.suffix == ".fx" and p.is_file() and p.stat().st_size <= MAX_ARTIFACT
+        except OSError:
+            fresh = False
+        if fresh and hashlib.sha256(p.read_bytes()).hexdigest() != src["sha256"]:
             raise BundleError(f"{src['file']}: changed since {folder} was compiled; recompile it")
     return man
 
@@ -131,6 +161,20 @@ def create_maps(manifest: dict, shared: bool = False, skip=()) -> dict[str, Map]
 def load_runtime_json(path: Path) -> tuple[list[MapSpec], dict[str, list[isa.Insn]]]:
     """Maps and relocated instructions from a .bpftime.json or .dputime.json file."""
     data = _read_json(Path(path), Path(path).name)
+    try:
+        maps, progs = _runtime_json(path, data)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, BundleError):
+            raise
+        raise BundleError(f"{path}: malformed ({type(e).__name__}: {str(e)[:80]}); recompile the policy") from None
+    for spec in maps:
+        why = spec.problem()
+        if why:
+            raise BundleError(f"{path}: map '{spec.name}': {why}; recompile the policy")
+    return maps, progs
+
+
+def _runtime_json(path, data):
     if data.get("schema") == DPUTIME_SCHEMA:
         maps = [MapSpec(m["name"], m["map_type"], m["key_size"], m["value_size"], m["max_entries"], m["flags"])
                 for m in data["maps"]]

@@ -47,6 +47,8 @@ def build_parser():
     p.add_argument("--batch", type=int, help="prompts in the batch")
     p.add_argument("--tp", type=int, help="tensor-parallel degree")
     p.add_argument("--chunk", type=int, metavar="TOKENS", help="chunked prefill: tokens per pass")
+    p.add_argument("--max-events", type=int, default=None, metavar="N",
+                   help="stop a run that passes N simulated events (default 20,000,000; 0: no limit)")
     p.add_argument("--baseline", action="store_true", help="also run with no programs attached and compare")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace")
@@ -86,7 +88,7 @@ def _progress():
 
 def run(args) -> int:
     from .bundle import create_maps, load_manifest
-    from .engine import Engine, RunOptions
+    from .engine import DEFAULT_MAX_EVENTS, Engine, RunOptions
     from .program import get_backend
     from . import stats
     policy = Path(args.policy) if args.policy else reference_policy()
@@ -101,6 +103,7 @@ def run(args) -> int:
         else:
             folder = policy
         man = load_manifest(folder)
+        max_events = DEFAULT_MAX_EVENTS if args.max_events is None else (args.max_events or None)
         backend = get_backend(args.backend or "auto", jit_checks=args.jit_checks)
         try:
             reports = {}
@@ -108,7 +111,7 @@ def run(args) -> int:
                 maps = create_maps(man)
                 show = _progress() if attach else None
                 opts = RunOptions(args.model, args.prompt, args.batch, args.tp, args.chunk, attach, show,
-                                  trace=bool(args.trace) and attach)
+                                  trace=bool(args.trace) and attach, max_events=max_events)
                 eng = Engine(folder, man, maps, backend, opts)
                 report = eng.run()
                 if hasattr(backend, "sync"):
@@ -147,11 +150,19 @@ def main(argv=None) -> int:
     from .bundle import BundleError
     from .elf import ObjectError
     from .kernel import KernelError, KernelVerifierError
+    from .fabric_model import EventLimit
     from .workload import WorkloadError
+    if args.max_events is not None and args.max_events < 0:
+        print("fabric-run: --max-events must be 0 (no limit) or more", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return run(args)
     except (BundleError, ObjectError, WorkloadError) as e:
         print(f"fabric-run: {e}", file=sys.stderr)
+        return EXIT_INPUT
+    except EventLimit as e:
+        print(f"fabric-run: {e}; the workload makes more events than the limit allows (small transfer "
+              "chunks, a long prompt): use larger chunks, or raise --max-events (0: no limit)", file=sys.stderr)
         return EXIT_INPUT
     except KernelVerifierError as e:
         tail = "\n".join(e.log.strip().splitlines()[-4:])

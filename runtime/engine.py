@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import networkx as nx
 
 from . import compute
+from fabric_ext.schema import PROP_RANGES
+
 from .fabric_model import APPLIED, Fabric, HookSite, Sim, Standing, Transfer
 from .figures import default, figures
 from .dispatch import Known
@@ -48,6 +50,10 @@ def _fewer_collections():
 TRANSFER_FIELDS = ("movement", "class", "operator", "src", "dst", "layer", "critical")
 
 
+#: ~50x the events of the largest bundled run (Llama-3-70B, 32k tokens: ~420,000); a few minutes of run
+DEFAULT_MAX_EVENTS = 20_000_000
+
+
 @dataclass
 class RunOptions:
     model: str | None = None
@@ -59,6 +65,7 @@ class RunOptions:
     progress: object = None          # callable(fraction) or None
     trace: bool = False              # record spans for a Perfetto trace
     eager_ticks: bool = False        # run each tick at its time instead of lazily (tests compare the two)
+    max_events: int | None = DEFAULT_MAX_EVENTS   # a run that passes this many events stops (None: no limit)
 
 
 class Engine(HookSite):
@@ -70,7 +77,7 @@ class Engine(HookSite):
         self.islands = {i["name"]: i for i in manifest["fabric"]["islands"]}
         self.device_island = {d["name"]: d["island"] for d in manifest["fabric"]["devices"] if d["island"]}
         self.workload = self._workload()
-        self.sim = Sim()
+        self.sim = Sim(opts.max_events)
         self.fabric = self._fabric()
         self.shims = {}
         if opts.attach:
@@ -97,17 +104,26 @@ class Engine(HookSite):
     # -- setup ---------------------------------------------------------------------------
     def _workload(self) -> Workload:
         w, o = self.man.get("workload", {}), self.opts
+
+        def pick(option, key, fallback):
+            value = option if option is not None else w.get(key, fallback)
+            lo, hi = PROP_RANGES[key]
+            if type(value) is not int or not lo <= value <= hi:
+                raise WorkloadError(f"{key} must be a whole number from {lo} to {hi}, not {value!r}")
+            return value
         model = load_model(o.model or w.get("model", "llama3-8b"))
-        wl = Workload(model, int(o.prompt or w.get("prompt", 8192)), int(o.batch or w.get("batch", 1)),
-                      int(o.tp or w.get("tp", 1)), int(o.chunk_tokens or w.get("prefill_chunk", 0) or 0),
+        prompt = pick(o.prompt, "prompt", 8192)
+        chunk_tokens = o.chunk_tokens if o.chunk_tokens is not None else w.get("prefill_chunk", 0) or 0
+        if type(chunk_tokens) is not int or not 0 <= chunk_tokens <= prompt:
+            raise WorkloadError(f"the prefill chunk must be a whole number of tokens from 1 to the prompt's "
+                                f"{prompt}, not {chunk_tokens!r}")
+        wl = Workload(model, prompt, pick(o.batch, "batch", 1), pick(o.tp, "tp", 1), chunk_tokens,
                       w.get("weights", "hbm"), w.get("kv", "hbm"), w.get("kv_export"),
-                      int(w.get("chunk") or figures()["defaults"]["transfer_chunk"]),
+                      pick(None, "chunk", figures()["defaults"]["transfer_chunk"]),
                       int(w.get("prefetch") or figures()["defaults"]["prefetch"]))
         gpus = [d for d, v in self.devices.items() if v["kind"] == "gpu"]
         if wl.tp > len(gpus):
             raise WorkloadError(f"tp {wl.tp} needs {wl.tp} GPUs; the fabric has {len(gpus)} ({', '.join(gpus)})")
-        if wl.prompt < 1 or wl.batch < 1 or wl.tp < 1:
-            raise WorkloadError("prompt, batch and tp must be at least 1")
         for where in (wl.weights, wl.kv):
             if where not in ("hbm", "none") and where not in self.devices:
                 raise WorkloadError(f"workload places data on unknown device '{where}'")
