@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fabric_ext.diagnostics import Diagnostics
+from fabric_ext.diagnostics import Diagnostics, Span
 from fabric_ext.frontend import analyze
 from fabric_ext.fsutil import OutputError, check_replaceable, replace_dir
 from fabric_ext.loader import display_path
@@ -47,8 +47,17 @@ def _span_of(spec, pc, fallback):
 def build(path: Path, opt: int = 2, mcpu: str = "v3", emit=(), kernel_verify: bool = False,
           diags: Diagnostics | None = None) -> CompileResult | None:
     """Compile ``path`` in memory; returns None when ``diags`` has errors."""
+    diags = diags if diags is not None else Diagnostics()
+    try:
+        return _build(path, opt, mcpu, emit, kernel_verify, diags)
+    except RecursionError:      # the parser's limits should keep every pass far from this
+        diags.error(Span(display_path(Path(path)), 1, 1, 1, 2), "the policy nests too deeply to compile",
+                    "split deep expressions and blocks into smaller ones")
+        return None
+
+
+def _build(path, opt, mcpu, emit, kernel_verify, diags) -> CompileResult | None:
     a = analyze(path, diags)
-    diags = a.diags
     if not a.ok:
         return None
     ids = assign_ids(a)

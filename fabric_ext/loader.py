@@ -1,16 +1,50 @@
 """Pass 2: resolve ``import`` declarations and gather one program (`load`).
 
 Imports are resolved relative to the importing file; each file is read once,
-and a cycle is reported with the chain of files that forms it.
+and a cycle is reported with the chain of files that forms it.  A source is
+untrusted input: only a regular file of at most `MAX_SOURCE` bytes of UTF-8 is
+read (an import must name a ``.fx`` file), so no path can make the compiler
+hang on a device, echo a file that is not a policy, or read without bound.
 """
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import ast as A
 from .diagnostics import Diagnostics, Span
 from .parser import parse
+
+MAX_SOURCE = 1 << 20       # bytes in one .fx file
+
+
+class SourceError(ValueError):
+    """A file that cannot be a policy source; ``line``/``col`` where it is text that is not UTF-8."""
+
+    def __init__(self, msg: str, line: int = 0, col: int = 0):
+        self.line, self.col = line, col
+        super().__init__(msg)
+
+
+def read_source(path: Path) -> str:
+    """The text of a policy source, or `SourceError` (OSError where it cannot be opened)."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise SourceError("it is not a regular file")
+    if st.st_size > MAX_SOURCE:
+        raise SourceError(f"it is {st.st_size} bytes; a policy source has at most {MAX_SOURCE >> 20} MiB")
+    with open(path, "rb") as f:
+        data = f.read(MAX_SOURCE + 1)
+    if len(data) > MAX_SOURCE:
+        raise SourceError(f"it is more than {MAX_SOURCE >> 20} MiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise SourceError(f"byte {data[e.start]:#04x} is not UTF-8 text", line, col) from None
 
 
 @dataclass
@@ -52,15 +86,23 @@ def load(root: str | Path, diags: Diagnostics) -> Program:
             return
         if real in done:
             return
+        name = display_path(path)
+        if at is not None and path.suffix != ".fx":
+            diags.error(at, f"cannot import '{display_path(path)}': imports name .fx policy sources",
+                        "import paths are relative to the importing file")
+            return
         try:
-            text = path.read_text()
+            text = read_source(path)
+        except SourceError as e:
+            where = Span(name, e.line, e.col, e.line, e.col + 1) if e.line else at or Span(name, 1, 1, 1, 2)
+            diags.error(where, f"cannot read '{name}': {e}", "policy sources are UTF-8 text files of at most 1 MiB")
+            return
         except OSError as e:
             if at is None:
                 raise
-            diags.error(at, f"cannot import '{display_path(path)}': {e.strerror.lower()}",
+            diags.error(at, f"cannot import '{display_path(path)}': {(e.strerror or str(e)).lower()}",
                         "import paths are relative to the importing file")
             return
-        name = display_path(path)
         module = parse(text, name, diags)
         prog.sources[name] = text
         if module is None:

@@ -13,7 +13,14 @@ from lark import Token, Transformer, v_args
 
 from . import ast as A
 from .diagnostics import Diagnostics, Span
-from .units import UnitError, parse_quantity
+from .units import BASE_UNIT, UnitError, parse_quantity
+
+U64_MAX = (1 << 64) - 1
+MAX_NUMBER_CHARS = 40        # digits, point and unit: far more than any 64-bit value needs
+# how deep blocks and brackets may nest, and how many tokens one statement may have: the
+# passes recurse over the tree, so these bound their depth (a policy needs a handful of each)
+MAX_NESTING, MAX_STATEMENT_TOKENS = 64, 400
+EXPRESSION_ENDS = {"{", "}", "=", ",", "if", "else", "on", "at"}
 
 # human names for the terminals lark reports as expected
 _TOKEN_NAMES = {
@@ -30,11 +37,9 @@ _TOKEN_NAMES = {
 @lru_cache(maxsize=1)
 def _lark() -> lark.Lark:
     grammar = (Path(__file__).with_name("grammar.lark")).read_text()
-    opts = dict(parser="lalr", propagate_positions=True, maybe_placeholders=True)
-    try:  # cache=True keeps the built LALR tables in the temporary folder, keyed by the grammar
-        return lark.Lark(grammar, cache=True, **opts)
-    except OSError:
-        return lark.Lark(grammar, **opts)
+    # no cache=True: Lark would load its tables as a pickle from the shared temporary folder,
+    # which anyone can plant; building them takes ~50 ms once per process
+    return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
 
 
 def _expected_names(expected) -> list[str]:
@@ -74,6 +79,10 @@ class _Build(Transformer):
 
     def _num(self, tok: Token) -> A.Num:
         text = str(tok)
+        if len(text) > MAX_NUMBER_CHARS:
+            self.diags.error(self._span(tok), f"number of {len(text)} characters is too long",
+                             "every value must fit in 64 bits (at most 20 digits)")
+            return A.Num(0, None, text[:MAX_NUMBER_CHARS], span=self._span(tok))
         try:
             value, dim = parse_quantity(text)
         except UnitError as e:
@@ -82,7 +91,16 @@ class _Build(Transformer):
                              "units are B KiB MiB GiB TiB KB MB GB TB, B/s .. TB/s, bps .. Tbps, "
                              "ns us ms s, FLOPs .. TFLOPs and %")
             value, dim = 0, None
-        return A.Num(value, dim, text, span=self._span(tok))
+        return self._fits(A.Num(value, dim, text, span=self._span(tok)))
+
+    def _fits(self, num: A.Num) -> A.Num:
+        """A literal's value in its base unit must fit in u64: programs hold it in 64 bits."""
+        if num.value > U64_MAX:
+            unit = BASE_UNIT.get(num.dim, "")
+            self.diags.error(num.span, f"'{num.text}' is {num.value:.4g} {unit}".rstrip() + ", more than fits "
+                             f"in 64 bits", f"the largest value is {U64_MAX} {unit}".rstrip())
+            num.value = 0
+        return num
 
     # -- values and expressions
     def quantity(self, items):
@@ -90,7 +108,9 @@ class _Build(Transformer):
 
     def hexnum(self, items):
         t = items[0]
-        return A.Num(int(str(t), 16), None, str(t), span=self._span(t))
+        if len(str(t)) > MAX_NUMBER_CHARS:
+            return self._num(t)
+        return self._fits(A.Num(int(str(t), 16), None, str(t), span=self._span(t)))
 
     def string(self, items):
         t = items[0]
@@ -286,14 +306,44 @@ class _Build(Transformer):
         return list(items)
 
 
+def _too_complex(text: str, file: str, diags: Diagnostics) -> bool:
+    """Report nesting or statements beyond what the passes can recurse over."""
+    depth, run = 0, 0
+    try:
+        for tok in _lark().lex(text):
+            if tok in ("{", "(", "["):
+                depth += 1
+                if depth > MAX_NESTING:
+                    diags.error(Span(file, tok.line, tok.column, tok.line, tok.column + 1),
+                                f"blocks and brackets nest more than {MAX_NESTING} deep here",
+                                "split the handler, or name parts of it with map entries")
+                    return True
+            elif tok in ("}", ")", "]"):
+                depth -= 1
+            run = 0 if tok in EXPRESSION_ENDS else run + 1
+            if run > MAX_STATEMENT_TOKENS:
+                diags.error(Span(file, tok.line, tok.column, tok.line, tok.column + 1),
+                            f"an expression of more than {MAX_STATEMENT_TOKENS} tokens",
+                            "split the expression into several statements")
+                return True
+    except lark.exceptions.LarkError:
+        return False          # the parser reports it, with its position
+    return False
+
+
 def parse(text: str, file: str, diags: Diagnostics) -> A.Module | None:
     """Parse one file; on a syntax error, report it and return None."""
     diags.sources[file] = text
+    if _too_complex(text, file, diags):
+        return None
     try:
         tree = _lark().parse(text)
     except lark.exceptions.UnexpectedCharacters as e:
         span = Span(file, e.line, e.column, e.line, e.column + 1)
         ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else "end of file"
+        if text.startswith("/*", e.pos_in_stream):
+            diags.error(span, "unterminated comment", "close it with */")
+            return None
         diags.error(span, f"unexpected character '{ch}'",
                     "expected " + ", ".join(_expected_names(e.allowed)) if e.allowed else None)
         return None

@@ -1,0 +1,66 @@
+""".fx sources are untrusted input: every malformed one is an error with file:line:col (exit 1),
+never an internal error, a hang, an echo of a file that is not a policy, or a wrapped constant."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FABRIC, FABRIC_LINES
+
+LINE = FABRIC_LINES + 1
+HANDLER = "policy p {{ on kv.forward at sw0 {{ {} }} }}\n"
+
+
+def fabricc(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "fabric_ext.cli", *map(str, args)], capture_output=True,
+                          cwd=cwd, timeout=120)
+
+
+@pytest.mark.parametrize("name,body,where,says", [
+    ("not_utf8", FABRIC.encode() + b"// caf\xe9\n", f"{LINE}:7", "byte 0xe9 is not UTF-8 text"),
+    ("long_number", HANDLER.format("priority = " + "9" * 5000), f"{LINE}:46", "too long"),
+    ("huge_chunk", FABRIC.replace("movement kv = kv : gpu* -> pool0",
+                                  "movement kv = kv : gpu* -> pool0 { chunk: 9999999999999999999999999MiB }"),
+     "11:43", "more than fits in 64 bits"),
+    ("rate_overflows", HANDLER.format("rate = 99999999999TB/s"), f"{LINE}:42", "more than fits in 64 bits"),
+    ("two_to_the_64", HANDLER.format("rate = 18446744073709551616B/s"), f"{LINE}:42", "more than fits in 64 bits"),
+    ("hex_overflows", "map big : array<u32, u64>[0x1ffffffffffffffff]\n", f"{LINE}:27", "more than fits"),
+    ("long_expression", HANDLER.format("priority = " + " + ".join(["1"] * 20000)), f"{LINE}:", "split the expression"),
+    ("deep_ifs", HANDLER.format("if ev.bytes > 1 { " * 500 + "priority = 1 " + "} " * 500), f"{LINE}:",
+     "nest more than 64 deep"),
+    ("deep_parens", HANDLER.format("priority = " + "(" * 3000 + "1" + ")" * 3000), f"{LINE}:", "nest more than"),
+    ("tiny_chunk", FABRIC.replace("movement kv = kv : gpu* -> pool0", "movement kv = kv : gpu* -> pool0 { chunk: 1B }"),
+     "11:43", "'chunk' must be a whole size from 4 KiB"),
+    ("import_device", 'import "/dev/zero"\n', f"{LINE}:1", "imports name .fx policy sources"),
+    ("import_secret", 'import "/etc/passwd"\n', f"{LINE}:1", "imports name .fx policy sources"),
+])
+def test_malformed_sources_are_errors_with_position(tmp_path, name, body, where, says):
+    path = tmp_path / f"{name}.fx"
+    data = body if isinstance(body, bytes) else (body if body.startswith(FABRIC[:20]) else FABRIC + body).encode()
+    path.write_bytes(data)
+    r = fabricc("check", path)
+    err = r.stderr.decode(errors="replace")
+    assert r.returncode == 1, err
+    assert f"{name}.fx:{where}" in err and says in err, err
+    assert "internal error" not in err and "Traceback" not in err and "root:" not in err
+
+
+def test_imports_read_only_bounded_regular_files(tmp_path):
+    (tmp_path / "zero.fx").symlink_to("/dev/zero")
+    (tmp_path / "big.fx").write_bytes(b"// " + b"x" * (1 << 20) + b"\n")
+    for target, says in (("zero.fx", "not a regular file"), ("big.fx", "at most 1 MiB")):
+        root = tmp_path / f"uses_{target}"
+        root.write_text(f'import "{target}"\n' + FABRIC)
+        r = fabricc("check", root)
+        assert r.returncode == 1 and says.encode() in r.stderr, r.stderr
+
+
+def test_the_parser_builds_no_tables_from_the_shared_temporary_folder(tmp_path):
+    """Lark's cache=True loads a pickle from the temporary folder anyone can write to."""
+    env = os.environ | {"TMPDIR": str(tmp_path)}
+    src = tmp_path / "p.fx"
+    src.write_text(FABRIC)
+    subprocess.run([sys.executable, "-m", "fabric_ext.cli", "check", str(src)], env=env, check=True,
+                   capture_output=True)
+    assert not [p for p in tmp_path.iterdir() if "lark" in p.name]
