@@ -7,6 +7,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import shutil
+import signal
 import sys
 import tempfile
 import traceback
@@ -58,6 +62,36 @@ def build_parser():
     return p
 
 
+SCRATCH_PREFIX = "fabric-run-"
+
+
+def _reap_stale_scratch() -> None:
+    """Remove scratch folders of earlier runs that died without cleaning up (SIGKILL, a crash):
+    ours (by owner), named after a process that no longer exists."""
+    base = Path(tempfile.gettempdir())
+    pattern = re.compile(re.escape(SCRATCH_PREFIX) + r"(\d+)-")
+    try:
+        entries = list(base.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        m = pattern.match(entry.name)
+        if not m or int(m[1]) == os.getpid():
+            continue
+        try:
+            if entry.is_symlink() or not entry.is_dir() or entry.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(m[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)      # unwinds the scratch folder's context manager
+
+
 def _compile(fx: Path, tmp: Path) -> Path | None:
     from fabric_ext.codegen.driver import build, write_output
     from fabric_ext.diagnostics import Diagnostics
@@ -92,7 +126,8 @@ def run(args) -> int:
     from .program import get_backend
     from . import stats
     policy = Path(args.policy) if args.policy else reference_policy()
-    with tempfile.TemporaryDirectory(prefix="fabric-run-") as tmp:
+    _reap_stale_scratch()
+    with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-") as tmp:
         if policy.suffix == ".fx" or policy.is_file():
             if not policy.is_file():
                 print(f"fabric-run: no such file: {policy}", file=sys.stderr)
@@ -147,6 +182,9 @@ def run(args) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _exit_on_signal)
     from .bundle import BundleError
     from .elf import ObjectError
     from .kernel import KernelError, KernelVerifierError

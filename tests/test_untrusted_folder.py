@@ -131,3 +131,34 @@ def test_runs_are_bounded(capsys, args, says):
     code = cli.main(["--policy", str(compiled("prefill_qos")), "-q", *args])
     err = capsys.readouterr().err
     assert code == 1 and says in err, err
+
+
+def test_scratch_folders_go_on_signals_and_stale_ones_are_reaped(tmp_path):
+    """fabric-run --policy X.fx compiles into a scratch folder: a SIGTERM removes it, and one
+    left by a run that was killed (SIGKILL, a crash) is removed by the next run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from conftest import POLICIES
+    env = os.environ | {"TMPDIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "fabric_ext.runtime.cli", "--policy", str(POLICIES / "prefill_qos.fx"),
+           "--model", "llama3-70b", "--prompt", "32768", "-q"]
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("fabric-run-*/out/manifest.json")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(tmp_path.glob("fabric-run-*")), "the run made no scratch folder"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert not list(tmp_path.glob("fabric-run-*"))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"fabric-run-{dead.pid}-abc"
+    (stale / "out").mkdir(parents=True)
+    alive = tmp_path / f"fabric-run-{os.getpid()}-xyz"        # a live process's: kept
+    alive.mkdir()
+    r = subprocess.run(cmd[:5] + ["--prompt", "256", "-q"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert not stale.exists() and alive.exists()
