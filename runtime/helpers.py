@@ -85,8 +85,7 @@ def call(vm, m, helper_id: int, regs: list[int]) -> int:
         mp = m.map_of(r1)
         if mp.type != RINGBUF:
             return 0
-        used = sum(len(r) + 8 for r in mp.records)
-        return 0 if used + r2 + 8 > mp.max_entries else m.new_record(mp, r2)
+        return m.new_record(mp, r2) if mp.ringbuf_room(r2) else 0
     if helper_id in (132, 133):
         m.end_record(r1, submit=helper_id == 132)
         return 0

@@ -148,7 +148,8 @@ class _NativeMemory:
         return self.c.values[index] + m.value_offset(slot)
 
     def new_record(self, m, size) -> int:
-        if self.e.rec:
+        if self.e.rec:          # the compiled checks know one record: a second is refused
+            m.dropped += 1
             return 0
         buf = ctypes.create_string_buffer(max(size, 1))
         self.e.rec, self.e.rec_len = ctypes.addressof(buf), size

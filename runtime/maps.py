@@ -73,6 +73,7 @@ class Map:
         self.ncpus = ncpus if map_type in (PERCPU_ARRAY, PERCPU_HASH) else 1
         self.cpu = 0
         self.records: list[bytes] = []  # ringbuf output, oldest first
+        self.dropped = 0                # ringbuf records refused for want of room
         hashed = map_type in (HASH, PERCPU_HASH, LRU_HASH)
         self.cap = 1 << (2 * max_entries - 1).bit_length() if hashed else max_entries
         if map_type == RINGBUF:
@@ -250,7 +251,7 @@ class Map:
     def dump(self) -> dict:
         """Non-zero entries as {key: value} integers (keys ≤ 8 bytes), or records for a ringbuf."""
         if self.type == RINGBUF:
-            return {"records": [r.hex() for r in self.records]}
+            return {"records": [r.hex() for r in self.records], "dropped": self.dropped}
         out = {}
         for k, v in self.items():
             total = sum(int.from_bytes(self.values[self.value_offset(self.lookup_slot(k), c):][:self.value_size]
@@ -261,11 +262,19 @@ class Map:
         return out
 
     # -- ringbuf ------------------------------------------------------------------------
+    def ringbuf_room(self, size: int) -> bool:
+        """Whether a record of ``size`` bytes (plus its 8-byte header) fits; a refusal counts as
+        a drop, as the kernel's ringbuf drops what does not fit."""
+        used = sum(len(r) + 8 for r in self.records)
+        if used + size + 8 > self.max_entries:
+            self.dropped += 1
+            return False
+        return True
+
     def ringbuf_output(self, data: bytes) -> int:
         if self.type != RINGBUF:
             return -errno.EINVAL
-        used = sum(len(r) + 8 for r in self.records)
-        if used + len(data) + 8 > self.max_entries:
+        if not self.ringbuf_room(len(data)):
             return -errno.EAGAIN
         self.records.append(bytes(data))
         return 0

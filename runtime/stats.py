@@ -130,6 +130,12 @@ def render(report: dict, baseline: dict | None = None) -> str:
                             ", ".join(f"{k}={'/'.join(v)}" for k, v in i["decisions"].items())[:70]]
                            for i in report["islands"] if i["events"]],
                           ["island", "kind", "runtime", "events", "runs", "ns/run", "decisions"]))
+    drops = [(name, m) for name, m in report["maps"].items() if isinstance(m, dict) and m.get("dropped")]
+    if drops:
+        out.append("")
+    for name, m in drops:
+        out.append(f"ringbuf {name}: {m['dropped']} records dropped, {len(m['records'])} kept: it was full "
+                   "(nothing consumes it during a run); make it larger or emit less")
     if report["faults"]:
         out.append("")
         for f in report["faults"]:

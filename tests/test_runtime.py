@@ -231,3 +231,23 @@ def test_stored_compute_fit_matches_a_refit():
     assert got["e_max"] == pytest.approx(stored["e_max"], rel=1e-3)
     assert got["x_half"] == pytest.approx(stored["x_half"], rel=1e-3)
     assert got["median_rel_err"] < 0.15
+
+
+@pytest.mark.parametrize("vm", ["interp", "jit"])
+def test_ringbuf_drops_are_counted_and_reported(tmp_path, vm):
+    """Nothing consumes a ringbuf during a run: once it is full, records are dropped, and the
+    report says how many (they were lost in silence)."""
+    from fabric_ext.runtime import stats
+    from fabric_ext.runtime.program import get_backend
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0 }
+movement w_in = weights : pool0 -> gpu*
+map ring : ringbuf[4KiB]
+policy p { on w_in.forward at sw0 { emit ring(now, ev.bytes) } }""")
+    report, _ = run_engine(out, backend=get_backend(vm))
+    ring = report["maps"]["ring"]
+    kept = len(ring["records"])
+    assert kept * (16 + 8) <= 4096 < (kept + 1) * (16 + 8)        # full: 16-byte records, 8-byte headers
+    assert ring["dropped"] > 0
+    assert f"ringbuf ring: {ring['dropped']} records dropped, {kept} kept" in stats.render(report)
