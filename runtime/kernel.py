@@ -3,8 +3,11 @@
 Maps with ``BPF_MAP_CREATE``, programs with ``BPF_PROG_LOAD`` as
 ``BPF_PROG_TYPE_SYSCALL`` after our own relocation (map fds into ``lddw``),
 runs with ``BPF_PROG_TEST_RUN`` passing the context in ``ctx_in`` (the kernel
-copies it back, decisions included).  `KernelBackend` is the VM backend;
-everything it creates is closed by ``close()``.
+copies it back, decisions included); a bare program's memory goes the same way.
+``BPF_PROG_TEST_RUN`` reports only the low 32 bits of r0, so `KernelBackend`
+loads each program with every exit of its main function rewritten to store the
+full r0 in a one-entry array map first (as bpf_conformance's libbpf plugin
+does), and reads it from there.  Everything it creates is closed by ``close()``.
 """
 from __future__ import annotations
 
@@ -36,7 +39,9 @@ class KernelVerifierError(KernelError):
 
     def __init__(self, name: str, err: int, log: str):
         self.name, self.log = name, log
-        super().__init__(err, f"kernel verifier rejected '{name}': {os.strerror(err)}")
+        tail = "; ".join(line.strip() for line in log.strip().splitlines()[-3:])
+        super().__init__(err, f"kernel verifier rejected '{name}': {os.strerror(err)}"
+                         + (f" (its log ends: {tail})" if tail else ""))
 
     def failing_insn(self) -> int | None:
         """The instruction the log ends on (the one it rejected), if it names one."""
@@ -207,6 +212,47 @@ def drain_ringbuf(fd: int, size: int) -> list[bytes]:
         prod.close()
 
 
+def store_r0_at_exit(insns: list[I.Insn], map_fd: int) -> list[I.Insn]:
+    """``insns`` with each exit of the main function (not of subprograms) preceded by a store
+    of the full r0 into entry 0 of the array map ``map_fd``; jumps and calls re-aimed."""
+    slots, index = I.slot_index(insns)
+    subprograms = [s + 1 + ins.imm for s, ins in zip(slots, insns)
+                   if ins.opcode == I.JMP | I.CALL and ins.src == I.PSEUDO_CALL]
+    main_end = min(subprograms, default=slots[-1] + 1 if slots else 0)
+    store = [I.Insn(I.ALU64 | I.MOV | I.X, dst=6, src=0),
+             I.Insn(I.ST | I.MEM | I.W, dst=10, off=-4, imm=0),
+             I.Insn(I.ALU64 | I.MOV | I.X, dst=2, src=10),
+             I.Insn(I.ALU64 | I.ADD | I.K, dst=2, imm=-4),
+             I.Insn(I.LD | I.IMM | I.DW, dst=1, src=I.PSEUDO_MAP_FD, imm=map_fd),
+             I.Insn(I.JMP | I.CALL, imm=1),
+             I.Insn(I.JMP | I.JEQ | I.K, dst=0, imm=0, off=1),
+             I.Insn(I.STX | I.MEM | I.DW, dst=0, src=6),
+             I.Insn(I.ALU64 | I.MOV | I.X, dst=0, src=6)]
+    out, new_slot, at = [], {}, 0      # new_slot: old slot -> where it (or what replaces it) starts
+    for slot, ins in zip(slots, insns):
+        new_slot[slot] = at
+        inserted = store if ins.opcode == I.JMP | I.EXIT and slot < main_end else []
+        out += [(slot, x, True) for x in inserted] + [(slot, ins, False)]
+        at += sum(x.slots for x in inserted) + ins.slots
+
+    def aim(slot, rel, at):          # an offset to the old target's new place (a bad one stays bad)
+        target = new_slot.get(slot + 1 + rel)
+        return rel if target is None else target - at - 1
+    fixed, at = [], 0
+    for slot, ins, inserted in out:
+        if not inserted and ins.cls in (I.JMP, I.JMP32) and ins.op != I.EXIT:
+            if ins.op == I.CALL:
+                if ins.src == I.PSEUDO_CALL:
+                    ins = I.Insn(ins.opcode, ins.dst, ins.src, ins.off, aim(slot, ins.imm, at))
+            elif ins.opcode == I.JMP32 | I.JA:
+                ins = I.Insn(ins.opcode, ins.dst, ins.src, ins.off, aim(slot, ins.imm, at))
+            else:
+                ins = I.Insn(ins.opcode, ins.dst, ins.src, aim(slot, ins.off, at), ins.imm)
+        fixed.append(ins)
+        at += ins.slots
+    return fixed
+
+
 class KernelBackend(Backend):
     """Runs programs in the Linux kernel.  Each of our `Map`s gets one kernel map,
     shared by every program that uses it; ``sync()`` copies kernel contents back."""
@@ -242,16 +288,24 @@ class KernelBackend(Backend):
         return out
 
     def load(self, prog: Program):
-        fd = load_program(self.relocate(prog), prog.name)
+        r0_fd = create_map(2, 4, 8, 1, "fx_r0")
+        self.prog_fds.append(r0_fd)
+        fd = load_program(store_r0_at_exit(self.relocate(prog), r0_fd), prog.name)
         self.prog_fds.append(fd)
-        return (prog, fd)
+        return (prog, fd, r0_fd)
 
     def run(self, handle, ctx=None, mem=None) -> int:
-        prog, fd = handle
+        """r0 in full; a bare program's memory is its context (r1), as syscall programs take it."""
+        prog, fd, r0_fd = handle
+        buf = ctx if ctx is not None else mem
         try:
-            r0, _ = test_run(fd, ctx)
+            low, _ = test_run(fd, buf if buf else None)
         except KernelError as e:
             raise VMFault(prog, 0, f"BPF_PROG_TEST_RUN failed: {e}") from None
+        full = map_lookup(r0_fd, bytes(4), 8)
+        r0 = int.from_bytes(full, "little") if full is not None else low
+        if r0 & 0xFFFFFFFF != low:
+            raise VMFault(prog, 0, f"the kernel returned {low:#x}, but r0 was stored as {r0:#x}")
         return r0
 
     def sync(self) -> None:
