@@ -119,6 +119,8 @@ def _one(n: int, line: str, at: int, labels) -> Insn:
         if rest.startswith("local"):
             return Insn(I.JMP | I.CALL, src=I.PSEUDO_CALL, imm=_target(rest[5:], at, labels, n))
         want(1)
+        if ops[0].startswith("%"):    # callx: the helper's id in a register
+            return Insn(I.JMP | I.CALL | I.X, dst=_reg(ops[0], n))
         return Insn(I.JMP | I.CALL, imm=_int(ops[0], n))
     if mnem in ("ja", "ja32", "gotol"):
         want(1)

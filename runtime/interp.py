@@ -234,7 +234,8 @@ class Interpreter(Backend):
                         regs[10] = m.push_frame()
                         pc = pc + 1 + ins.imm
                         continue
-                    regs[0] = Hl.call(self, m, ins.imm, regs) & M64
+                    hid = regs[ins.dst] if op & I.X else ins.imm      # callx: the id in a register
+                    regs[0] = Hl.call(self, m, hid, regs) & M64
                     continue_pc = pc + 1
                     pc = continue_pc
                     continue

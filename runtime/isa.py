@@ -118,9 +118,10 @@ def decode(code: bytes) -> list[Insn]:
         if opcode == (LD | IMM | DW):
             if i + 1 >= n:
                 raise DecodeError(f"lddw at slot {i} is missing its second half")
-            op2, _, _, imm2 = struct.unpack_from("<BBhI", code, (i + 1) * 8)
-            if op2 != 0:
-                raise DecodeError(f"lddw at slot {i} has a bad second half (opcode {op2:#x})")
+            op2, regs2, off2, imm2 = struct.unpack_from("<BBhI", code, (i + 1) * 8)
+            if op2 or regs2 or off2:
+                raise DecodeError(f"lddw at slot {i} has a bad second half (its opcode, registers and "
+                                  "offset must be 0)")
             src = regs >> 4
             full = (imm & MASK32) | (imm2 << 32) if src == 0 else imm & MASK32
             out.append(Insn(opcode, regs & 0xF, src, off, full, imm2 if src else 0))
@@ -180,6 +181,8 @@ def disasm_insn(ins: Insn, pc: int | None = None) -> str:
         if op == EXIT:
             return "exit"
         if op == CALL:
+            if ins.source == X:
+                return f"callx {_reg(ins.dst)}"
             return f"call {ins.imm:+d}" if ins.src == PSEUDO_CALL else f"call {ins.imm}"
         target = ins.jump_offset
         where = f"goto {target:+d}" if pc is None else f"goto {pc + 1 + target}"

@@ -349,7 +349,7 @@ class Lifter:
                 b.store(self.env_get("executed"), self.count)
                 self.set(0, r0)
             else:
-                self.set(0, self._helper(pc, ins.imm))
+                self.set(0, self._helper(pc, self.reg(ins.dst) if ins.opcode & I.X else ins.imm))
             return False
         if op == I.JA:
             b.branch(self.blocks[pc + 1 + ins.jump_offset])
@@ -437,14 +437,15 @@ class Lifter:
 
     # -- helpers ------------------------------------------------------------------------------------
     def _callback(self, hid):
+        """Call helper ``hid`` (a number, or an IR value for callx) in Python."""
         b = self.b
         ty = L.FunctionType(I64, [I64] * 6)
         fn = b.inttoptr(self.addr(0), ty.as_pointer())   # a typed pointer: the call reads its type
-        return b.call(fn, [I64(hid)] + [self.reg(i) for i in range(1, 6)])
+        return b.call(fn, [I64(hid) if isinstance(hid, int) else hid] + [self.reg(i) for i in range(1, 6)])
 
     def _helper(self, pc, hid):
         b = self.b
-        if hid in (1, 2):
+        if isinstance(hid, int) and hid in (1, 2):
             out = self._native_map_op(pc, hid)
             if out is not None:
                 return out

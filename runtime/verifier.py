@@ -36,7 +36,7 @@ VALID_OPCODES.add(I.ALU | I.END | I.X)
 for _c in (I.JMP, I.JMP32):
     for _op in (I.JEQ, I.JGT, I.JGE, I.JSET, I.JNE, I.JSGT, I.JSGE, I.JLT, I.JLE, I.JSLT, I.JSLE):
         VALID_OPCODES |= {_c | _op | I.K, _c | _op | I.X}
-VALID_OPCODES |= {I.JMP | I.JA, I.JMP32 | I.JA, I.JMP | I.CALL, I.JMP | I.EXIT}
+VALID_OPCODES |= {I.JMP | I.JA, I.JMP32 | I.JA, I.JMP | I.CALL, I.JMP | I.CALL | I.X, I.JMP | I.EXIT}
 for _s in (I.B, I.H, I.W, I.DW):
     VALID_OPCODES |= {I.LDX | I.MEM | _s, I.ST | I.MEM | _s, I.STX | I.MEM | _s}
 for _s in (I.B, I.H, I.W):
@@ -77,6 +77,8 @@ def reserved_fields(ins) -> str | None:
         return "imm" if ins.mode == I.MEM and ins.imm else None
     if c in (I.JMP, I.JMP32):
         if op == I.CALL:
+            if x:       # callx: the helper id in dst
+                return "src, off or imm" if (ins.src or ins.off or ins.imm) else None
             return "dst, off or the X bit" if (ins.dst or ins.off or x or c == I.JMP32) else None
         if op == I.EXIT:
             return "dst, src, off, imm or the X bit" if (ins.dst or ins.src or ins.off or ins.imm or x or c == I.JMP32) else None
@@ -215,6 +217,8 @@ class Verifier:
                     self.fail(pc, f"unsupported lddw source {ins.src}")
             if c in (I.JMP, I.JMP32) and op not in (I.EXIT,):
                 if op == I.CALL:
+                    if ins.opcode & I.X:
+                        continue
                     if ins.src == I.PSEUDO_CALL:
                         self._target(pc, pc + 1 + ins.imm)
                     elif ins.src != 0:
@@ -363,7 +367,14 @@ class Verifier:
                 regs_new[10] = ("stack", len(st.frames), STACK, STACK)
                 st.frames.append(Frame(regs_new, bytearray(STACK), {}, pc + 1))
                 return pc + 1 + ins.imm
-            self.helper(pc, ins.imm, st)
+            hid = ins.imm
+            if ins.opcode & I.X:
+                v = self.read(pc, regs, ins.dst)
+                if v[0] != "scalar" or v[1] != v[2] or v[1] not in Hl.HELPERS:
+                    self.fail(pc, f"callx: r{ins.dst} must hold a known helper id, not "
+                              f"{v[0] if v[0] != 'scalar' else f'{v[1]}..{v[2]}'}")
+                hid = v[1]
+            self.helper(pc, hid, st)
             return pc + 1
         if op == I.JA:
             return pc + 1 + ins.jump_offset

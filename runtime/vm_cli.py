@@ -2,7 +2,7 @@
 
     fabric-vm run OBJECT_OR_ASM [--program NAME] [--ctx HEX|@file] [--mem HEX] [--backend interp]
     fabric-vm disasm OBJECT
-    fabric-vm-plugin MEMORY_HEX [--backend NAME] < program_hex
+    fabric-vm-plugin [MEMORY_HEX] [--backend NAME] [--elf] [--program HEX] < program_hex
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def cmd_run(args) -> int:
         ctx = ContextCodec(prog.hook).pack()
     mem = bytearray(_hex(args.mem, "--mem")) if args.mem is not None else None
     verify(prog)
-    backend = get_backend(args.backend)
+    backend = get_backend(args.backend, jit_checks=args.jit_checks)
     try:
         r0 = backend.run(backend.load(prog), ctx, mem)
     finally:
@@ -117,6 +117,8 @@ def main(argv=None) -> int:
     r.add_argument("--hook", metavar="KIND.HOOK", help="the hook the program is for (e.g. dpu.tx): its "
                    "context rules apply and its decisions are printed by name")
     r.add_argument("--backend", choices=BACKENDS, default="interp")
+    r.add_argument("--jit-checks", choices=("unproven", "all"), default=None,
+                   help="run-time bounds checks in JIT code (docs/security.md)")
     r.set_defaults(func=cmd_run)
     d = sub.add_parser("disasm", help="disassemble every program of an object")
     d.add_argument("file", metavar="OBJECT")
@@ -133,34 +135,41 @@ def main(argv=None) -> int:
         return _fail(f"fabric-vm: {e}")
 
 
+def _plugin_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="fabric-vm-plugin", description="The bpf_conformance plugin: the program as hex on "
+                 "standard input (or --program), memory as hex in MEMORY; prints r0 in hex.")
+    ap.add_argument("memory", nargs="?", default="", metavar="MEMORY", help="the memory's bytes as hex")
+    ap.add_argument("--program", metavar="HEX", help="the program as hex instead of standard input")
+    ap.add_argument("--elf", action="store_true", help="the program is an ELF object (as hex): its first program runs")
+    ap.add_argument("--backend", choices=BACKENDS, default="interp")
+    ap.add_argument("--jit-checks", choices=("unproven", "all"), default=None,
+                    help="run-time bounds checks in JIT code (docs/security.md)")
+    ap.add_argument("--debug", action="store_true", help="say why a program was not run")
+    return ap
+
+
 def plugin_main(argv=None) -> int:
-    """The bpf_conformance plugin protocol: memory hex in argv[1], program hex on stdin, r0 hex out."""
+    """The bpf_conformance plugin protocol: memory hex in argv, program hex on stdin, r0 hex out.
+    Options may come in any order, before or after the memory."""
     argv = sys.argv[1:] if argv is None else argv
-    mem_hex, backend_name, rest = "", "interp", list(argv)
-    if rest and not rest[0].startswith("--"):
-        mem_hex = rest.pop(0)
-    while rest:
-        opt = rest.pop(0)
-        if opt == "--backend" and rest:
-            backend_name = rest.pop(0)
-        else:
-            print(f"fabric-vm-plugin: unknown option '{opt}'", file=sys.stderr)
-            return 1
-    if backend_name not in BACKENDS:
-        print(f"fabric-vm-plugin: unknown backend '{backend_name}'", file=sys.stderr)
-        return 1
+    args = _plugin_parser().parse_args(argv)
     try:
-        code = bytes.fromhex("".join(sys.stdin.read().split()))
-        mem = bytearray(bytes.fromhex("".join(mem_hex.split())))
-        prog = Program("plugin", isa.decode(code))
+        text = args.program if args.program is not None else sys.stdin.read(1 << 24)
+        code = _hex(text, "the program")
+        mem = bytearray(_hex(args.memory, "MEMORY"))
+        if args.elf:
+            prog = load_object(code, "<stdin>").instantiate()[0]
+        else:
+            prog = Program("plugin", isa.decode(code))
         verify(prog)
-        backend = get_backend(backend_name)
+        backend = get_backend(args.backend, jit_checks=args.jit_checks)
         try:
             r0 = backend.run(backend.load(prog), None, mem)
         finally:
             backend.close()
-    except (ValueError, isa.DecodeError, VerifierError, VMFault, OSError) as e:
-        print(f"fabric-vm-plugin: {e}", file=sys.stderr)
+    except (ValueError, IndexError, isa.DecodeError, ObjectError, VerifierError, VMFault, OSError) as e:
+        print(f"fabric-vm-plugin: {e}" if args.debug or not isinstance(e, IndexError)
+              else "fabric-vm-plugin: the object has no program", file=sys.stderr)
         return 1
     print(f"{r0:x}")
     return 0
