@@ -98,7 +98,7 @@ class _Build(Transformer):
         if num.value > U64_MAX:
             unit = BASE_UNIT.get(num.dim, "")
             self.diags.error(num.span, f"'{num.text}' is {num.value:.4g} {unit}".rstrip() + ", more than fits "
-                             f"in 64 bits", f"the largest value is {U64_MAX} {unit}".rstrip())
+                             "in 64 bits", f"the largest value is {U64_MAX} {unit}".rstrip())
             num.value = 0
         return num
 

@@ -9,6 +9,7 @@ and no size can make the runtime allocate without bound.  A violation raises
 """
 from __future__ import annotations
 
+import math
 import re
 
 from fabric_ext.hooks import DEVICE_ISLAND_KIND, HOOKS, ISLAND_RUNTIME
@@ -42,7 +43,7 @@ def integer(lo: int, hi: int):
 
 def number(lo: float, hi: float, above: bool = False):
     def check(v, key):
-        if type(v) not in (int, float) or v != v or not (lo < v if above else lo <= v) or v > hi:
+        if type(v) not in (int, float) or math.isnan(v) or not (lo < v if above else lo <= v) or v > hi:
             _fail(key, f"a number {'>' if above else '>='} {lo} and <= {hi:g}", v)
     return check
 

@@ -3,7 +3,6 @@
 Every one must be rejected by our verifier (with a message that says why) and, where bpf(2)
 is permitted, by the kernel's; run without a proof, every backend must stop it with a fault."""
 import pytest
-
 from fabric_ext.runtime import isa as I
 from fabric_ext.runtime import kernel
 from fabric_ext.runtime.asm import assemble
@@ -158,7 +157,9 @@ def test_records_released_on_every_path_are_accepted():
 
 def test_a_verifier_defect_rejects_instead_of_raising(monkeypatch):
     from fabric_ext.runtime import verifier
-    monkeypatch.setattr(verifier.Verifier, "load", lambda *a: [][1])
+    def broken(*args):
+        raise IndexError("list index out of range")
+    monkeypatch.setattr(verifier.Verifier, "load", broken)
     with pytest.raises(VerifierError, match="verifier bug"):
         verify(Program("p", assemble("ldxdw %r0, [%r10-8]\nexit")))
 

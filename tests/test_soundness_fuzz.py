@@ -5,7 +5,6 @@ import random
 from pathlib import Path
 
 import pytest
-
 from fuzz.soundness import Case, accepts, check, fuzz
 
 CASES = sorted((Path(__file__).parent / "soundness_cases").glob("*.json"))

@@ -66,7 +66,7 @@ class Case:
         return json.dumps(asdict(self), indent=1)
 
     @staticmethod
-    def from_json(text: str) -> "Case":
+    def from_json(text: str) -> Case:
         d = json.loads(text)
         d["maps"] = [MapSpec(**m) for m in d["maps"]]
         return Case(**d)
@@ -159,8 +159,8 @@ class Generator:
         op = r.choice(["jgt", "jge", "jlt", "jle", "jsgt", "jsge", "jslt", "jsle", "jeq", "jne", "jset"])
         width = r.choice(["", "", "32"])
         body = self.gadget(depth + 1) if depth < 2 else self.alu(depth)
-        return [f"{op}{width} {self.reg('scalar')}, {self.imm() & 0xFFFFFFFF if width else r.choice(SMALL_IMMS)}, "
-                f"{skip}"] + body + [f"{skip}:"]
+        bound = self.imm() & 0xFFFFFFFF if width else r.choice(SMALL_IMMS)
+        return [f"{op}{width} {self.reg('scalar')}, {bound}, {skip}", *body, f"{skip}:"]
 
     def pointer(self, depth):
         r = self.rng
@@ -231,8 +231,8 @@ class Generator:
             return [f"stx{size} {mem}, {self.reg('scalar')}"]
         if form < 0.9:
             return [f"st{size} {mem}, {r.choice(SMALL_IMMS)}"]
-        return [f"lock {r.choice(['add', 'xor', 'fetch add', 'xchg'])}{'32' if size == 'w' else ''} {mem}, "
-                f"{self.reg('scalar')}"]
+        op = r.choice(["add", "xor", "fetch add", "xchg"]) + ("32" if size == "w" else "")
+        return [f"lock {op} {mem}, {self.reg('scalar')}"]
 
     def helper(self, depth):
         r = self.rng
