@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from . import helpers as Hl
 from . import isa as I
+from .insn_rules import ATOMIC_IMMS, VALID_OPCODES, reserved_fields
 from .interp import Interpreter, ctx_write_mask
 from .program import Program
 
@@ -27,68 +28,6 @@ STACK = I.STACK_SIZE
 # how far a pointer's offset may range, as the kernel's BPF_MAX_VAR_OFF: offsets stay far
 # from 2^63, so sums of them never wrap and every bounds test below is on exact integers
 MAX_VAR_OFF = 1 << 29
-VALID_OPCODES = set()
-for _c in (I.ALU, I.ALU64):
-    for _op in (I.ADD, I.SUB, I.MUL, I.DIV, I.OR, I.AND, I.LSH, I.RSH, I.MOD, I.XOR, I.MOV, I.ARSH):
-        VALID_OPCODES |= {_c | _op | I.K, _c | _op | I.X}
-    VALID_OPCODES |= {_c | I.NEG, _c | I.END | I.K}
-VALID_OPCODES.add(I.ALU | I.END | I.X)
-for _c in (I.JMP, I.JMP32):
-    for _op in (I.JEQ, I.JGT, I.JGE, I.JSET, I.JNE, I.JSGT, I.JSGE, I.JLT, I.JLE, I.JSLT, I.JSLE):
-        VALID_OPCODES |= {_c | _op | I.K, _c | _op | I.X}
-VALID_OPCODES |= {I.JMP | I.JA, I.JMP32 | I.JA, I.JMP | I.CALL, I.JMP | I.CALL | I.X, I.JMP | I.EXIT}
-for _s in (I.B, I.H, I.W, I.DW):
-    VALID_OPCODES |= {I.LDX | I.MEM | _s, I.ST | I.MEM | _s, I.STX | I.MEM | _s}
-for _s in (I.B, I.H, I.W):
-    VALID_OPCODES.add(I.LDX | I.MEMSX | _s)
-VALID_OPCODES |= {I.STX | I.ATOMIC | I.W, I.STX | I.ATOMIC | I.DW, I.LD | I.IMM | I.DW}
-ATOMIC_IMMS = {I.ADD, I.OR, I.AND, I.XOR, I.ADD | I.FETCH, I.OR | I.FETCH, I.AND | I.FETCH,
-               I.XOR | I.FETCH, I.XCHG, I.CMPXCHG}
-
-
-def reserved_fields(ins) -> str | None:
-    """Why ``ins`` sets a field its opcode does not use (None if it sets none).
-
-    The kernel rejects such instructions ("uses reserved fields"); so must we, or the verifier
-    and a backend could read one instruction two ways (a ``mov`` with an ``off`` is a constant
-    to the one and a sign extension to the other)."""
-    c, op, x = ins.cls, ins.op, ins.opcode & I.X
-    if ins.is_lddw:
-        return "off" if ins.off else None
-    if c in (I.ALU, I.ALU64):
-        if op == I.NEG:
-            return "src, off or imm" if (x or ins.src or ins.off or ins.imm) else None
-        if op == I.END:
-            return "src or off" if (ins.src or ins.off) else None
-        if op == I.MOV:
-            if x:
-                widths = (0, 8, 16, 32) if c == I.ALU64 else (0, 8, 16)
-                return "imm" if ins.imm else (None if ins.off in widths else f"off ({ins.off} is no sign-extension width)")
-            return "src or off" if (ins.src or ins.off) else None
-        signed_ok = op in (I.DIV, I.MOD)
-        if ins.off not in ((0, 1) if signed_ok else (0,)):
-            return f"off ({ins.off})"
-        return ("imm" if ins.imm else None) if x else ("src" if ins.src else None)
-    if c == I.LDX:
-        return "imm" if ins.imm else None
-    if c == I.ST:
-        return "src" if ins.src else None
-    if c == I.STX:
-        return "imm" if ins.mode == I.MEM and ins.imm else None
-    if c in (I.JMP, I.JMP32):
-        if op == I.CALL:
-            if x:       # callx: the helper id in dst
-                return "src, off or imm" if (ins.src or ins.off or ins.imm) else None
-            return "dst, off or the X bit" if (ins.dst or ins.off or x or c == I.JMP32) else None
-        if op == I.EXIT:
-            return "dst, src, off, imm or the X bit" if (ins.dst or ins.src or ins.off or ins.imm or x or c == I.JMP32) else None
-        if op == I.JA:
-            extra = ins.off if c == I.JMP32 else ins.imm
-            return "dst, src, off/imm or the X bit" if (ins.dst or ins.src or extra or x) else None
-        return ("imm" if ins.imm else None) if x else ("src" if ins.src else None)
-    return None
-
-
 class VerifierError(ValueError):
     """A rejected program; the message names the pc, instruction and source line."""
 
@@ -207,7 +146,7 @@ class Verifier:
                 self.fail(pc, f"invalid byte swap width {ins.imm}")
             why = reserved_fields(ins)
             if why:
-                self.fail(pc, f"instruction uses reserved fields: {why} must be 0 for this opcode")
+                self.fail(pc, f"instruction uses reserved fields ({why}); the kernel refuses it too")
             if c == I.STX and ins.mode == I.ATOMIC and ins.imm not in ATOMIC_IMMS:
                 self.fail(pc, f"unknown atomic operation {ins.imm:#x}")
             if ins.is_lddw:
