@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 
 from fabric_ext import __version__
+from .program import JIT_CHECKS
 
 EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -42,7 +43,7 @@ def build_parser():
                         "(default: the bundled policies/prefill_qos.fx)")
     p.add_argument("--backend", choices=("interp", "jit", "kernel"), default=None,
                    help="VM backend for the programs (default: jit where it works, else interp)")
-    p.add_argument("--jit-checks", choices=("unproven", "all"), default=None,
+    p.add_argument("--jit-checks", choices=JIT_CHECKS, default=None,
                    help="run-time bounds checks in JIT code: on accesses the verifier did not prove "
                         "(default), or on all of them, for policy folders you do not trust "
                         "(docs/security.md; FABRIC_EXT_JIT_CHECKS)")

@@ -23,7 +23,7 @@ from .codecache import CodeCache, default_dir
 from .lift import (FAULT_BUDGET, FAULT_HELPER, FAULT_OOB, FAULTS, MAP_HANDLE, MAX_FRAMES, STACK_SIZE, Env, Lifter,
                    acyclic, address_table, map_slot)
 from .maps import RINGBUF
-from .program import Backend, Program, VMFault
+from .program import JIT_CHECKS, Backend, Program, VMFault
 
 CALLBACK = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
                             ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64)
@@ -184,9 +184,6 @@ class _Compiled:
         self.stack = ctypes.create_string_buffer(STACK_SIZE * MAX_FRAMES)
         self.fast = False     # env holds the fixed fields (budget, stack, no memory) of the hot path
         self.min_ctx = 0      # contexts shorter than this run the checked variant
-
-
-JIT_CHECKS = ("unproven", "all")
 
 
 class JitBackend(Backend):

@@ -68,6 +68,10 @@ class VMFault(RuntimeError):
         super().__init__(f"{program.where(pc)}: {reason}")
 
 
+#: the JIT's run-time bounds checks: on accesses the verifier did not prove, or on all (docs/security.md)
+JIT_CHECKS = ("unproven", "all")
+
+
 class ProofViolation(VMFault):
     """A fault at an access the verifier proved safe: a defect of the verifier, found by the
     interpreter's proof checking (the JIT would have run that access unchecked)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from . import isa
 from .asm import AsmError, assemble
 from .elf import ObjectError, load_object
-from .program import Program, VMFault, get_backend
+from .program import JIT_CHECKS, Program, VMFault, get_backend
 from .verifier import VerifierError, verify
 
 BACKENDS = ("interp", "jit", "kernel")
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     r.add_argument("--hook", metavar="KIND.HOOK", help="the hook the program is for (e.g. dpu.tx): its "
                    "context rules apply and its decisions are printed by name")
     r.add_argument("--backend", choices=BACKENDS, default="interp")
-    r.add_argument("--jit-checks", choices=("unproven", "all"), default=None,
+    r.add_argument("--jit-checks", choices=JIT_CHECKS, default=None,
                    help="run-time bounds checks in JIT code (docs/security.md)")
     r.set_defaults(func=cmd_run)
     d = sub.add_parser("disasm", help="disassemble every program of an object")
@@ -142,7 +142,7 @@ def _plugin_parser() -> argparse.ArgumentParser:
     ap.add_argument("--program", metavar="HEX", help="the program as hex instead of standard input")
     ap.add_argument("--elf", action="store_true", help="the program is an ELF object (as hex): its first program runs")
     ap.add_argument("--backend", choices=BACKENDS, default="interp")
-    ap.add_argument("--jit-checks", choices=("unproven", "all"), default=None,
+    ap.add_argument("--jit-checks", choices=JIT_CHECKS, default=None,
                     help="run-time bounds checks in JIT code (docs/security.md)")
     ap.add_argument("--debug", action="store_true", help="say why a program was not run")
     return ap
