@@ -164,17 +164,22 @@ def test_a_verifier_defect_rejects_instead_of_raising(monkeypatch):
         verify(Program("p", assemble("ldxdw %r0, [%r10-8]\nexit")))
 
 
-def test_proof_checking_finds_a_verifier_defect(monkeypatch):
-    """With the map-value bounds check knocked out of the verifier, the hostile program is
-    'proven'; the proof-checking interpreter reports the defect instead of a plain fault."""
+@pytest.fixture
+def unsound_map_bounds(monkeypatch):
+    """A verifier with a defect: its bounds check on map values knocked out."""
     from fabric_ext.runtime import verifier
-    from fabric_ext.runtime.program import ProofViolation
     real = verifier.Verifier._check_access
 
     def no_map_bounds(self, pc, ptr, off, size, write):
         if ptr[0] != "map_value":
             real(self, pc, ptr, off, size, write)
     monkeypatch.setattr(verifier.Verifier, "_check_access", no_map_bounds)
+
+
+def test_proof_checking_finds_a_verifier_defect(unsound_map_bounds):
+    """With the map-value bounds check knocked out of the verifier, the hostile program is
+    'proven'; the proof-checking interpreter reports the defect instead of a plain fault."""
+    from fabric_ext.runtime.program import ProofViolation
     prog = Program("p", assemble(DIV_BY_RANGE_WITH_ZERO), _value_map())
     verify(prog)
     with pytest.raises(ProofViolation, match="verifier bug: the access was proven to stay in map_value"):
@@ -193,17 +198,10 @@ def test_division_ranges_keep_zero():
     assert Interpreter(check_proofs=True).run(prog, mem=bytearray(MEM)) == 0
 
 
-def test_jit_checks_all_stops_what_a_wrong_proof_lets_through(monkeypatch):
+def test_jit_checks_all_stops_what_a_wrong_proof_lets_through(unsound_map_bounds, monkeypatch):
     """Defence in depth: with checks=all the JIT keeps run-time checks on proven accesses, so
     even a verifier defect (simulated here) ends in a fault, not in host memory."""
-    from fabric_ext.runtime import verifier
     from fabric_ext.runtime.jit import JitBackend
-    real = verifier.Verifier._check_access
-
-    def no_map_bounds(self, pc, ptr, off, size, write):
-        if ptr[0] != "map_value":
-            real(self, pc, ptr, off, size, write)
-    monkeypatch.setattr(verifier.Verifier, "_check_access", no_map_bounds)
     prog = Program("p", assemble(DIV_BY_RANGE_WITH_ZERO), _value_map())
     verify(prog)
     assert prog.proof

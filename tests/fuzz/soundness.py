@@ -25,8 +25,9 @@ from pathlib import Path
 
 from fabric_ext.runtime import isa as I
 from fabric_ext.runtime.asm import assemble
+from fabric_ext.runtime.elf import MapSpec
 from fabric_ext.runtime.interp import Interpreter
-from fabric_ext.runtime.maps import ARRAY, HASH, RINGBUF, Map
+from fabric_ext.runtime.maps import ARRAY, HASH, RINGBUF
 from fabric_ext.runtime.program import Program, ProofViolation, VMFault
 from fabric_ext.runtime.verifier import VerifierError, verify
 
@@ -35,18 +36,6 @@ WORK = ("%r6", "%r7", "%r8")      # callee-saved: they survive helper calls
 BOUNDARY = [0, 1, 2, 7, 8, 255, 256, 0x7FFF, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 1 << 32,
             (1 << 63) - 1, 1 << 63, (1 << 64) - 8, (1 << 64) - 1]
 SMALL_IMMS = [0, 1, -1, 2, 3, 4, 7, 8, 16, 31, 32, 63, 64, 255, 256, 4096, -8, -256, 0x7FFFFFFF, -0x80000000]
-
-
-@dataclass
-class MapSpec:
-    name: str
-    type: int
-    key_size: int
-    value_size: int
-    max_entries: int
-
-    def make(self) -> Map:
-        return Map(self.name, self.type, self.key_size, self.value_size, self.max_entries)
 
 
 @dataclass
@@ -59,7 +48,7 @@ class Case:
     why: str = ""
 
     def program(self) -> Program:
-        return Program("fuzz", I.decode(bytes.fromhex(self.code)), [m.make() for m in self.maps],
+        return Program("fuzz", I.decode(bytes.fromhex(self.code)), [m.create() for m in self.maps],
                        ctx_size=MEM_SIZE if self.ctx else 0)
 
     def to_json(self) -> str:
