@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from fabric_ext import ast as A
-from fabric_ext.checker import CONST_OPS, M64, const_value
+from fabric_ext.checker import CONST_OPS, M64, const_value, exact_value
 from fabric_ext.diagnostics import Diagnostics
 
 from fabric_ext.runtime.isa import STACK_SIZE as STACK_LIMIT
@@ -75,10 +75,24 @@ class _Lowerer:
         if isinstance(e, A.Call):
             return ir.MinMax(e.func.name, tuple(self._expr(a) for a in e.args))
         if isinstance(e, A.BinOp):
-            return ir.Bin(e.op, self._expr(e.left), self._expr(e.right))
+            return self._binop(e)
         if isinstance(e, A.UnOp):
             return ir.Not(self._expr(e.operand)) if e.op == "!" else ir.Bin("-", ir.Const(0), self._expr(e.operand))
         raise TypeError(f"cannot lower {type(e).__name__}")
+
+    def _binop(self, e: A.BinOp):
+        """A constant is folded exactly and rounded down once (the checker refused overflow);
+        a dimensioned product or quotient at run time scales before it divides, so that
+        ev.bytes / 2GB/s is (bytes * 10^9) / (2 * 10^9) ns and no quotient is lost to rounding."""
+        v = exact_value(e)      # at every -O: the value of a constant is its meaning, not an optimisation
+        if v is not None:
+            return ir.Const(int(v) & M64)
+        left, right = self._expr(e.left), self._expr(e.right)
+        if e.scale == 1:
+            return ir.Bin(e.op, left, right)
+        if e.scale > 1:         # a quotient: scale the dividend first
+            return ir.Bin("/", ir.Bin("*", left, ir.Const(int(e.scale))), right)
+        return ir.Bin("/", ir.Bin("*", left, right), ir.Const(int(1 / e.scale)))   # a product
 
     def _read(self, name):
         self.reads.add(name)

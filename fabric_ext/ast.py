@@ -116,6 +116,9 @@ class BinOp(Node):
     op: str
     left: Node
     right: Node
+    #: set by the checker: the factor that brings ``left op right`` to the result's base unit
+    #: (units.DIM_ARITH; 1 for everything but products and quotients of dimensions)
+    scale: object = field(default=1, kw_only=True, repr=False)
 
 
 @dataclass(eq=False)

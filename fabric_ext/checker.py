@@ -8,14 +8,17 @@ the hooks its handler was placed on.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from . import ast as A
 from . import schema as S
 from .diagnostics import Diagnostics, closest, did_you_mean
 from .hooks import CLASSES, DEVICE_ISLAND_KIND, OPERATORS, Hook
 from .loader import Program
-from .units import BOOL, COUNT, DEVICE, DIM_NAMES, PERCENT, SIZE, TIME, BANDWIDTH, format_quantity
+from .units import BANDWIDTH, BASE_UNIT, BOOL, COUNT, DEVICE, DIM_ARITH, DIM_NAMES, PERCENT, SIZE, TIME, \
+    format_quantity
 
 _SCALAR = (None, COUNT)
 
@@ -68,16 +71,40 @@ CONST_OPS = {
 }
 
 
-def const_value(e: A.Node) -> int | float | None:
-    """The value of a constant expression, or None if it depends on run-time data."""
+def exact_value(e: A.Node) -> Fraction | None:
+    """The exact value of a constant expression in its base unit (a fraction: 1MiB / 3ms is
+    349525333333 1/3 B/s), or None if it depends on run-time data.  Sums, differences (stopping
+    at 0), products and quotients are exact, dimensioned ones scaled (`BinOp.scale`); bitwise
+    operators, shifts and comparisons take whole numbers; x / 0 is 0 and x % 0 is x."""
     if isinstance(e, A.Num):
-        return e.value
-    if isinstance(e, A.BinOp):
-        a, b = const_value(e.left), const_value(e.right)
-        if not isinstance(a, int) or not isinstance(b, int):
-            return None
-        return CONST_OPS[e.op](a, b)
-    return None
+        return Fraction(e.value)
+    if isinstance(e, A.Call) and e.func.name in ("min", "max") and e.args:
+        vals = [exact_value(a) for a in e.args]
+        return None if None in vals else (min if e.func.name == "min" else max)(vals)
+    if not isinstance(e, A.BinOp):
+        return None
+    a, b = exact_value(e.left), exact_value(e.right)
+    if a is None or b is None:
+        return None
+    op = e.op
+    if op == "+":
+        return a + b
+    if op == "-":
+        return max(a - b, Fraction(0))
+    if op == "*":
+        return a * b * e.scale
+    if op == "/":
+        return a / b * e.scale if b else Fraction(0)
+    if op == "%":
+        return a % b if b else a
+    return Fraction(CONST_OPS[op](math.floor(a), math.floor(b)))
+
+
+def const_value(e: A.Node) -> int | None:
+    """The value of a constant expression as the program holds it (rounded down to a whole
+    number), or None if it depends on run-time data."""
+    v = exact_value(e)
+    return None if v is None else math.floor(v)
 
 
 # ---- declarations ---------------------------------------------------------------------
@@ -438,6 +465,18 @@ class BodyChecker:
         return d
 
     def e_BinOp(self, e):
+        d = self._binop_dim(e)
+        if e.op in ("/", "%") and exact_value(e.right) == 0:
+            self.diags.error(e.right.span, f"'{e.op}' by zero", "x / 0 is 0 and x % 0 is x in eBPF; "
+                             "write the value you mean")
+        elif d not in (BOOL,):
+            v = exact_value(e)
+            if v is not None and v > M64:
+                self.diags.error(e.span, f"this constant is {float(v):.4g} {BASE_UNIT.get(d, '')}".rstrip()
+                                 + ", more than fits in 64 bits")
+        return d
+
+    def _binop_dim(self, e):
         a, b = self.expr(e.left), self.expr(e.right)
         op = e.op
         if op in ("&&", "||"):
@@ -457,11 +496,12 @@ class BodyChecker:
                 self.diags.error(e.span, f"cannot {'add' if op == '+' else 'combine'} {dim_name(a)} "
                                  f"and {dim_name(b)}", _unit_hint(a))
             return a if a not in _SCALAR else b
+        if op in ("*", "/") and (op, a, b) in DIM_ARITH:
+            d, e.scale = DIM_ARITH[op, a, b]
+            return d
         if op == "*":
             if a in _SCALAR or b in _SCALAR:
                 return a if a not in _SCALAR else b
-            if {a, b} == {BANDWIDTH, TIME}:
-                return SIZE
             self.diags.error(e.span, f"cannot multiply {dim_name(a)} by {dim_name(b)}")
             return None
         if op == "/":
@@ -469,10 +509,8 @@ class BodyChecker:
                 return a
             if a == b:
                 return None
-            quot = {(SIZE, TIME): BANDWIDTH, (SIZE, BANDWIDTH): TIME}.get((a, b))
-            if quot is None:
-                self.diags.error(e.span, f"cannot divide {dim_name(a)} by {dim_name(b)}")
-            return quot
+            self.diags.error(e.span, f"cannot divide {dim_name(a)} by {dim_name(b)}")
+            return None
         return a  # bitwise and shifts keep the left operand's dimension
 
     # -- statements
@@ -512,6 +550,10 @@ class BodyChecker:
         if f.dim == DEVICE and not (isinstance(s.value, A.Name) and s.value.id in self.sym.devices) \
                 and d != DEVICE:
             self.diags.error(s.value.span, f"'{name}' must name a device", "e.g. route = sw1")
+        exact = exact_value(s.value)
+        if f.dim in (BANDWIDTH, TIME) and exact is not None and 0 < exact < 1:
+            self.diags.error(s.value.span, f"'{name}' = {float(exact):.3g} {BASE_UNIT[f.dim]} rounds down to 0, "
+                             f"which sets no {name}", f"values are whole {BASE_UNIT[f.dim]}")
         v = const_value(s.value)
         if name == "priority" and v is not None and v > 7:
             self.diags.error(s.value.span, f"priority {v} is out of range", "priorities are 0 (last) to 7 (first)")

@@ -8,6 +8,7 @@ number has no dimension and adapts to whatever it is combined with.
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 SIZE, BANDWIDTH, TIME, FLOPS, PERCENT = "size", "bandwidth", "time", "flops", "percent"
 COUNT, DEVICE, BOOL = "count", "device", "bool"
@@ -34,6 +35,12 @@ for _p, _f in _IEC.items():
     UNITS[f"{_p}B/s"] = (BANDWIDTH, _f)
 UNITS.update({"ns": (TIME, 1), "us": (TIME, 1e3), "ms": (TIME, 1e6), "s": (TIME, 1e9),
               "%": (PERCENT, 1)})
+
+#: dimensioned products and quotients: (operator, left, right) -> (result, factor).  Values are
+#: held in base units, so B/ns is 10^9 B/s, B / (B/s) is 10^9 ns, and (B/s) * ns is 10^-9 B:
+#: the factor brings the plain product or quotient back to the result's base unit
+DIM_ARITH = {("*", BANDWIDTH, TIME): (SIZE, Fraction(1, 10**9)), ("*", TIME, BANDWIDTH): (SIZE, Fraction(1, 10**9)),
+             ("/", SIZE, TIME): (BANDWIDTH, Fraction(10**9)), ("/", SIZE, BANDWIDTH): (TIME, Fraction(10**9))}
 
 #: the unit each dimension is printed in, for messages and reports
 BASE_UNIT = {SIZE: "B", BANDWIDTH: "B/s", TIME: "ns", FLOPS: "FLOPs", PERCENT: "%"}

@@ -1,0 +1,144 @@
+"""Dimensioned arithmetic is exact in base units (issue 13, item 1): constants fold as exact
+fractions rounded down once; at run time a quotient of dimensions scales before it divides.
+Every test compiles a policy, runs its program and reads the decisions it made."""
+from fractions import Fraction
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import FABRIC, FABRIC_LINES
+from fabric_ext.codegen.driver import build, write_output
+from fabric_ext.diagnostics import Diagnostics
+from fabric_ext.runtime.bundle import load_bundle
+from fabric_ext.runtime.context import ContextCodec
+from fabric_ext.runtime.interp import Interpreter
+
+M64 = (1 << 64) - 1
+LINE = FABRIC_LINES + 1
+
+
+def compile_policy(tmp_path, body):
+    path = tmp_path / "u.fx"
+    path.write_text(FABRIC + body)
+    d = Diagnostics()
+    res = build(path, diags=d)
+    return res, d
+
+
+def issue_decisions(tmp_path, body, **fields):
+    """The decisions gpu0's issue program makes for a chunk of movement kv."""
+    res, d = compile_policy(tmp_path, "policy p { on kv.issue at gpu0 { " + body + " } }\n")
+    assert res is not None, [x.message for x in d.items]
+    out = tmp_path / "out"
+    write_output(res, out)
+    bundle = load_bundle(out)
+    prog = bundle.islands["gpu0"].programs["issue"]
+    codec = ContextCodec(prog.hook)
+    ctx = codec.pack({"movement": bundle.ids["movements"]["kv"], **fields})
+    Interpreter().run(prog, ctx)
+    return codec.decisions(ctx)
+
+
+def errors(tmp_path, body):
+    res, d = compile_policy(tmp_path, "policy p { on kv.issue at gpu0 { " + body + " } }\n")
+    assert res is None
+    return [f"{x.span.line}:{x.span.col}: {x.message}" for x in d.errors]
+
+
+@pytest.mark.parametrize("body,decision,want", [
+    ("rate = 1MiB / 1ms", "rate", 1048576000),                 # was 1 (B/s)
+    ("defer = 1MiB / 2GB/s", "defer", 524288),                 # was 0
+    ("coalesce = 16GB/s * 1us", "coalesce", 16000),           # was 10^9 too large
+    ("coalesce = 1us * 16GB/s", "coalesce", 16000),
+    ("rate = 1MiB / 3ms", "rate", 349525333),                  # rounded down once, at the end
+    ("defer = (1MiB / 3) / (1GB/s)", "defer", 349525),
+    ("rate = 10GB/s - 20GB/s + 1B/s", "rate", 1),              # subtraction stops at 0
+])
+def test_constant_dimensioned_arithmetic_is_exact(tmp_path, body, decision, want):
+    assert issue_decisions(tmp_path, body)[decision] == want
+
+
+@pytest.mark.parametrize("nbytes", [1, 3, 4096, 2 << 20, 10 ** 9 + 7])
+def test_run_time_quotients_scale_before_dividing(tmp_path, nbytes):
+    """ev.bytes / 2GB/s is a time in ns: bytes * 10^9 / (2 * 10^9), rounded down."""
+    d = issue_decisions(tmp_path, "defer = ev.bytes / 2GB/s\n rate = ev.bytes / 1ms", bytes=nbytes)
+    assert d["defer"] == nbytes * 10 ** 9 // (2 * 10 ** 9)
+    assert d["rate"] == nbytes * 10 ** 9 // 10 ** 6
+
+
+@pytest.mark.parametrize("body,says", [
+    ("rate = 10GB/s / 0", f"{LINE}:50: '/' by zero"),
+    ("rate = 10GB/s % 0", f"{LINE}:50: '%' by zero"),
+    ("rate = 18446744073TB/s * 10", "more than fits in 64 bits"),
+    ("defer = 1B / 2GB/s", f"{LINE}:42: 'defer' = 0.5 ns rounds down to 0"),
+    ("rate = 1B / 2s", "'rate' = 0.5 B/s rounds down to 0"),
+])
+def test_constants_that_cannot_be_held_are_errors_with_position(tmp_path, body, says):
+    assert any(says in e for e in errors(tmp_path, body)), errors(tmp_path, body)
+
+
+# -- property: random dimensioned constant expressions against an independent exact oracle ----
+SIZES = [("1B", 1), ("4KiB", 4096), ("1MiB", 2 ** 20), ("3GB", 3 * 10 ** 9), ("7B", 7)]
+TIMES = [("1ns", 1), ("3us", 3000), ("1ms", 10 ** 6), ("2s", 2 * 10 ** 9)]
+RATES = [("1B/s", 1), ("16GB/s", 16 * 10 ** 9), ("3KiB/s", 3072), ("100Gbps", 100 * 10 ** 9 // 8)]
+COUNTS = [("1", 1), ("3", 3), ("7", 7), ("1000", 1000)]
+LEAVES = {"size": SIZES, "time": TIMES, "bandwidth": RATES, "count": COUNTS}
+
+
+def _div(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def _mul(a, b):
+    return None if a is None or b is None else a * b
+
+
+@st.composite
+def expression(draw, dim, depth=0):
+    """(source text, exact value in base units, or None where it divides by zero) of an
+    expression of dimension ``dim``."""
+    if depth >= 3 or draw(st.booleans()):
+        text, value = draw(st.sampled_from(LEAVES[dim]))
+        return text, Fraction(value)
+    form = draw(st.sampled_from(["sum", "diff", "scaled", "shrunk"] + {
+        "size": ["rate*time"], "time": ["size/rate"], "bandwidth": ["size/time"], "count": []}[dim]))
+    sub = lambda d: draw(expression(d, depth + 1))  # noqa: E731
+    if form in ("sum", "diff"):
+        (ta, a), (tb, b) = sub(dim), sub(dim)
+        if a is None or b is None:
+            return f"({ta} + {tb})", None
+        return f"({ta} {'+' if form == 'sum' else '-'} {tb})", a + b if form == "sum" else max(a - b, Fraction(0))
+    if form == "scaled":
+        (ta, a), (tb, b) = sub(dim), sub("count")
+        return f"({ta} * {tb})", _mul(a, b)
+    if form == "shrunk":
+        (ta, a), (tb, b) = sub(dim), sub("count")
+        return f"({ta} / {tb})", _div(a, b)
+    if form == "rate*time":
+        (ta, a), (tb, b) = sub("bandwidth"), sub("time")
+        return f"({ta} * {tb})", _div(_mul(a, b), Fraction(10 ** 9))     # (B/s) * ns = 10^-9 B
+    if form == "size/rate":
+        (ta, a), (tb, b) = sub("size"), sub("bandwidth")
+        return f"({ta} / {tb})", _mul(_div(a, b), Fraction(10 ** 9))     # B / (B/s) = s = 10^9 ns
+    (ta, a), (tb, b) = sub("size"), sub("time")
+    return f"({ta} / {tb})", _mul(_div(a, b), Fraction(10 ** 9))         # B/ns = 10^9 B/s
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(st.sampled_from([("rate", "bandwidth"), ("defer", "time"), ("coalesce", "size")]), st.data())
+def test_compiled_constants_match_exact_fractions(tmp_path, target, data):
+    decision, dim = target
+    text, exact = data.draw(expression(dim))
+    res, d = compile_policy(tmp_path, "policy p { on kv.issue at gpu0 { " + f"{decision} = {text}" + " } }\n")
+    if exact is None:
+        assert res is None and any("by zero" in x.message for x in d.errors), text
+        return
+    if exact > M64 or (dim in ("bandwidth", "time") and 0 < exact < 1):
+        assert res is None, text                         # an error, never a wrapped or silent value
+        return
+    if res is None:   # an intermediate step overflowed 64 bits: also an error, at its position
+        assert any("more than fits in 64 bits" in x.message for x in d.errors), (text, d.errors)
+        return
+    assert issue_decisions(tmp_path, f"{decision} = {text}")[decision] == int(exact), text
