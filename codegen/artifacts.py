@@ -11,6 +11,7 @@ from fabric_ext import __version__
 from fabric_ext.graph import has_flag, prop_value
 from fabric_ext.graph_export import to_json as graph_json
 
+from fabric_ext.runtime import isa as I
 from fabric_ext.runtime.bundle import DPUTIME_SCHEMA, MANIFEST_SCHEMA
 PROG_TYPE_SYSCALL = 31
 
@@ -90,23 +91,56 @@ def manifest(analysis, ids, compiled, opt: int, mcpu: str, files: dict[str, byte
         "movements": movements, "programs": programs, "maps": maps,
         "ids": ids.to_json(), "hooks": hook_layouts(sorted(hooks, key=lambda h: (h.island_kind, h.name))),
         "placements": g["placements"], "line_map": line_map,
+        "bpftime_shm": {"name": BPFTIME_SHM, "islands": [i["name"] for i in g["islands"] if i["runtime"] == "bpftime"
+                                                         and any(p["island"] == i["name"] for p in programs)]},
         "files": {name: sha256(data) for name, data in sorted(files.items())},
     }
 
 
-def bpftime_json(specs, map_specs) -> dict:
-    """The handler table `bpftimetool import` reads: maps first (their key is the fd
-    that lddw src 1 carries in imm), then one program handler per program."""
+BPFTIME_SHM = "fabric_ext"     # the one bpftime shared memory every bpftime island is imported into
+
+
+class BpftimeFds:
+    """Handler numbers (fds) for the islands that share one bpftime shared memory: `bpftimetool
+    import` adds each handler at its own fd, so they are unique across every island's file, and
+    a map used on several islands has one fd (one map) in all of them."""
+
+    def __init__(self):
+        self.maps: dict[str, int] = {}
+        self.next = 0
+
+    def map(self, name: str) -> int:
+        if name not in self.maps:
+            self.maps[name] = self._take()
+        return self.maps[name]
+
+    def _take(self) -> int:
+        self.next += 1
+        return self.next - 1
+
+    def program(self) -> int:
+        return self._take()
+
+
+def bpftime_json(specs, map_specs, fds: BpftimeFds) -> dict:
+    """The handler table `bpftimetool import` reads (runtime/src/bpftime_shm_json.cpp in bpftime):
+    every field its importer reads, map handlers keyed by their fd (which lddw src 1 and 2 carry
+    in imm), then one program handler per program."""
     out = {}
-    for fd, m in enumerate(map_specs):
+    fd_of = [fds.map(m.name) for m in map_specs]
+    for fd, m in zip(fd_of, map_specs):
         out[str(fd)] = {"type": "bpf_map_handler", "name": m.name,
                         "attr": {"map_type": m.type, "key_size": m.key_size, "value_size": m.value_size,
-                                 "max_entries": m.max_entries, "flags": m.flags}}
-    for i, p in enumerate(specs, start=len(map_specs)):
-        code = b"".join(ins.encode() for ins in p.insns)
-        out[str(i)] = {"type": "bpf_prog_handler", "name": p.name,
-                       "attr": {"type": PROG_TYPE_SYSCALL, "cnt": len(code) // 8, "insns": code.hex(),
-                                "attach_fds": []}}
+                                 "max_entries": m.max_entries, "flags": m.flags, "ifindex": 0,
+                                 "btf_vmlinux_value_type_id": 0, "btf_id": 0, "btf_key_type_id": 0,
+                                 "btf_value_type_id": 0, "map_extra": 0, "kernel_bpf_map_id": 0}}
+    for p in specs:
+        insns = [I.Insn(i.opcode, i.dst, i.src, i.off, fd_of[i.imm], i.next_imm)
+                 if i.is_lddw and i.src in (I.PSEUDO_MAP_FD, I.PSEUDO_MAP_VALUE) else i for i in p.insns]
+        code = b"".join(ins.encode() for ins in insns)
+        out[str(fds.program())] = {"type": "bpf_prog_handler", "name": p.name,
+                                   "attr": {"type": PROG_TYPE_SYSCALL, "cnt": len(code) // 8, "insns": code.hex(),
+                                            "attach_fds": []}}
     return out
 
 

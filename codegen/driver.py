@@ -69,6 +69,7 @@ def _build(path, opt, mcpu, emit, kernel_verify, diags) -> CompileResult | None:
     for p in programs:
         by_island.setdefault(p.island, []).append(p)
     compiled = []
+    bpftime_fds = artifacts.BpftimeFds()
     source = str(path)
     for island, progs in by_island.items():
         module = build_module(island, progs, a.symbols.maps, source)
@@ -90,7 +91,8 @@ def _build(path, opt, mcpu, emit, kernel_verify, diags) -> CompileResult | None:
         compiled.append((island, pairs))
         kind = a.graph.islands[island].kind
         res.files[f"{island}.bpf.o"] = obj
-        runtime_json = artifacts.bpftime_json(loaded.programs, loaded.maps) if a.graph.islands[island].runtime == "bpftime" \
+        runtime_json = artifacts.bpftime_json(loaded.programs, loaded.maps, bpftime_fds) \
+            if a.graph.islands[island].runtime == "bpftime" \
             else artifacts.dputime_json(island, kind, pairs, loaded.maps)
         ext = "bpftime" if a.graph.islands[island].runtime == "bpftime" else "dputime"
         res.files[f"{island}.{ext}.json"] = (json.dumps(runtime_json, indent=1) + "\n").encode()

@@ -180,15 +180,21 @@ def _runtime_json(path, data):
                 for m in data["maps"]]
         progs = {p["name"]: isa.decode(bytes.fromhex(p["insns"])) for p in data["programs"]}
         return maps, progs
-    maps, progs = [], {}
+    maps, index, raw = [], {}, {}     # index: a map handler's fd -> its place in maps
     for fd in sorted(data, key=int):
         h = data[fd]
         if h["type"] == "bpf_map_handler":
             a = h["attr"]
-            if int(fd) != len(maps):
-                raise BundleError(f"{path}: map handlers must come first, numbered from 0")
+            index[int(fd)] = len(maps)
             maps.append(MapSpec(h["name"], a["map_type"], a["key_size"], a["value_size"], a["max_entries"],
                                 a.get("flags", 0)))
         elif h["type"] == "bpf_prog_handler":
-            progs[h["name"]] = isa.decode(bytes.fromhex(h["attr"]["insns"]))
+            raw[h["name"]] = isa.decode(bytes.fromhex(h["attr"]["insns"]))
+    progs = {}
+    for name, insns in raw.items():     # lddw carries a map handler's fd: back to the map's index
+        for ins in insns:
+            if ins.is_lddw and ins.src in (isa.PSEUDO_MAP_FD, isa.PSEUDO_MAP_VALUE) and ins.imm not in index:
+                raise BundleError(f"{path}: program '{name}' refers to fd {ins.imm}, which is no map handler here")
+        progs[name] = [isa.Insn(i.opcode, i.dst, i.src, i.off, index[i.imm], i.next_imm)
+                       if i.is_lddw and i.src in (isa.PSEUDO_MAP_FD, isa.PSEUDO_MAP_VALUE) else i for i in insns]
     return maps, progs

@@ -159,6 +159,7 @@ SCHEMA = record({
     "sources": list_of(record({"file": text(), "path": text(), "sha256": text(SHA256)})),
     "line_map": mapping(list_of(record({"insn": COUNT, "file": text(), "line": COUNT, "col": COUNT}))),
     "hooks": mapping(anything),
+    "bpftime_shm": record({"name": text(NAME), "islands": NAMES}),
 })
 
 
