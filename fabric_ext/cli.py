@@ -35,7 +35,9 @@ def _existing(path: str) -> Path:
 
 def _analyze(path: Path):
     from .frontend import analyze
+    from .runtime.workload import check_declaration
     a = analyze(path)
+    check_declaration(a.symbols, a.diags)       # the workload against the models the runtime knows
     a.diags.print(sys.stderr)
     return a
 

@@ -26,7 +26,7 @@ from .figures import default, figures
 from .dispatch import Known
 from .shims import SHIMS
 from .ticks import BLOCK, TickSource, catch_up_together
-from .workload import Workload, WorkloadError, load_model
+from .workload import Workload, WorkloadError, load_model, tp_problem
 
 
 # Allocations between young-generation collections while a prefill runs (CPython's default
@@ -124,6 +124,9 @@ class Engine(HookSite):
         gpus = [d for d, v in self.devices.items() if v["kind"] == "gpu"]
         if wl.tp > len(gpus):
             raise WorkloadError(f"tp {wl.tp} needs {wl.tp} GPUs; the fabric has {len(gpus)} ({', '.join(gpus)})")
+        why = tp_problem(model, wl.tp)
+        if why:
+            raise WorkloadError(why)
         for where in (wl.weights, wl.kv):
             if where not in ("hbm", "none") and where not in self.devices:
                 raise WorkloadError(f"workload places data on unknown device '{where}'")

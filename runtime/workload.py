@@ -44,6 +44,19 @@ class ModelConfig:
         return 3 * self.hidden * self.ffn * self.dtype_bytes
 
 
+MAX_CONFIG = 1 << 20       # bytes of a Hugging Face config.json
+
+
+class UnknownModel(WorkloadError):
+    """A model name that is neither built in nor a config file; ``suggestion`` is the closest name."""
+
+    def __init__(self, name: str, suggestion: str | None):
+        self.suggestion = suggestion
+        models = ", ".join(figures()["models"])
+        super().__init__(f"unknown model '{name}': built-in models are {models}, or give the path of a "
+                         "Hugging Face config.json")
+
+
 def load_model(name_or_path: str) -> ModelConfig:
     models = figures()["models"]
     if name_or_path in models:
@@ -52,17 +65,66 @@ def load_model(name_or_path: str) -> ModelConfig:
                            m["ffn"], m["vocab"], m["dtype_bytes"])
     p = Path(name_or_path)
     if not p.is_file():
-        raise WorkloadError(f"unknown model '{name_or_path}': built-in models are {', '.join(models)}, "
-                            "or give the path of a Hugging Face config.json")
+        import difflib
+        close = difflib.get_close_matches(name_or_path, list(models), n=1, cutoff=0.6)
+        raise UnknownModel(name_or_path, close[0] if close else None)
     try:
-        c = json.loads(p.read_text())
+        if p.stat().st_size > MAX_CONFIG:
+            raise ValueError(f"more than {MAX_CONFIG >> 20} MiB")
+        c = json.loads(p.read_bytes())
         heads = c["num_attention_heads"]
-        return ModelConfig(c.get("_name_or_path", p.stem), c["num_hidden_layers"], c["hidden_size"], heads,
-                           c.get("num_key_value_heads", heads), c.get("head_dim", c["hidden_size"] // heads),
-                           c["intermediate_size"], c["vocab_size"],
-                           {"float32": 4}.get(c.get("torch_dtype"), 2))
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        cfg = ModelConfig(c.get("_name_or_path", p.stem), c["num_hidden_layers"], c["hidden_size"], heads,
+                          c.get("num_key_value_heads", heads), c.get("head_dim", c["hidden_size"] // heads),
+                          c["intermediate_size"], c["vocab_size"],
+                          {"float32": 4}.get(c.get("torch_dtype"), 2))
+        numbers = (cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn, cfg.vocab)
+        if not all(type(v) is int and 0 < v < 1 << 24 for v in numbers):
+            raise ValueError("its shape must be positive whole numbers")
+        return cfg
+    except (ValueError, KeyError, TypeError, ZeroDivisionError, OSError, RecursionError) as e:
         raise WorkloadError(f"{p}: not a usable Hugging Face config ({type(e).__name__}: {e})") from None
+
+
+def tp_problem(model: ModelConfig, tp: int) -> str | None:
+    """Why ``tp`` GPUs cannot split ``model`` tensor-parallel (None if they can): the query heads
+    divide evenly, and the KV heads either divide evenly or are replicated evenly."""
+    def fits(t):
+        return model.heads % t == 0 and (model.kv_heads % t == 0 or t % model.kv_heads == 0)
+    if fits(tp):
+        return None
+    ok = [t for t in range(1, min(model.heads, 256) + 1) if fits(t)]
+    return (f"tp {tp} cannot split {model.name} ({model.heads} query heads, {model.kv_heads} KV heads) evenly; "
+            f"it splits over {', '.join(map(str, ok))} GPUs")
+
+
+def check_declaration(symbols, diags) -> None:
+    """The policy's workload against the models the runtime knows: an unknown model (with the
+    closest name) and a tensor-parallel degree that cannot split it, at their line:col."""
+    w = symbols.workload
+    if w is None:
+        return
+    props = {p.name.name: p for p in w.props}
+    model_prop = props.get("model")
+    name = getattr(model_prop.value, "value", None) if model_prop else "llama3-8b"
+    if not isinstance(name, str):
+        return
+    try:
+        model = load_model(name)
+    except UnknownModel as e:
+        diags.error(model_prop.value.span, f"unknown model '{name}'",
+                    f"did you mean '{e.suggestion}'?" if e.suggestion else
+                    f"built-in models: {', '.join(figures()['models'])}, or a Hugging Face config.json path")
+        return
+    except WorkloadError as e:
+        diags.error(model_prop.value.span, str(e))
+        return
+    tp_prop = props.get("tp")
+    tp = getattr(tp_prop.value, "value", None) if tp_prop else None
+    if isinstance(tp, int) and tp >= 1:
+        gpus = sum(1 for d in symbols.devices.values() if d.kind == "gpu")
+        why = f"tp {tp} needs {tp} GPUs; the fabric has {gpus}" if tp > gpus else tp_problem(model, tp)
+        if why:
+            diags.error(tp_prop.value.span, why)
 
 
 @dataclass(frozen=True)

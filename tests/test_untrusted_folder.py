@@ -123,6 +123,8 @@ def test_the_files_a_folder_may_hold(tmp_path, capsys, original):
     (["--prompt", "0"], "prompt must be a whole number from 1 to 1048576, not 0"),
     (["--prompt", "99999999999999"], "prompt must be a whole number"),
     (["--tp", "0"], "tp must be a whole number from 1"),
+    (["--tp", "3"], "tp 3 cannot split llama3-8b (32 query heads, 8 KV heads) evenly"),
+    (["--model", "llama3-7b"], "unknown model 'llama3-7b'"),
 ])
 def test_runs_are_bounded(capsys, args, says):
     """No run is endless: the event limit stops one (documented, overridable), and workload

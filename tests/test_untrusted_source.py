@@ -109,3 +109,21 @@ def test_damaged_policies_never_give_an_internal_error(tmp_path, capsys):
             tried += 1
             errors += code == 1
     assert errors > tried // 2
+
+
+@pytest.mark.parametrize("workload,where,says", [
+    ('model: "llama3-8bb"; tp: 2', "2:21", "did you mean 'llama3-8b'?"),
+    ('model: "llama3-8b"; tp: 3', "2:38", "tp 3 cannot split llama3-8b"),
+    ('model: "llama3-8b"; tp: 16', "2:38", "tp 16 needs 16 GPUs; the fabric has 8"),
+    ('model: "/dev/zero"; tp: 2', "2:21", "unknown model"),
+])
+def test_workload_errors_at_their_position(tmp_path, workload, where, says):
+    """The workload is checked against the models the runtime knows, by fabricc check and
+    compile, before anything runs (it was found only at run time, without a position)."""
+    from conftest import POLICIES
+    path = tmp_path / "w.fx"
+    path.write_text(f'import "{POLICIES}/fabrics/dgx_cxl.fx"\nworkload w {{ {workload} }}\n')
+    for cmd in (["check", path], ["compile", path, "-o", tmp_path / "out"]):
+        r = fabricc(*cmd)
+        err = r.stderr.decode()
+        assert r.returncode == 1 and f"w.fx:{where}" in err and says in err, err
