@@ -59,7 +59,8 @@ def build(path: Path, opt: int = 2, mcpu: str = "v3", emit=(), kernel_verify: bo
 def _build(path, opt, mcpu, emit, kernel_verify, diags) -> CompileResult | None:
     from fabric_ext.runtime.workload import check_declaration
     a = analyze(path, diags)
-    check_declaration(a.symbols, diags)
+    if not a.program.unread:
+        check_declaration(a.symbols, diags)
     if not a.ok:
         return None
     ids = assign_ids(a)

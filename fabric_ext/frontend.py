@@ -31,7 +31,10 @@ def analyze(path: str | Path, diags: Diagnostics | None = None) -> Analysis:
     """
     diags = diags or Diagnostics()
     prog = load(path, diags)
-    sym = check_declarations(prog, diags)
-    mg = build_graph(sym, diags)
-    placements = place(prog.policies, sym, mg, diags)
+    # an import that could not be read leaves its declarations missing: what the later passes
+    # would say about them is a consequence of that one error, so they report into a scratch list
+    later = diags if not prog.unread else Diagnostics()
+    sym = check_declarations(prog, later)
+    mg = build_graph(sym, later)
+    placements = place(prog.policies, sym, mg, later)
     return Analysis(prog, sym, mg, placements, diags)

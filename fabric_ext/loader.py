@@ -58,6 +58,7 @@ class Program:
     maps: list[A.MapDecl] = field(default_factory=list)
     policies: list[A.Policy] = field(default_factory=list)
     sources: dict[str, str] = field(default_factory=dict)  # file -> text
+    unread: int = 0        # imports that could not be read: what they declare is missing
 
     @property
     def files(self) -> list[str]:
@@ -90,18 +91,21 @@ def load(root: str | Path, diags: Diagnostics) -> Program:
         if at is not None and path.suffix != ".fx":
             diags.error(at, f"cannot import '{display_path(path)}': imports name .fx policy sources",
                         "import paths are relative to the importing file")
+            prog.unread += 1
             return
         try:
             text = read_source(path)
         except SourceError as e:
             where = Span(name, e.line, e.col, e.line, e.col + 1) if e.line else at or Span(name, 1, 1, 1, 2)
             diags.error(where, f"cannot read '{name}': {e}", "policy sources are UTF-8 text files of at most 1 MiB")
+            prog.unread += 1
             return
         except OSError as e:
             if at is None:
                 raise
             diags.error(at, f"cannot import '{display_path(path)}': {(e.strerror or str(e)).lower()}",
                         "import paths are relative to the importing file")
+            prog.unread += 1
             return
         module = parse(text, name, diags)
         prog.sources[name] = text

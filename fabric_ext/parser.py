@@ -5,6 +5,8 @@ are reported at the literal and parsing goes on.
 """
 from __future__ import annotations
 
+import re
+
 from functools import lru_cache
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from lark import Token, Transformer, v_args
 
 from . import ast as A
 from .diagnostics import Diagnostics, Span
-from .units import BASE_UNIT, UnitError, parse_quantity
+from .units import BASE_UNIT, UNITS, UnitError, parse_quantity
 
 U64_MAX = (1 << 64) - 1
 MAX_NUMBER_CHARS = 40        # digits, point and unit: far more than any 64-bit value needs
@@ -338,34 +340,65 @@ def parse(text: str, file: str, diags: Diagnostics) -> A.Module | None:
         return None
     try:
         tree = _lark().parse(text)
-    except lark.exceptions.UnexpectedCharacters as e:
-        span = Span(file, e.line, e.column, e.line, e.column + 1)
-        ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else "end of file"
-        if text.startswith("/*", e.pos_in_stream):
-            diags.error(span, "unterminated comment", "close it with */")
-            return None
-        diags.error(span, f"unexpected character '{ch}'",
-                    "expected " + ", ".join(_expected_names(e.allowed)) if e.allowed else None)
-        return None
-    except lark.exceptions.UnexpectedEOF as e:
-        lines = text.splitlines() or [""]
-        span = Span(file, len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 2)
-        diags.error(span, "unexpected end of file",
-                    "expected " + ", ".join(_expected_names(e.expected)) if e.expected else None)
-        return None
-    except lark.exceptions.UnexpectedToken as e:
-        tok = e.token
-        if tok.type == "$END":
-            lines = text.splitlines() or [""]
-            span = Span(file, len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 2)
-            what = "end of file"
-        else:
-            span = Span(file, tok.line, tok.column, tok.end_line or tok.line,
-                        tok.end_column or tok.column + 1)
-            what = f"'{tok}'"
-        expected = _expected_names(e.expected)
-        diags.error(span, f"unexpected {what}",
-                    "expected " + ", ".join(expected[:8]) + (", ..." if len(expected) > 8 else ""))
+    except lark.exceptions.UnexpectedInput as e:
+        _syntax_error(e, text, file, diags)
         return None
     items = _Build(file, diags).transform(tree)
     return A.Module(file, items, span=Span(file, 1, 1, 1, 1))
+
+
+_SPACED_UNIT = re.compile(r"(\d+(?:\.\d+)?)[ \t]+(" + "|".join(
+    re.escape(u) for u in sorted(UNITS, key=len, reverse=True)) + r")(?![A-Za-z/])")
+
+
+def _syntax_error(e: lark.exceptions.UnexpectedInput, text: str, file: str, diags: Diagnostics) -> None:
+    """One syntax error, said the way its likely cause would be: a unit apart from its number,
+    '=' where a condition compares, a brace never closed, a comment never ended."""
+    lines = text.splitlines() or [""]
+    end = Span(file, len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 2)
+    tok = getattr(e, "token", None)
+    at_end = isinstance(e, lark.exceptions.UnexpectedEOF) or (tok is not None and tok.type == "$END")
+    line, col = (end.line, end.col) if at_end else (e.line, e.column)
+    span = end if at_end else Span(file, line, col, line, (tok.end_column if tok is not None and tok.end_column
+                                                           else col + 1))
+    expected = _expected_names(getattr(e, "expected", None) or getattr(e, "allowed", None) or ())
+    hint = "expected " + ", ".join(expected[:8]) + (", ..." if len(expected) > 8 else "") if expected else None
+    source = lines[line - 1] if 0 < line <= len(lines) else ""
+    spaced = next((m for m in _SPACED_UNIT.finditer(source) if m.start(2) <= col - 1 <= m.end(2)), None)
+    if spaced:
+        diags.error(Span(file, line, spaced.start() + 1, line, spaced.end() + 1),
+                    f"no space between a number and its unit: write '{spaced[1]}{spaced[2]}'")
+    elif at_end and (opener := _unclosed_brace(text)) is not None:
+        diags.error(Span(file, opener.line, opener.column, opener.line, opener.column + 1),
+                    "this '{' is never closed", f"add '}}' where its block ends (the file ends at line {end.line})")
+    elif not at_end and text.startswith("/*", _offset(text, line, col)):
+        diags.error(span, "unterminated comment", "close it with */")
+    elif tok is not None and str(tok) == "=" and re.search(r"\bif\b[^{}]*$", source[:col - 1]):
+        diags.error(span, "'=' assigns; a condition compares with '=='", "did you mean '=='?")
+    elif isinstance(e, lark.exceptions.UnexpectedCharacters):
+        ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else "end of file"
+        diags.error(span, f"unexpected character '{ch}'", hint)
+    else:
+        diags.error(span, f"unexpected {'end of file' if at_end else repr(str(tok))}", hint)
+
+
+def _unclosed_brace(text: str):
+    """The innermost '{' that no '}' closes, as a token (None when they balance)."""
+    stack = []
+    try:
+        for tok in _lark().lex(text):
+            if tok == "{":
+                stack.append(tok)
+            elif tok == "}" and stack:
+                stack.pop()
+    except lark.exceptions.LarkError:
+        pass
+    return stack[-1] if stack else None
+
+
+def _offset(text: str, line: int, col: int) -> int:
+    """The character offset of a 1-based line and column."""
+    start = 0
+    for _ in range(line - 1):
+        start = text.find("\n", start) + 1
+    return start + col - 1

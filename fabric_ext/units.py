@@ -67,7 +67,8 @@ def parse_quantity(text: str) -> tuple[float, str | None]:
         return value, None
     if unit not in UNITS:
         from .diagnostics import closest
-        raise UnitError(unit, closest(unit, UNITS))
+        per_second = unit[:-2] + "/s"       # 10GBps: bytes per second (Gbps would be 8x less)
+        raise UnitError(unit, per_second if unit.endswith("Bps") and per_second in UNITS else closest(unit, UNITS))
     dim, factor = UNITS[unit]
     scaled = value * factor
     return (int(scaled) if float(scaled).is_integer() else scaled), dim

@@ -1,0 +1,46 @@
+"""Diagnostics that point at the cause (issue 13, item 10): one error for a missing import,
+units written apart or as GBps, '=' in a condition, a brace never closed, a comment never ended."""
+import pytest
+
+from conftest import FABRIC, FABRIC_LINES
+from fabric_ext.frontend import analyze
+
+LINE = FABRIC_LINES + 1
+
+
+def diagnose(tmp_path, text):
+    path = tmp_path / "d.fx"
+    path.write_text(text)
+    a = analyze(path)
+    return [(f"{d.span.line}:{d.span.col}", d.message, " ".join(d.hints)) for d in a.diags.errors]
+
+
+def test_a_missing_import_is_one_error_at_the_import(tmp_path):
+    errors = diagnose(tmp_path, 'import "nope.fx"\nmovement w = weights : pool0 -> gpu*\n'
+                                "policy p { on w.forward { priority = 1 } }\n")
+    assert len(errors) == 1 and errors[0][0] == "1:1" and "nope.fx': no such file" in errors[0][1]
+    assert "nope.fx" not in errors[0][2]          # the hint does not repeat the failed import
+
+
+@pytest.mark.parametrize("body,where,says,hint", [
+    ("rate = 10 GB/s", f"{LINE}:42", "no space between a number and its unit: write '10GB/s'", ""),
+    ("rate = 10GBps", f"{LINE}:42", "unknown unit 'GBps'", "did you mean 'GB/s'?"),
+    ("rate = 10Gbit", f"{LINE}:42", "unknown unit 'Gbit'", "bps .. Tbps"),
+    ("if ev.layer = 3 { priority = 1 }", f"{LINE}:47", "'=' assigns; a condition compares with '=='",
+     "did you mean '=='?"),
+])
+def test_what_the_writer_meant(tmp_path, body, where, says, hint):
+    errors = diagnose(tmp_path, FABRIC + "policy p { on kv.forward at sw0 { " + body + " } }\n")
+    assert len(errors) == 1, errors
+    assert errors[0][0] == where and says in errors[0][1] and hint in errors[0][2], errors
+
+
+def test_a_brace_never_closed_is_pointed_at(tmp_path):
+    errors = diagnose(tmp_path, FABRIC + "policy p {\n  on kv.forward at sw0 {\n    priority = 1\n\n}\n")
+    assert errors == [(f"{LINE}:10", "this '{' is never closed",
+                       f"add '}}' where its block ends (the file ends at line {LINE + 4})")]
+
+
+def test_a_comment_never_ended(tmp_path):
+    errors = diagnose(tmp_path, FABRIC + "/* notes\npolicy p { }\n")
+    assert errors[0][:2] == (f"{LINE}:1", "unterminated comment")
