@@ -6,7 +6,6 @@ are reported at the literal and parsing goes on.
 from __future__ import annotations
 
 import re
-
 from functools import lru_cache
 from pathlib import Path
 

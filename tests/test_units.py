@@ -4,15 +4,15 @@ Every test compiles a policy, runs its program and reads the decisions it made."
 from fractions import Fraction
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from conftest import FABRIC, FABRIC_LINES
 from fabric_ext.codegen.driver import build, write_output
-from fabric_ext.diagnostics import Diagnostics
 from fabric_ext.runtime.bundle import load_bundle
 from fabric_ext.runtime.context import ContextCodec
 from fabric_ext.runtime.interp import Interpreter
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fabric_ext.diagnostics import Diagnostics
 
 M64 = (1 << 64) - 1
 LINE = FABRIC_LINES + 1
@@ -103,7 +103,7 @@ def expression(draw, dim, depth=0):
         return text, Fraction(value)
     form = draw(st.sampled_from(["sum", "diff", "scaled", "shrunk"] + {
         "size": ["rate*time"], "time": ["size/rate"], "bandwidth": ["size/time"], "count": []}[dim]))
-    sub = lambda d: draw(expression(d, depth + 1))  # noqa: E731
+    sub = lambda d: draw(expression(d, depth + 1))
     if form in ("sum", "diff"):
         (ta, a), (tb, b) = sub(dim), sub(dim)
         if a is None or b is None:
