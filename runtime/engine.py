@@ -113,6 +113,9 @@ class Engine(HookSite):
             return value
         model = load_model(o.model or w.get("model", "llama3-8b"))
         prompt = pick(o.prompt, "prompt", 8192)
+        if o.chunk_tokens is not None and not 1 <= o.chunk_tokens <= prompt:
+            raise WorkloadError(f"--chunk must be from 1 to the prompt's {prompt} tokens, not {o.chunk_tokens} "
+                                "(leave it out for a prefill in one pass)")
         chunk_tokens = o.chunk_tokens if o.chunk_tokens is not None else w.get("prefill_chunk", 0) or 0
         if type(chunk_tokens) is not int or not 0 <= chunk_tokens <= prompt:
             raise WorkloadError(f"the prefill chunk must be a whole number of tokens from 1 to the prompt's "

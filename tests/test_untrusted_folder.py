@@ -124,6 +124,8 @@ def test_the_files_a_folder_may_hold(tmp_path, capsys, original):
     (["--prompt", "99999999999999"], "prompt must be a whole number"),
     (["--tp", "0"], "tp must be a whole number from 1"),
     (["--tp", "3"], "tp 3 cannot split llama3-8b (32 query heads, 8 KV heads) evenly"),
+    (["--batch", "0"], "batch must be a whole number from 1"),
+    (["--chunk", "0"], "--chunk must be from 1 to the prompt's 8192 tokens, not 0"),
     (["--model", "llama3-7b"], "unknown model 'llama3-7b'"),
 ])
 def test_runs_are_bounded(capsys, args, says):
