@@ -215,7 +215,7 @@ def drain_ringbuf(fd: int, size: int) -> list[bytes]:
 def store_r0_at_exit(insns: list[I.Insn], map_fd: int) -> list[I.Insn]:
     """``insns`` with each exit of the main function (not of subprograms) preceded by a store
     of the full r0 into entry 0 of the array map ``map_fd``; jumps and calls re-aimed."""
-    slots, index = I.slot_index(insns)
+    slots, _ = I.slot_index(insns)
     subprograms = [s + 1 + ins.imm for s, ins in zip(slots, insns)
                    if ins.opcode == I.JMP | I.CALL and ins.src == I.PSEUDO_CALL]
     main_end = min(subprograms, default=slots[-1] + 1 if slots else 0)
