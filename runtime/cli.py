@@ -35,6 +35,7 @@ def reference_policy() -> Path:
 
 
 def build_parser():
+    from .fabric_model import DEFAULT_MAX_EVENTS
     p = _Parser(prog="fabric-run", description="Run compiled fabric policies on an LLM prefill and report "
                                                  "its dataflow statistics.")
     p.add_argument("--version", action="version", version=f"fabric-run {__version__}")
@@ -53,7 +54,8 @@ def build_parser():
     p.add_argument("--tp", type=int, help="tensor-parallel degree")
     p.add_argument("--chunk", type=int, metavar="TOKENS", help="chunked prefill: tokens per pass")
     p.add_argument("--max-events", type=int, default=None, metavar="N",
-                   help="stop a run that passes N simulated events (default 20,000,000; 0: no limit)")
+                   help=f"stop a run that passes N simulated events (default {DEFAULT_MAX_EVENTS:,}; "
+                        "0: no limit)")
     p.add_argument("--baseline", action="store_true", help="also run with no programs attached and compare")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace")
@@ -123,7 +125,7 @@ def _progress():
 
 def run(args) -> int:
     from .bundle import create_maps, load_manifest
-    from .engine import DEFAULT_MAX_EVENTS, Engine, RunOptions
+    from .engine import Engine, RunOptions
     from .program import get_backend
     from . import stats
     policy = Path(args.policy) if args.policy else reference_policy()
@@ -139,6 +141,7 @@ def run(args) -> int:
         else:
             folder = policy
         man = load_manifest(folder)
+        from .fabric_model import DEFAULT_MAX_EVENTS
         max_events = DEFAULT_MAX_EVENTS if args.max_events is None else (args.max_events or None)
         backend = get_backend(args.backend or "auto", jit_checks=args.jit_checks)
         try:

@@ -21,7 +21,7 @@ import networkx as nx
 from . import compute
 from fabric_ext.schema import PROP_RANGES
 
-from .fabric_model import APPLIED, Fabric, HookSite, Sim, Standing, Transfer
+from .fabric_model import APPLIED, DEFAULT_MAX_EVENTS, Fabric, HookSite, Sim, Standing, Transfer
 from .figures import default, figures
 from .dispatch import Known
 from .shims import SHIMS
@@ -48,10 +48,6 @@ def _fewer_collections():
 
 # context fields that are the same for every chunk of a transfer (`Transfer.ctx`)
 TRANSFER_FIELDS = ("movement", "class", "operator", "src", "dst", "layer", "critical")
-
-
-#: ~50x the events of the largest bundled run (Llama-3-70B, 32k tokens: ~420,000); a few minutes of run
-DEFAULT_MAX_EVENTS = 20_000_000
 
 
 @dataclass

@@ -28,6 +28,10 @@ DEFAULT_PRIORITY = 3
 APPLIED = frozenset({"priority", "defer", "rate", "route", "tier"})   # what `Fabric._apply` acts on
 
 
+#: ~50x the events of the largest bundled run (Llama-3-70B, 32k tokens: ~420,000); a few minutes of run
+DEFAULT_MAX_EVENTS = 20_000_000
+
+
 class EventLimit(RuntimeError):
     """A run that passed its limit on events (``Sim.max_events``)."""
 
