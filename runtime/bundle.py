@@ -41,15 +41,17 @@ def read_artifact(path: Path, what: str) -> bytes:
     bounded size."""
     try:
         st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise BundleError(f"{path}: {what} is not a regular file (a link or a device); recompile the policy")
+        if st.st_size > MAX_ARTIFACT:
+            raise BundleError(f"{path}: {what} is {st.st_size} bytes, more than the {MAX_ARTIFACT >> 20} MiB "
+                              "a policy folder's file may have")
+        return path.read_bytes()
     except FileNotFoundError:
         raise BundleError(f"{path}: missing {what}; compile the policy with 'fabricc compile POLICY -o "
                           f"{path.parent}'") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise BundleError(f"{path}: {what} is not a regular file (a link or a device); recompile the policy")
-    if st.st_size > MAX_ARTIFACT:
-        raise BundleError(f"{path}: {what} is {st.st_size} bytes, more than the {MAX_ARTIFACT >> 20} MiB "
-                          "a policy folder's file may have")
-    return path.read_bytes()
+    except OSError as e:
+        raise BundleError(f"{path}: cannot read {what}: {e.strerror or e}") from None
 
 
 @dataclass
