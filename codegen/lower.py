@@ -67,6 +67,8 @@ class _Lowerer:
                 return self._read(e.id)
             return ir.Const(self.ids.devices[e.id])
         if isinstance(e, A.FieldRef):
+            if self.p.hook.constant(e.name.name):    # ev.island: the island this program is for
+                return ir.Const(self.ids.devices[self.p.island])
             return self._read(e.name.name)
         if isinstance(e, A.MapGet):
             self.maps.add(e.map.name)

@@ -389,13 +389,13 @@ class BodyChecker:
         if e.obj != "ev":
             self.diags.error(e.span, f"unknown object '{e.obj}'", "context fields are read as ev.FIELD")
             return None
-        missing = [h for h in self.hooks if h.field(e.name.name) is None]
+        missing = [h for h in self.hooks if h.readable(e.name.name) is None]
         if missing:
             h = missing[0]
             self.diags.error(e.name.span, f"the context of {h.island_kind}.{h.name} has no field '{e.name.name}'",
                              did_you_mean(e.name.name, h.layout) or "fields: " + ", ".join(h.layout))
             return None
-        return self.hooks[0].field(e.name.name).dim if self.hooks else None
+        return self.hooks[0].readable(e.name.name).dim if self.hooks else None
 
     def _map(self, ident: A.Ident, want_ringbuf=False) -> MapInfo | None:
         info = self.sym.maps.get(ident.name)

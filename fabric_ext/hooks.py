@@ -49,6 +49,12 @@ def _d(name, ctype, dim, default, effect):
 
 
 # ---- fields shared between hooks ------------------------------------------------
+#: readable as ev.NAME on every hook, but no part of any context: each island's program is
+#: compiled for that island, so the compiler writes the value in (a wildcard `at gpu*` handler
+#: tells its GPUs apart with it, and gpu.launch learns which GPU launched)
+CONSTANTS = {"island": Field("island", "u32", DEVICE, "the device whose island runs the program "
+                             "(compare with a device name: ev.island == gpu3)")}
+
 NOW = _f("now", "u64", TIME, "simulated time of the event (ns)")
 CHUNK_INPUTS = (
     NOW,
@@ -123,6 +129,15 @@ class Hook:
     def field(self, name: str) -> Field | None:
         hit = self.layout.get(name)
         return hit[1] if hit else None
+
+    def constant(self, name: str) -> Field | None:
+        """A field every program of this hook can read that is no part of its context: known
+        when the program is compiled for its island (`CONSTANTS`)."""
+        return CONSTANTS.get(name)
+
+    def readable(self, name: str) -> Field | None:
+        """What ``ev.NAME`` reads: a context field or a constant of the island."""
+        return self.field(name) or self.constant(name)
 
     def offset(self, name: str) -> int:
         return self.layout[name][0]

@@ -1,5 +1,6 @@
-"""Dimensioned arithmetic is exact in base units (issue 13, item 1): constants fold as exact
-fractions rounded down once; at run time a quotient of dimensions scales before it divides.
+"""What the compiler computes (issue 13, items 1 and 8): dimensioned arithmetic exact in base
+units — constants fold as exact fractions rounded down once, at run time a quotient of
+dimensions scales before it divides — and ev.island, a constant of each island's program.
 Every test compiles a policy, runs its program and reads the decisions it made."""
 from fractions import Fraction
 
@@ -142,3 +143,28 @@ def test_compiled_constants_match_exact_fractions(tmp_path, target, data):
         assert any("more than fits in 64 bits" in x.message for x in d.errors), (text, d.errors)
         return
     assert issue_decisions(tmp_path, f"{decision} = {text}")[decision] == int(exact), text
+
+
+def test_ev_island_tells_the_gpus_of_a_wildcard_handler_apart(tmp_path):
+    """ev.island (issue 13, item 8): every hook can read which island's program runs, gpu.launch
+    included; it is compiled into each island's program, not carried in the context."""
+    res, d = compile_policy(tmp_path, "map launched : array<u32, count>[16]\n"
+                            "policy p { on kv.issue at gpu* { if ev.island == gpu1 { priority = 7 } }\n"
+                            "           on gpu*.launch { launched[ev.island] += 1 } }\n")
+    assert res is not None, [x.message for x in d.items]
+    out = tmp_path / "out"
+    write_output(res, out)
+    bundle = load_bundle(out)
+    ids = bundle.ids["devices"]
+    # on gpu0 the condition is a constant false: the compiler drops the handler (and the program)
+    assert "issue" not in bundle.islands["gpu0"].programs
+    prog = bundle.islands["gpu1"].programs["issue"]
+    codec = ContextCodec(prog.hook)
+    ctx = codec.pack({"movement": bundle.ids["movements"]["kv"]})
+    Interpreter().run(prog, ctx)
+    assert codec.decisions(ctx)["priority"] == 7
+    for gpu in ("gpu0", "gpu1"):
+        launch = bundle.islands[gpu].programs["launch"]
+        Interpreter().run(launch, ContextCodec(launch.hook).pack({}))
+    assert bundle.maps["launched"].dump() == {ids["gpu0"]: 1, ids["gpu1"]: 1}
+    assert "island" not in bundle.islands["gpu0"].programs["launch"].hook.layout     # no context field
