@@ -157,10 +157,13 @@ def write_output(res: CompileResult, out: Path) -> None:
         raise
 
 
-def compile_policy(path: Path, out: Path, opt=2, mcpu="v3", emit=(), kernel_verify=False) -> int:
+def compile_policy(path: Path, out: Path, opt=2, mcpu="v3", emit=(), kernel_verify=False, werror=False) -> int:
     """The `fabricc compile` command: 0 on success, 1 on errors in the input."""
     diags = Diagnostics()
     res = build(path, opt, mcpu, emit, kernel_verify, diags)
+    if werror and diags.items:
+        diags.warnings_as_errors()
+        res = None
     diags.print(sys.stderr)
     if res is None:
         n = len(diags.errors)

@@ -33,12 +33,14 @@ def _existing(path: str) -> Path:
     return p
 
 
-def _analyze(path: Path):
+def _analyze(path: Path, werror: bool = False):
     from .frontend import analyze
     from .runtime.workload import check_declaration
     a = analyze(path)
     if not a.program.unread:                    # (a missing import says it all)
         check_declaration(a.symbols, a.diags)   # the workload against the models the runtime knows
+    if werror:
+        a.diags.warnings_as_errors()
     a.diags.print(sys.stderr)
     return a
 
@@ -46,7 +48,7 @@ def _analyze(path: Path):
 def cmd_check(args) -> int:
     status = EXIT_OK
     for f in args.files:
-        a = _analyze(_existing(f))
+        a = _analyze(_existing(f), args.Werror)
         n = len(a.diags.errors)
         if n:
             status = EXIT_INPUT
@@ -75,7 +77,7 @@ def cmd_compile(args) -> int:
     if not args.output.strip():
         raise UsageError("fabricc: -o needs a folder name")
     return compile_policy(_existing(args.file), Path(args.output), opt=args.O, mcpu=args.mcpu,
-                          emit=args.emit or [], kernel_verify=args.kernel_verify)
+                          emit=args.emit or [], kernel_verify=args.kernel_verify, werror=args.Werror)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="parse and check policies, report every error")
     c.add_argument("files", nargs="+", metavar="FILE")
     c.add_argument("-q", "--quiet", action="store_true", help="print nothing when a file is clean")
+    c.add_argument("--Werror", action="store_true", help="treat warnings as errors")
     c.set_defaults(func=cmd_check)
     g = sub.add_parser("graph", help="print the semantic movement graph")
     g.add_argument("file", metavar="FILE")
@@ -99,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--mcpu", choices=("v1", "v2", "v3", "v4"), default="v3", help="BPF cpu version (default v3)")
     k.add_argument("--emit", action="append", choices=("llvm", "asm"), help="also write LLVM IR or disassembly")
     k.add_argument("--kernel-verify", action="store_true", help="also load each program into the running kernel")
+    k.add_argument("--Werror", action="store_true", help="treat warnings as errors (nothing is written)")
     k.set_defaults(func=cmd_compile)
     return p
 

@@ -61,6 +61,11 @@ class Diagnostics:
     def has_errors(self) -> bool:
         return any(d.severity == "error" for d in self.items)
 
+    def warnings_as_errors(self) -> None:
+        """--Werror: every warning so far becomes an error."""
+        for d in self.items:
+            d.severity = "error"
+
     def render(self, d: Diagnostic) -> str:
         out = [f"{d.span}: {d.severity}: {d.message}"]
         text = self.sources.get(d.span.file)

@@ -8,6 +8,7 @@ from .checker import Symbols, check_declarations
 from .diagnostics import Diagnostics
 from .graph import MovementGraph, build_graph
 from .loader import Program, load
+from .lint import warn
 from .placement import Placement, place
 
 
@@ -37,4 +38,7 @@ def analyze(path: str | Path, diags: Diagnostics | None = None) -> Analysis:
     sym = check_declarations(prog, later)
     mg = build_graph(sym, later)
     placements = place(prog.policies, sym, mg, later)
-    return Analysis(prog, sym, mg, placements, diags)
+    a = Analysis(prog, sym, mg, placements, diags)
+    if not later.has_errors():
+        warn(a, later)              # parts that can have no effect (lint.py)
+    return a

@@ -44,3 +44,34 @@ def test_a_brace_never_closed_is_pointed_at(tmp_path):
 def test_a_comment_never_ended(tmp_path):
     errors = diagnose(tmp_path, FABRIC + "/* notes\npolicy p { }\n")
     assert errors[0][:2] == (f"{LINE}:1", "unterminated comment")
+
+
+def test_warnings_for_what_can_have_no_effect(tmp_path):
+    """A handler only on GPUs outside the tensor-parallel group, and a map no handler uses,
+    are warnings at their position (issue 13, item 4, in part); --Werror makes them errors."""
+    import subprocess
+    import sys
+    from conftest import POLICIES
+    text = (f'import "{POLICIES}/fabrics/dgx_cxl.fx"\n'
+            'workload w { model: "llama3-8b"; prompt: 1024; tp: 4; weights: pool0; kv: pool0 }\n'
+            "movement kv = kv : gpu* -> pool0\n"
+            "map unused : array<u32, count>[4]\n"
+            "policy p { on kv.issue at gpu5 { priority = 7 }\n"
+            "           on kv.issue at gpu* { priority = 6 } }\n")
+    path = tmp_path / "w.fx"
+    path.write_text(text)
+    a = analyze(path)
+    warnings = [(f"{d.span.line}:{d.span.col}", d.message) for d in a.diags.items if d.severity == "warning"]
+    assert not a.diags.errors
+    assert ("4:5", "map 'unused' is declared but no handler uses it") in warnings
+    assert any(w[0] == "5:12" and "runs only on gpu5, outside the tensor-parallel group (tp 4" in w[1]
+               for w in warnings), warnings
+    assert len(warnings) == 2                 # the gpu* handler runs on gpu0..gpu3: no warning
+    for cmd in (["check"], ["compile", "-o", str(tmp_path / "out")]):
+        plain = subprocess.run([sys.executable, "-m", "fabric_ext.cli", *cmd[:1], str(path), *cmd[1:]],
+                               capture_output=True, text=True, check=False)
+        strict = subprocess.run([sys.executable, "-m", "fabric_ext.cli", *cmd[:1], "--Werror", str(path), *cmd[1:]],
+                                capture_output=True, text=True, check=False)
+        assert plain.returncode == 0 and "warning: map 'unused'" in plain.stderr, plain.stderr
+        assert strict.returncode == 1 and "error: map 'unused'" in strict.stderr, strict.stderr
+    assert (tmp_path / "out").is_dir()        # written by the plain compile only once
