@@ -13,7 +13,7 @@ import math
 import re
 
 from fabric_ext.hooks import DEVICE_ISLAND_KIND, HOOKS, ISLAND_RUNTIME
-from fabric_ext.schema import LINK_KINDS, MAP_KINDS, MAX_ENTRIES, PROP_RANGES
+from fabric_ext.schema import DEVICE_PROPS, LINK_KINDS, MAP_KINDS, MAX_ENTRIES, PROP_RANGES, STRING
 
 MAX_ITEMS = 100_000          # no list or object in a manifest is longer
 MAX_NS = 10 ** 12            # any period or latency: 1000 s
@@ -117,6 +117,7 @@ def record(required: dict, optional: dict | None = None):
 
 
 ID = integer(0, 1 << 31)
+PROP_NUMBER = number(0, 1e30)
 COUNT = integer(0, 1 << 31)
 NAMES = list_of(text(NAME))
 HANDLER = record({"movement": nullable(ID), "period": nullable(integer(1, MAX_NS)), "maps": NAMES,
@@ -188,6 +189,10 @@ def _references(man: dict) -> None:
     for i, d in enumerate(fabric["devices"]):
         if d["island"] is not None:
             _known(d["island"], islands, f"fabric.devices[{i}].island", "island")
+        kinds = DEVICE_PROPS.get(d["kind"], {})
+        for name, value in d.get("props", {}).items():       # the engine reads them as numbers
+            if name in kinds:
+                (text() if kinds[name] == STRING else PROP_NUMBER)(value, f"fabric.devices[{i}].props.{name}")
     for i, link in enumerate(fabric["links"]):
         for end in ("src", "dst"):
             _known(link[end], devices, f"fabric.links[{i}].{end}", "device")

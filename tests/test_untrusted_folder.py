@@ -84,6 +84,7 @@ def test_tampered_manifests_give_one_clear_error(tmp_path, capsys, original):
     (("workload", "chunk"), 2097152.5, "key workload.chunk"),
     (("workload", "prompt"), 10 ** 14, "key workload.prompt"),
     (("movements", 0, "chunk"), 1.5, "key movements[0].chunk"),
+    (("fabric", "devices", 0, "props", "hbm_bw"), "fast", "key fabric.devices[0].props.hbm_bw: expected a number"),
 ])
 def test_each_boundary_names_the_key(tmp_path, capsys, original, path, value, says):
     man = json.loads(json.dumps(original))
