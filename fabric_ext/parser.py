@@ -307,29 +307,40 @@ class _Build(Transformer):
         return list(items)
 
 
+# the tokens `_too_complex` counts: comments and strings (skipped), then names, numbers with
+# their units, two-character operators and any other single character -- a scan in C, where
+# running Lark's lexer a second time would cost as much as the parse itself
+_SCAN = re.compile(r'//[^\n]*|/\*.*?\*/|"[^"\n]*"|[A-Za-z_]\w*|\d[\w.]*(?:/s|%)?'
+                   r"|==|!=|<=|>=|&&|\|\||<<|>>|\.\.|<->|->|\S", re.S)
+
+
 def _too_complex(text: str, file: str, diags: Diagnostics) -> bool:
     """Report nesting or statements beyond what the passes can recurse over."""
     depth, run = 0, 0
-    try:
-        for tok in _lark().lex(text):
-            if tok in ("{", "(", "["):
-                depth += 1
-                if depth > MAX_NESTING:
-                    diags.error(Span(file, tok.line, tok.column, tok.line, tok.column + 1),
-                                f"blocks and brackets nest more than {MAX_NESTING} deep here",
-                                "split the handler, or name parts of it with map entries")
-                    return True
-            elif tok in ("}", ")", "]"):
-                depth -= 1
-            run = 0 if tok in EXPRESSION_ENDS else run + 1
-            if run > MAX_STATEMENT_TOKENS:
-                diags.error(Span(file, tok.line, tok.column, tok.line, tok.column + 1),
-                            f"an expression of more than {MAX_STATEMENT_TOKENS} tokens",
-                            "split the expression into several statements")
+    for m in _SCAN.finditer(text):
+        tok = m.group()
+        if tok[0] == '"' or tok[:2] in ("//", "/*"):
+            continue
+        if tok in ("{", "(", "["):
+            depth += 1
+            if depth > MAX_NESTING:
+                diags.error(_span_at(text, file, m.start()), f"blocks and brackets nest more than {MAX_NESTING} "
+                            "deep here", "split the handler, or name parts of it with map entries")
                 return True
-    except lark.exceptions.LarkError:
-        return False          # the parser reports it, with its position
+        elif tok in ("}", ")", "]"):
+            depth -= 1
+        run = 0 if tok in EXPRESSION_ENDS else run + 1
+        if run > MAX_STATEMENT_TOKENS:
+            diags.error(_span_at(text, file, m.start()), f"an expression of more than {MAX_STATEMENT_TOKENS} tokens",
+                        "split the expression into several statements")
+            return True
     return False
+
+
+def _span_at(text: str, file: str, pos: int) -> Span:
+    line = text.count("\n", 0, pos) + 1
+    col = pos - (text.rfind("\n", 0, pos) + 1) + 1
+    return Span(file, line, col, line, col + 1)
 
 
 def parse(text: str, file: str, diags: Diagnostics) -> A.Module | None:
