@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -22,6 +23,31 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+class UnreadableFile(ValueError):
+    """A file an input may not be read from: not a regular file, or too large."""
+
+
+def read_bounded(path: Path, limit: int, follow_links: bool = True) -> bytes:
+    """The bytes of an untrusted input file: a regular file (a link to one where
+    ``follow_links``; never a device or fifo, which could block or never end) of at most
+    ``limit`` bytes, read with that bound even if it grows meanwhile.  Raises `UnreadableFile`,
+    or OSError where it cannot be opened."""
+    st = os.stat(path) if follow_links else os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnreadableFile("it is not a regular file" + ("" if follow_links else " (a link or a device)"))
+    if st.st_size > limit:
+        raise UnreadableFile(f"it is {st.st_size} bytes, more than the {_size(limit)} allowed")
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise UnreadableFile(f"it is more than the {_size(limit)} allowed")
+    return data
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n} bytes"
 
 
 class OutputError(OSError):

@@ -8,13 +8,12 @@ hang on a device, echo a file that is not a policy, or read without bound.
 """
 from __future__ import annotations
 
-import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import ast as A
 from .diagnostics import Diagnostics, Span
+from .fsutil import UnreadableFile, read_bounded
 from .parser import parse
 
 MAX_SOURCE = 1 << 20       # bytes in one .fx file
@@ -30,15 +29,10 @@ class SourceError(ValueError):
 
 def read_source(path: Path) -> str:
     """The text of a policy source, or `SourceError` (OSError where it cannot be opened)."""
-    st = os.stat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise SourceError("it is not a regular file")
-    if st.st_size > MAX_SOURCE:
-        raise SourceError(f"it is {st.st_size} bytes; a policy source has at most {MAX_SOURCE >> 20} MiB")
-    with open(path, "rb") as f:
-        data = f.read(MAX_SOURCE + 1)
-    if len(data) > MAX_SOURCE:
-        raise SourceError(f"it is more than {MAX_SOURCE >> 20} MiB")
+    try:
+        data = read_bounded(path, MAX_SOURCE)
+    except UnreadableFile as e:
+        raise SourceError(str(e)) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fabric_ext.fsutil import UnreadableFile, read_bounded
 from fabric_ext.hooks import HOOKS
 
 from . import isa
@@ -40,13 +39,9 @@ def read_artifact(path: Path, what: str) -> bytes:
     """A file of a policy folder: a regular file (not a link out of it, nor a device), of
     bounded size."""
     try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise BundleError(f"{path}: {what} is not a regular file (a link or a device); recompile the policy")
-        if st.st_size > MAX_ARTIFACT:
-            raise BundleError(f"{path}: {what} is {st.st_size} bytes, more than the {MAX_ARTIFACT >> 20} MiB "
-                              "a policy folder's file may have")
-        return path.read_bytes()
+        return read_bounded(path, MAX_ARTIFACT, follow_links=False)
+    except UnreadableFile as e:
+        raise BundleError(f"{path}: {what}: {e}; recompile the policy") from None
     except FileNotFoundError:
         raise BundleError(f"{path}: missing {what}; compile the policy with 'fabricc compile POLICY -o "
                           f"{path.parent}'") from None

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from fabric_ext.fsutil import read_bounded
+
 from .figures import figures
 
 
@@ -69,9 +71,7 @@ def load_model(name_or_path: str) -> ModelConfig:
         close = difflib.get_close_matches(name_or_path, list(models), n=1, cutoff=0.6)
         raise UnknownModel(name_or_path, close[0] if close else None)
     try:
-        if p.stat().st_size > MAX_CONFIG:
-            raise ValueError(f"more than {MAX_CONFIG >> 20} MiB")
-        c = json.loads(p.read_bytes())
+        c = json.loads(read_bounded(p, MAX_CONFIG))
         heads = c["num_attention_heads"]
         cfg = ModelConfig(c.get("_name_or_path", p.stem), c["num_hidden_layers"], c["hidden_size"], heads,
                           c.get("num_key_value_heads", heads), c.get("head_dim", c["hidden_size"] // heads),
