@@ -120,10 +120,7 @@ class Engine(HookSite):
                       w.get("weights", "hbm"), w.get("kv", "hbm"), w.get("kv_export"),
                       pick(None, "chunk", figures()["defaults"]["transfer_chunk"]),
                       int(w.get("prefetch") or figures()["defaults"]["prefetch"]))
-        gpus = [d for d, v in self.devices.items() if v["kind"] == "gpu"]
-        if wl.tp > len(gpus):
-            raise WorkloadError(f"tp {wl.tp} needs {wl.tp} GPUs; the fabric has {len(gpus)} ({', '.join(gpus)})")
-        why = tp_problem(model, wl.tp)
+        why = tp_problem(model, wl.tp, [d for d, v in self.devices.items() if v["kind"] == "gpu"])
         if why:
             raise WorkloadError(why)
         for where in (wl.weights, wl.kv):

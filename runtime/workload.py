@@ -85,9 +85,13 @@ def load_model(name_or_path: str) -> ModelConfig:
         raise WorkloadError(f"{p}: not a usable Hugging Face config ({type(e).__name__}: {e})") from None
 
 
-def tp_problem(model: ModelConfig, tp: int) -> str | None:
-    """Why ``tp`` GPUs cannot split ``model`` tensor-parallel (None if they can): the query heads
-    divide evenly, and the KV heads either divide evenly or are replicated evenly."""
+def tp_problem(model: ModelConfig, tp: int, gpus: list[str]) -> str | None:
+    """Why ``tp`` of the fabric's ``gpus`` cannot run ``model`` tensor-parallel (None if they
+    can): there are that many, the query heads divide evenly, and the KV heads either divide
+    evenly or are replicated evenly."""
+    if tp > len(gpus):
+        return f"tp {tp} needs {tp} GPUs; the fabric has {len(gpus)} ({', '.join(gpus)})"
+
     def fits(t):
         return model.heads % t == 0 and (model.kv_heads % t == 0 or t % model.kv_heads == 0)
     if fits(tp):
@@ -121,8 +125,7 @@ def check_declaration(symbols, diags) -> None:
     tp_prop = props.get("tp")
     tp = getattr(tp_prop.value, "value", None) if tp_prop else None
     if isinstance(tp, int) and tp >= 1:
-        gpus = sum(1 for d in symbols.devices.values() if d.kind == "gpu")
-        why = f"tp {tp} needs {tp} GPUs; the fabric has {gpus}" if tp > gpus else tp_problem(model, tp)
+        why = tp_problem(model, tp, [name for name, d in symbols.devices.items() if d.kind == "gpu"])
         if why:
             diags.error(tp_prop.value.span, why)
 
