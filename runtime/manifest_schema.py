@@ -13,7 +13,17 @@ import math
 import re
 
 from fabric_ext.hooks import DEVICE_ISLAND_KIND, HOOKS, ISLAND_RUNTIME
-from fabric_ext.schema import DEVICE_PROPS, LINK_KINDS, MAP_KINDS, MAX_ENTRIES, PROP_RANGES, STRING
+from fabric_ext.schema import (
+    DEVICE_PROPS,
+    LINK_KINDS,
+    MAP_KINDS,
+    MAX_ENTRIES,
+    PROP_RANGES,
+    STRING,
+)
+
+from .elf import MapSpec
+from .maps import KIND_TYPE
 
 MAX_ITEMS = 100_000          # no list or object in a manifest is longer
 MAX_NS = 10 ** 12            # any period or latency: 1000 s
@@ -229,8 +239,6 @@ def _references(man: dict) -> None:
             for k, name in enumerate(h["maps"]):
                 _known(name, maps, f"{key}.handlers[{j}].maps[{k}]", "map")
     for i, m in enumerate(man["maps"]):
-        from .elf import MapSpec
-        from .maps import KIND_TYPE
         why = MapSpec(m["name"], KIND_TYPE[m["kind"]], m["key_size"], m["value_size"], m["max_entries"]).problem()
         if why:
             raise SchemaError(f"maps[{i}]", why)

@@ -280,22 +280,22 @@ def fill_maps(prog: Program, rng: random.Random):
                 m.update(k.to_bytes(4, "little"), rng.randbytes(m.value_size), 0)
 
 
-def accepts(case: Case) -> bool | str:
-    """True if the verifier accepts ``case``, False if it rejects it, or what went wrong when
-    it did neither (a verifier that raises anything but VerifierError is broken too)."""
+def accepts(case: Case) -> Program | bool | str:
+    """The verified program (its proof set) if the verifier accepts ``case``, False if it
+    rejects it, or what went wrong when it did neither (a verifier that raises anything but
+    VerifierError is broken too)."""
+    prog = case.program()
     try:
-        verify(case.program(), max_insns=20_000)
-        return True
+        verify(prog, max_insns=20_000)
+        return prog
     except VerifierError:
         return False
     except Exception as e:  # noqa: BLE001 - exactly what the fuzzer looks for
         return f"verifier crashed: {type(e).__name__}: {e}"
 
 
-def check(case: Case, rng: random.Random, n_inputs: int) -> str | None:
-    """Run ``case`` (accepted by the verifier) under proof checking; the violation, if any."""
-    prog = case.program()
-    verify(prog, max_insns=20_000)
+def check(case: Case, prog: Program, rng: random.Random, n_inputs: int) -> str | None:
+    """Run ``prog``, the verified program of ``case``, under proof checking; the violation, if any."""
     vm = Interpreter(budget=50_000, check_proofs=True)
     for data in [bytes.fromhex(h) for h in case.inputs] + inputs(rng, n_inputs):   # a saved case's own first
         fill_maps(prog, rng)
@@ -347,16 +347,16 @@ def fuzz(seed: int, seconds: float, max_programs: int | None = None, n_inputs: i
     while time.monotonic() < end and (max_programs is None or rep.generated < max_programs):
         case = gen.case()
         rep.generated += 1
-        why = accepts(case)
-        if why is not True:
-            if why:
-                case.why = why
+        prog = accepts(case)
+        if not isinstance(prog, Program):
+            if prog:
+                case.why = prog
                 rep.failures.append(case)
             continue
         rep.accepted += 1
         more = use_kernel and kernel_rejects(case)
         rep.kernel_rejected += more
-        why = check(case, rng, n_inputs * (8 if more else 1))
+        why = check(case, prog, rng, n_inputs * (8 if more else 1))
         if why:
             case.why = why
             rep.failures.append(case)
