@@ -12,11 +12,16 @@ from .diagnostics import Diagnostics
 
 
 class _MapUses(A.Visitor):
+    """The maps a policy reads, writes, deletes from or emits to."""
+
     def __init__(self):
         self.names: set[str] = set()
 
-    def visit_Ident(self, node):
-        self.names.add(node.name)
+    def _use(self, node):
+        self.names.add(node.map.name)
+        self.generic_visit(node)
+
+    visit_MapGet = visit_MapUpdate = visit_Delete = visit_Emit = _use
 
 
 def warn(analysis, diags: Diagnostics) -> None:
