@@ -75,3 +75,22 @@ def test_warnings_for_what_can_have_no_effect(tmp_path):
         assert plain.returncode == 0 and "warning: map 'unused'" in plain.stderr, plain.stderr
         assert strict.returncode == 1 and "error: map 'unused'" in strict.stderr, strict.stderr
     assert (tmp_path / "out").is_dir()        # written by the plain compile only once
+
+
+def test_werror_compile_writes_nothing_and_fabric_run_shows_the_warnings(tmp_path):
+    import subprocess
+    import sys
+    from conftest import POLICIES
+    path = tmp_path / "w.fx"
+    path.write_text(f'import "{POLICIES}/fabrics/dgx_cxl.fx"\n'
+                    'workload w { model: "llama3-8b"; prompt: 256; tp: 2; weights: pool0; kv: pool0 }\n'
+                    "movement kv = kv : gpu* -> pool0\nmap kv : array<u32, count>[4]\n"
+                    "policy p { on kv.issue at gpu0 { priority = 7 } }\n")
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "fabric_ext.cli", "compile", "--Werror", str(path), "-o", str(out)],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 1 and "error: map 'kv' is declared but no handler uses it" in r.stderr, r.stderr
+    assert not out.exists()
+    r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.cli", "--policy", str(path), "-q"],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0 and "warning: map 'kv' is declared but no handler uses it" in r.stderr, r.stderr

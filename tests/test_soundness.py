@@ -215,3 +215,40 @@ def test_jit_checks_all_stops_what_a_wrong_proof_lets_through(unsound_map_bounds
     monkeypatch.setenv("FABRIC_EXT_JIT_CHECKS", "some")
     with pytest.raises(ValueError, match="unproven, all"):
         JitBackend()
+
+
+def test_proof_checking_finds_an_access_in_memory_of_another_kind():
+    """A proven access that lands in memory, but not the kind it was proven in, is a defect too
+    (the JIT would run it unchecked wherever it pointed)."""
+    from fabric_ext.runtime.program import ProofViolation
+    prog = Program("p", assemble("stdw [%r10-8], 1\nldxdw %r0, [%r10-8]\nexit"))
+    verify(prog)
+    assert Interpreter(check_proofs=True).run(prog) == 1
+    prog.proof = {1: frozenset({"map_value"})}          # a wrong proof for the load
+    with pytest.raises(ProofViolation, match="proven to stay in map_value, but it reached stack frame 0"):
+        Interpreter(check_proofs=True).run(prog)
+    assert Interpreter(check_proofs=False).run(prog) == 1
+
+
+def test_lddw_second_half_must_be_empty():
+    from fabric_ext.runtime.isa import DecodeError, decode
+    good = bytes.fromhex("18010000050000000000000000000000")
+    assert decode(good)[0].imm == 5
+    for bad in ("18010000050000000001000000000000", "18010000050000000000010000000000"):
+        with pytest.raises(DecodeError, match="bad second half"):
+            decode(bytes.fromhex(bad))
+
+
+def test_jit_counts_a_second_outstanding_record_as_dropped():
+    """The JIT's compiled checks know one reserved record: a second reserve while one is held
+    returns null, and the ring counts it as a drop rather than losing it in silence."""
+    from fabric_ext.runtime.jit import JitBackend
+    src = (RESERVE + "lddw %r1, map 0\nmov %r2, 8\nmov %r3, 0\ncall 131\nmov %r7, %r0\n"
+           "jeq %r7, 0, one\nmov %r1, %r7\nmov %r2, 0\ncall 133\none:\n"
+           "mov %r1, %r6\nmov %r2, 0\ncall 132\n" + OUT)
+    rb = _ringbuf()
+    prog = Program("two", assemble(src), rb)
+    verify(prog)
+    vm = JitBackend()
+    vm.run(vm.load(prog), mem=bytearray(8))
+    assert len(rb[0].records) == 1 and rb[0].dropped == 1

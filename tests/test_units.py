@@ -19,17 +19,17 @@ M64 = (1 << 64) - 1
 LINE = FABRIC_LINES + 1
 
 
-def compile_policy(tmp_path, body):
+def compile_policy(tmp_path, body, opt=2):
     path = tmp_path / "u.fx"
     path.write_text(FABRIC + body)
     d = Diagnostics()
-    res = build(path, diags=d)
+    res = build(path, opt, diags=d)
     return res, d
 
 
-def issue_decisions(tmp_path, body, **fields):
+def issue_decisions(tmp_path, body, opt=2, **fields):
     """The decisions gpu0's issue program makes for a chunk of movement kv."""
-    res, d = compile_policy(tmp_path, "policy p { on kv.issue at gpu0 { " + body + " } }\n")
+    res, d = compile_policy(tmp_path, "policy p { on kv.issue at gpu0 { " + body + " } }\n", opt)
     assert res is not None, [x.message for x in d.items]
     out = tmp_path / "out"
     write_output(res, out)
@@ -58,6 +58,14 @@ def errors(tmp_path, body):
 ])
 def test_constant_dimensioned_arithmetic_is_exact(tmp_path, body, decision, want):
     assert issue_decisions(tmp_path, body)[decision] == want
+
+
+@pytest.mark.parametrize("opt", [0, 1, 2])
+def test_constants_are_exact_at_every_optimisation_level(tmp_path, opt):
+    """The value of a constant is its meaning: -O0 folds it exactly too (10^15 * 10^9 would wrap
+    in 64-bit run-time arithmetic), and min/max of constants fold as exactly."""
+    d = issue_decisions(tmp_path, "coalesce = 1000TB / 1s * 1ns\n rate = min(1MiB / 3ms, 10GB/s)", opt)
+    assert (d["coalesce"], d["rate"]) == (10 ** 6, 349525333)
 
 
 @pytest.mark.parametrize("nbytes", [1, 3, 4096, 2 << 20, 10 ** 9 + 7])

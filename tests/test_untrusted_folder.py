@@ -167,3 +167,25 @@ def test_scratch_folders_go_on_signals_and_stale_ones_are_reaped(tmp_path):
     r = subprocess.run(cmd[:5] + ["--prompt", "256", "-q"], env=env, capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr
     assert not stale.exists() and alive.exists()
+
+
+def test_the_event_limit_and_jit_checks_reach_the_run(tmp_path):
+    """--max-events 0 lifts the limit (the run completes); --jit-checks all reaches the JIT
+    backend and the report says so."""
+    import json
+    out = tmp_path / "r.json"
+    code = cli.main(["--policy", str(compiled("prefill_qos")), "-q", "--prompt", "256", "--max-events", "0",
+                     "--backend", "jit", "--jit-checks", "all", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["backend_load"]["checks"] == "all" and report["events"] > 1000
+    from fabric_ext.runtime import stats
+    assert "every access checked at run time" in stats.render(report)
+
+
+def test_a_model_config_is_read_bounded(tmp_path, capsys):
+    big = tmp_path / "config.json"
+    big.write_bytes(b" " * (2 << 20))
+    code = cli.main(["--policy", str(compiled("prefill_qos")), "-q", "--model", str(big)])
+    err = capsys.readouterr().err
+    assert code == 1 and "not a usable Hugging Face config" in err and "allowed" in err, err
