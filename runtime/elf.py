@@ -119,7 +119,8 @@ def load_object(source: str | Path | bytes, name: str | None = None) -> ElfObjec
         return _Loader(path, data).load()
     except ObjectError:
         raise
-    except (ELFError, BTFError, ValueError, KeyError, IndexError, AssertionError, TypeError, struct.error) as e:
+    except (ELFError, BTFError, ValueError, KeyError, IndexError, AssertionError, TypeError, struct.error,
+            OverflowError) as e:
         raise ObjectError(f"{path}: corrupt or unsupported object: {e}") from None
 
 
@@ -138,6 +139,10 @@ class _Loader:
         if not isinstance(self.symtab, SymbolTableSection):
             raise ObjectError(f"{path}: no symbol table")
         self.sections = {i: s for i, s in enumerate(self.elf.iter_sections())}
+        for i, s in self.sections.items():      # before any is read: a size past the file is no read
+            if s["sh_type"] != "SHT_NOBITS" and s["sh_offset"] + s["sh_size"] > len(data):
+                raise ObjectError(f"{path}: section {i} ({s['sh_size']} bytes at offset {s['sh_offset']}) "
+                                  f"extends past the end of the {len(data)}-byte file")
 
     def err(self, msg):
         raise ObjectError(f"{self.path}: {msg}")

@@ -51,6 +51,7 @@ def test_warnings_for_what_can_have_no_effect(tmp_path):
     are warnings at their position (issue 13, item 4, in part); --Werror makes them errors."""
     import subprocess
     import sys
+
     from conftest import POLICIES
     text = (f'import "{POLICIES}/fabrics/dgx_cxl.fx"\n'
             'workload w { model: "llama3-8b"; prompt: 1024; tp: 4; weights: pool0; kv: pool0 }\n'
@@ -80,6 +81,7 @@ def test_warnings_for_what_can_have_no_effect(tmp_path):
 def test_werror_compile_writes_nothing_and_fabric_run_shows_the_warnings(tmp_path):
     import subprocess
     import sys
+
     from conftest import POLICIES
     path = tmp_path / "w.fx"
     path.write_text(f'import "{POLICIES}/fabrics/dgx_cxl.fx"\n'

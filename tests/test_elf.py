@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fabric_ext.runtime.elf import ObjectError, load_object
@@ -96,6 +96,7 @@ def test_fixtures_rebuild_with_clang(tmp_path, name):
 
 @settings(max_examples=500, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 7751), st.integers(0, 255)), min_size=1, max_size=8))
+@example(flips=[(6439, 128)])      # a section offset of 2^63: pyelftools overflowed reading it
 def test_corrupted_bytes_never_crash_the_loader(flips):
     data = bytearray((FIX / "counter.bpf.o").read_bytes())
     for pos, val in flips:
