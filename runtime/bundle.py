@@ -105,10 +105,10 @@ def load_manifest(folder: Path) -> dict:
     for src in man.get("sources", []):
         p = Path(src["path"])      # checked only where it is still a policy source of sane size
         try:
-            fresh = p.suffix == ".fx" and p.is_file() and p.stat().st_size <= MAX_ARTIFACT
-        except OSError:
-            fresh = False
-        if fresh and hashlib.sha256(p.read_bytes()).hexdigest() != src["sha256"]:
+            text = read_bounded(p, MAX_ARTIFACT) if p.suffix == ".fx" else None
+        except (OSError, UnreadableFile):
+            text = None
+        if text is not None and hashlib.sha256(text).hexdigest() != src["sha256"]:
             raise BundleError(f"{src['file']}: changed since {folder} was compiled; recompile it")
     return man
 

@@ -17,6 +17,7 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
+from fabric_ext.fsutil import UnreadableFile, read_bounded
 from fabric_ext.schema import MAX_MAP_BYTES
 
 from . import isa as I
@@ -27,6 +28,7 @@ from .program import Program, SourceLine
 R_BPF_64_64, R_BPF_64_ABS64, R_BPF_64_ABS32, R_BPF_64_NODYLD32, R_BPF_64_32 = 1, 2, 3, 4, 10
 EM_BPF = 247
 DATA_SECTIONS = (".data", ".rodata", ".bss")
+MAX_OBJECT = 64 << 20           # an object file is read up to this size
 
 
 class ObjectError(ValueError):
@@ -110,7 +112,9 @@ def load_object(source: str | Path | bytes, name: str | None = None) -> ElfObjec
     if isinstance(source, (str, Path)):
         path = str(source)
         try:
-            data = Path(source).read_bytes()
+            data = read_bounded(Path(source), MAX_OBJECT)
+        except UnreadableFile as e:
+            raise ObjectError(f"{path}: {e}") from None
         except OSError as e:
             raise ObjectError(f"{path}: cannot read: {e.strerror}") from None
     else:

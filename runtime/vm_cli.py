@@ -11,12 +11,15 @@ import sys
 from pathlib import Path
 
 from . import isa
+from fabric_ext.fsutil import UnreadableFile, read_bounded
+
 from .asm import AsmError, assemble
-from .elf import ObjectError, load_object
+from .elf import MAX_OBJECT, ObjectError, load_object
 from .program import JIT_CHECKS, Program, VMFault, get_backend
 from .verifier import VerifierError, verify
 
 BACKENDS = ("interp", "jit", "kernel")
+
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,9 +43,12 @@ def _fail(msg: str, code: int = 1) -> int:
 
 def _load(path: str, program: str | None) -> Program:
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise SystemExit(_fail(f"fabric-vm: no such file: {path}", 2))
-    data = p.read_bytes()
+    try:
+        data = read_bounded(p, MAX_OBJECT)
+    except UnreadableFile as e:
+        raise SystemExit(_fail(f"fabric-vm: {path}: {e}", 1)) from None
     if data[:4] == b"\x7fELF":
         obj = load_object(data, path)
         if not obj.programs:
@@ -96,7 +102,7 @@ def cmd_run(args) -> int:
 
 def cmd_disasm(args) -> int:
     p = Path(args.file)
-    if not p.is_file():
+    if not p.exists():
         return _fail(f"fabric-vm: no such file: {args.file}", 2)
     obj = load_object(p)
     for spec in obj.programs:

@@ -106,3 +106,12 @@ def test_fabric_vm_disasm_and_errors(tmp_path):
     assert r.returncode == 1 and "line 2: unknown instruction 'bogus'" in r.stderr and "Traceback" not in r.stderr
     r = vm("run", tmp_path / "missing.o")
     assert r.returncode == 2 and "no such file" in r.stderr
+
+
+def test_fabric_vm_reads_only_bounded_regular_files(tmp_path):
+    for cmd in (["run", "/dev/zero"], ["disasm", "/dev/zero"]):
+        r = vm(*cmd)
+        assert r.returncode in (1, 2) and "Traceback" not in r.stderr, r.stderr
+    for cmd in ("run", "disasm"):
+        r = vm(cmd, "/dev/zero")
+        assert r.returncode == 1 and "not a regular file" in r.stderr, r.stderr
