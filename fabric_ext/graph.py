@@ -16,6 +16,7 @@ from . import ast as A
 from .checker import Symbols
 from .diagnostics import Diagnostics
 from .hooks import DEVICE_ISLAND_KIND, ISLAND_RUNTIME
+from .topology import island_roles, route
 
 
 def prop_value(props: list[A.Prop], name: str, default=None):
@@ -68,10 +69,6 @@ class MovementGraph:
                     seen.append(isl)
         return seen
 
-    def ports(self, device: str) -> list[str]:
-        """The device's neighbours in a fixed order; port i leads to ports()[i]."""
-        return sorted(self.g.successors(device))
-
 
 def _islands(sym: Symbols) -> tuple[dict[str, Island], dict[str, str]]:
     islands, dev_island = {}, {}
@@ -111,38 +108,6 @@ def _physical(sym: Symbols) -> nx.DiGraph:
     return g
 
 
-def _weight(u, v, attrs) -> float:
-    # shortest by latency; each hop also costs 1 ns so equal-latency routes prefer fewer hops
-    return (attrs.get("latency") or 0) + 1
-
-
-def _route(g: nx.DiGraph, src: str, dst: str, via: list[str]) -> list[str] | None:
-    stops = [src, *via, dst]
-    path = [src]
-    try:
-        for a, b in zip(stops, stops[1:]):
-            path += nx.shortest_path(g, a, b, weight=_weight)[1:]
-    except (nx.NetworkXNoPath, nx.NodeNotFound):
-        return None
-    return path
-
-
-def _island_roles(path: list[str], dev_island: dict[str, str]) -> list[tuple[str, str]]:
-    out: list[tuple[str, str]] = []
-    for i, dev in enumerate(path):
-        isl = dev_island.get(dev)
-        if isl is None:
-            continue
-        role = "src" if i == 0 else "dst" if i == len(path) - 1 else "transit"
-        if out and out[-1][0] == isl:
-            # a switch and its memory are one island; an endpoint role wins over transit
-            if role != "transit":
-                out[-1] = (isl, role)
-            continue
-        out.append((isl, role))
-    return out
-
-
 def build_graph(sym: Symbols, diags: Diagnostics) -> MovementGraph:
     """Build the movement graph; a movement with no path is an error at its declaration."""
     g = _physical(sym)
@@ -158,13 +123,13 @@ def build_graph(sym: Symbols, diags: Diagnostics) -> MovementGraph:
         via = [d for p in m.via for d in devices if p.matches(d)]
         flows = []
         for s, d in pairs:
-            path = _route(g, s, d, via)
+            path = route(g, s, d, via)
             if path is None:
                 hint = f"add a link on the way from '{s}' to '{d}'" if not via else \
                     f"check that every device in 'via' is linked on the way from '{s}' to '{d}'"
                 diags.error(m.span, f"movement '{name}' cannot reach '{d}' from '{s}': no path", hint)
                 continue
-            flows.append(Flow(name, s, d, path, _island_roles(path, dev_island)))
+            flows.append(Flow(name, s, d, path, island_roles(path, dev_island)))
         if not pairs:
             diags.error(m.span, f"movement '{name}' has no source/destination pair",
                         "source and destination patterns match the same single device")

@@ -34,6 +34,7 @@ class Field:
     decision: bool = False     # writable by the program
     default: int = 0           # value before the program runs (decisions)
     effect: str = ""           # what the runtime does with a decision
+    shows: str = ""            # where a run's report shows the effect (`SHOWS`)
 
     @property
     def size(self) -> int:
@@ -44,8 +45,21 @@ def _f(name, ctype, dim, doc):
     return Field(name, ctype, dim, doc)
 
 
-def _d(name, ctype, dim, default, effect):
-    return Field(name, ctype, dim, effect, decision=True, default=default, effect=effect)
+def _d(name, ctype, dim, default, effect, shows):
+    return Field(name, ctype, dim, effect, decision=True, default=default, effect=effect, shows=shows)
+
+
+#: where the report of a run shows what a decision did (tests/test_decision_effects.py checks
+#: each decision of every hook against it)
+SHOWS = {
+    "queueing": "the movement's queueing (p50/p99) against the other traffic it meets",
+    "throughput": "the movement's GB/s",
+    "latency": "how long the movement's transfers take",
+    "schedule": "when the movement's transfers are issued (then the GPUs' stall and the time to first token)",
+    "chunks": "how many chunks cross the links of the movement (each pays the link's fixed cost)",
+    "engines": "which copy engines of the GPU carry the chunks",
+    "links": "which links (or memories) carry the bytes",
+}
 
 
 # ---- fields shared between hooks ------------------------------------------------
@@ -82,15 +96,26 @@ TICK_INPUTS = (
     _f("period", "u64", TIME, "period of this tick (ns)"),
 )
 
-PRIORITY = _d("priority", "u32", COUNT, 3, "strict-priority class 0-7 on every egress queue it meets (7 first)")
-RATE = _d("rate", "u64", BANDWIDTH, 0, "token-bucket rate limit at this island (0: unlimited)")
-DEFER = _d("defer", "u64", TIME, 0, "hold the chunk this long before it moves on")
-PREFETCH = _d("prefetch", "u32", COUNT, 0, "issue weights this many layers ahead (0: workload default)")
-COALESCE = _d("coalesce", "u64", SIZE, 0, "merge chunks up to this size before sending (0: off)")
-STREAM = _d("stream", "u32", COUNT, 0, "copy-engine stream to issue on")
-ROUTE = _d("route", "u32", DEVICE, 0, "next-hop device for the chunk (0: shortest path)")
-TIER = _d("tier", "u32", DEVICE, 0, "memory device to place or keep the data in (0: workload default)")
-QUEUE = _d("queue", "u32", COUNT, 0, "transmit queue index on the NIC")
+PRIORITY = _d("priority", "u32", COUNT, 3, "strict-priority class 0-7 on every egress queue it meets from here "
+               "on (7 first; flows of one class share a link round robin)", "queueing")
+RATE = _d("rate", "u64", BANDWIDTH, 0, "token-bucket rate limit of the flow at this island: its chunks leave "
+           "no faster than this (0: unlimited)", "throughput")
+DEFER = _d("defer", "u64", TIME, 0, "hold the chunk this long before it moves on (at issue: before a copy "
+            "engine takes it; the transfer's next chunk waits for it)", "latency")
+PREFETCH = _d("prefetch", "u32", COUNT, 0, "issue weights this many layers ahead on this GPU from now on "
+               "(0: workload default)", "schedule")
+COALESCE = _d("coalesce", "u64", SIZE, 0, "hold the flow's chunks here until they reach this size, then send "
+               "them as one chunk: one fixed per-chunk link cost instead of many (0: off)", "chunks")
+STREAM = _d("stream", "u32", COUNT, 0, "copy-engine stream to issue on: a stream takes its transfers in "
+             "order, streams share an engine round robin, stream s runs on engine (s-1) mod copy_engines "
+             "(0: the data class's stream: weights 1, kv 2, activations 3)", "engines")
+ROUTE = _d("route", "u32", DEVICE, 0, "next-hop device for the chunk, then the shortest path on (0: the "
+            "movement's path)", "links")
+TIER = _d("tier", "u32", DEVICE, 0, "memory device to place or keep the data in instead (0: workload "
+           "default; a GPU: its HBM)", "links")
+QUEUE = _d("queue", "u32", COUNT, 0, "transmit queue the chunk leaves the NIC by: one queue sends in "
+            "order, queues share the link round robin, and a `rate` set with it limits the queue, not the "
+            "flow (0: the flow's own queue)", "throughput")
 
 
 @dataclass(frozen=True)
@@ -102,6 +127,7 @@ class Hook:
     fields: tuple[Field, ...]
     scope: str              # "chunk": per chunk of a movement; "tick": periodic; "island": per island event
     roles: tuple[str, ...] = ()   # where on a movement's path a chunk hook fires: src, dst, transit
+    moment: str = ""        # when it fires (`MOMENTS`)
 
     @cached_property
     def layout(self) -> dict[str, tuple[int, Field]]:
@@ -146,41 +172,53 @@ class Hook:
         return {f.name: f.default for f in self.decisions}
 
 
-def _hook(kind, name, doc, fields, scope, roles=()):
-    return Hook(kind, name, doc, tuple(fields), scope, tuple(roles))
+#: when in a run each hook fires
+MOMENTS = {
+    "issue": "a copy engine of the GPU at the chunk's end is ready for it: the transfer's first chunk when the "
+             "transfer starts, each later chunk when the one before it was taken by a copy engine",
+    "enter": "the chunk enters the island on its path (a switch or a DPU/NIC it crosses or ends at)",
+    "deliver": "the chunk's last byte arrived at the end of its path",
+    "launch": "an operator kernel is about to start on the GPU",
+    "tick": "every period, once per port of the island",
+    "place": "before the run, once per layer and operator, when the weights are placed",
+}
+
+
+def _hook(kind, name, doc, fields, scope, roles=(), moment=""):
+    return Hook(kind, name, doc, tuple(fields), scope, tuple(roles), moment)
 
 
 _ALL = [
     _hook("gpu", "issue", "a chunk of a movement is about to be issued by a copy engine",
-          CHUNK_INPUTS + (PRIORITY, RATE, DEFER, PREFETCH, COALESCE, STREAM), "chunk", ("src", "dst")),
+          CHUNK_INPUTS + (PRIORITY, RATE, DEFER, PREFETCH, COALESCE, STREAM), "chunk", ("src", "dst"), "issue"),
     _hook("gpu", "complete", "a chunk of a movement has arrived or left",
           CHUNK_INPUTS + (_f("latency", "u64", TIME, "time from issue to completion (ns)"), PREFETCH),
-          "chunk", ("src", "dst")),
+          "chunk", ("src", "dst"), "deliver"),
     _hook("gpu", "launch", "an operator kernel starts",
           (NOW, _f("layer", "u32", COUNT, "model layer"),
            _f("operator", "u32", COUNT, "operator id"),
            _f("flops", "u64", FLOPS, "floating-point operations of the kernel"),
            _f("bytes", "u64", SIZE, "bytes the kernel reads from HBM"),
            _f("stall", "u64", TIME, "time the kernel waited for its inputs (ns)"),
-           PREFETCH), "island"),
-    _hook("gpu", "tick", "periodic telemetry, once per port of the GPU", TICK_INPUTS, "tick"),
+           PREFETCH), "island", (), "launch"),
+    _hook("gpu", "tick", "periodic telemetry, once per port of the GPU", TICK_INPUTS, "tick", (), "tick"),
     _hook("cxl_switch", "forward", "a chunk is at a switch port, about to be forwarded",
-          CHUNK_INPUTS + (PRIORITY, RATE, ROUTE, DEFER), "chunk", ("transit", "src", "dst")),
+          CHUNK_INPUTS + (PRIORITY, RATE, ROUTE, DEFER), "chunk", ("transit", "src", "dst"), "enter"),
     _hook("cxl_switch", "mem_access", "a chunk reads or writes switch-attached memory",
           CHUNK_INPUTS + (_f("write", "u32", COUNT, "1 for a write, 0 for a read"),
-                          PRIORITY, RATE, DEFER, TIER), "chunk", ("src", "dst")),
-    _hook("cxl_switch", "tick", "per-port telemetry, once per port each period", TICK_INPUTS, "tick"),
+                          PRIORITY, RATE, DEFER, TIER), "chunk", ("src", "dst"), "enter"),
+    _hook("cxl_switch", "tick", "per-port telemetry, once per port each period", TICK_INPUTS, "tick", (), "tick"),
     _hook("dpu", "tx", "a chunk is about to be transmitted onto the network",
-          CHUNK_INPUTS + (RATE, COALESCE, QUEUE, PRIORITY), "chunk", ("dst", "transit")),
+          CHUNK_INPUTS + (RATE, COALESCE, QUEUE, PRIORITY), "chunk", ("dst", "transit"), "enter"),
     _hook("dpu", "rx", "a chunk was received from the network",
-          CHUNK_INPUTS + (RATE, COALESCE, QUEUE, PRIORITY), "chunk", ("src",)),
-    _hook("dpu", "tick", "per-port telemetry of the DPU/NIC", TICK_INPUTS, "tick"),
+          CHUNK_INPUTS + (RATE, COALESCE, QUEUE, PRIORITY), "chunk", ("src",), "enter"),
+    _hook("dpu", "tick", "per-port telemetry of the DPU/NIC", TICK_INPUTS, "tick", (), "tick"),
     _hook("host", "alloc", "a tensor is about to be placed in memory",
           (NOW, _f("movement", "u32", COUNT, "movement id whose data the tensor holds"),
            _f("class", "u32", COUNT, "data class id"),
            _f("layer", "u32", COUNT, "model layer"),
-           _f("bytes", "u64", SIZE, "size of the tensor"), TIER), "chunk", ("src", "dst", "transit")),
-    _hook("host", "tick", "periodic host telemetry, once per port", TICK_INPUTS, "tick"),
+           _f("bytes", "u64", SIZE, "size of the tensor"), TIER), "chunk", ("src", "dst", "transit"), "place"),
+    _hook("host", "tick", "periodic host telemetry, once per port", TICK_INPUTS, "tick", (), "tick"),
 ]
 HOOKS: dict[tuple[str, str], Hook] = {(h.island_kind, h.name): h for h in _ALL}
 
@@ -198,6 +236,17 @@ def hooks_of(island_kind: str) -> dict[str, Hook]:
 
 def hook(island_kind: str, name: str) -> Hook | None:
     return HOOKS.get((island_kind, name))
+
+
+def firing(island_kind: str, moment: str, role: str) -> tuple[str, ...]:
+    """The hooks of an island kind that fire at ``moment`` for a chunk in ``role`` there."""
+    return _FIRING.get((island_kind, moment, role), ())
+
+
+_FIRING: dict[tuple[str, str, str], tuple[str, ...]] = {}
+for _h in _ALL:
+    for _role in _h.roles:
+        _FIRING[(_h.island_kind, _h.moment, _role)] = _FIRING.get((_h.island_kind, _h.moment, _role), ()) + (_h.name,)
 
 
 def ctx_struct_c(h: Hook) -> str:

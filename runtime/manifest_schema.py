@@ -149,9 +149,9 @@ SCHEMA = record({
     }),
     "movements": list_of(record({
         "name": text(NAME), "class": text(NAME), "operator": nullable(text(NAME)), "id": integer(1, 1 << 31),
-        "flows": list_of(record({"src": text(NAME), "dst": text(NAME)}, {"path": NAMES})),
-    }, {"chunk": nullable(integer(*PROP_RANGES["chunk"])), "critical": boolean, "background": boolean,
-        "pattern": nullable(text(NAME)), "islands": NAMES})),
+        "flows": list_of(record({"src": text(NAME), "dst": text(NAME), "path": NAMES})),
+    }, {"chunk": nullable(integer(*PROP_RANGES["chunk"])), "critical": boolean,
+        "islands": NAMES})),
     "programs": list_of(record({
         "island": text(NAME), "hook": text(NAME), "object": text(FILE_NAME), "symbol": text(NAME),
         "ctx_size": integer(1, 1 << 16),
@@ -206,6 +206,7 @@ def _references(man: dict) -> None:
     for i, link in enumerate(fabric["links"]):
         for end in ("src", "dst"):
             _known(link[end], devices, f"fabric.links[{i}].{end}", "device")
+    linked = {(link["src"], link["dst"]) for link in fabric["links"]}
     for i, isl in enumerate(fabric["islands"]):
         if ISLAND_RUNTIME[isl["kind"]] != isl["runtime"]:
             raise SchemaError(f"fabric.islands[{i}].runtime", f"a {isl['kind']} island runs on "
@@ -216,8 +217,14 @@ def _references(man: dict) -> None:
         for j, f in enumerate(m["flows"]):
             for end in ("src", "dst"):
                 _known(f[end], devices, f"movements[{i}].flows[{j}].{end}", "device")
-            for k, d in enumerate(f.get("path", [])):
-                _known(d, devices, f"movements[{i}].flows[{j}].path[{k}]", "device")
+            key = f"movements[{i}].flows[{j}].path"
+            for k, d in enumerate(f["path"]):
+                _known(d, devices, f"{key}[{k}]", "device")
+            if f["path"][:1] != [f["src"]] or f["path"][-1:] != [f["dst"]]:
+                raise SchemaError(key, f"a path from '{f['src']}' to '{f['dst']}' must start and end there")
+            for k, hop in enumerate(zip(f["path"], f["path"][1:])):
+                if hop not in linked:
+                    raise SchemaError(f"{key}[{k + 1}]", f"no link from '{hop[0]}' to '{hop[1]}' in fabric.links")
     for i, p in enumerate(man["programs"]):
         key = f"programs[{i}]"
         _known(p["island"], islands, f"{key}.island", "island")
