@@ -192,14 +192,14 @@ def main(argv=None) -> int:
     from .bundle import BundleError
     from .elf import ObjectError
     from .kernel import KernelError, KernelVerifierError
-    from .fabric_model import EventLimit
+    from .fabric_model import EventLimit, NoPath
     from .workload import WorkloadError
     if args.max_events is not None and args.max_events < 0:
         print("fabric-run: --max-events must be 0 (no limit) or more", file=sys.stderr)
         return EXIT_USAGE
     try:
         return run(args)
-    except (BundleError, ObjectError, WorkloadError) as e:
+    except (BundleError, ObjectError, WorkloadError, NoPath) as e:
         print(f"fabric-run: {e}", file=sys.stderr)
         return EXIT_INPUT
     except EventLimit as e:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import networkx as nx
 
 from . import compute
+from fabric_ext.flows import MovementTable
+from fabric_ext.hooks import firing
 from fabric_ext.schema import PROP_RANGES
 
 from .fabric_model import APPLIED, DEFAULT_MAX_EVENTS, Fabric, HookSite, Sim, Standing, Transfer
@@ -45,6 +47,9 @@ def _fewer_collections():
     finally:
         gc.set_threshold(*old)
 
+
+#: the figure (runtime/data/figures.json "links") each kind of link takes its fixed costs from
+LINK_FIGURE = {"nvlink": "nvlink4", "pcie": "pcie5_x16", "cxl": "cxl2_x16"}
 
 # context fields that are the same for every chunk of a transfer (`Transfer.ctx`)
 TRANSFER_FIELDS = ("movement", "class", "operator", "src", "dst", "layer", "critical")
@@ -82,7 +87,7 @@ class Engine(HookSite):
                 if any(p["island"] == name for p in manifest["programs"]):
                     shim.load(folder, manifest, maps)
                 self.shims[name] = shim
-        self.movement_index = self._movement_index()
+        self.movements = MovementTable(manifest["movements"])
         self.gpus = self._gpus()
         self.prefetch = {g: self.workload.prefetch for g in self.gpus}
         self.layer_stats = defaultdict(lambda: defaultdict(float))
@@ -140,14 +145,24 @@ class Engine(HookSite):
             lat = link["latency"] if link["latency"] is not None else link_default["latency"]
             if self.devices[u]["kind"] == "cxl_switch":
                 lat += self._prop(u, "hop") or hop["latency"]
-            g.add_edge(u, v, bw=float(bw), latency=float(lat), kind=link.get("kind"))
+            g.add_edge(u, v, bw=float(bw), latency=float(lat), kind=link.get("kind"), setup=self._setup(link))
         mem = {n: float(self._prop(n, "bw") or default("cxl_mem")["bw"])
                for n, d in self.devices.items() if d["kind"] == "cxl_mem"}
         dpu = default("dpu")
         wires = {n: (float(self._prop(n, "line_rate") or dpu["line_rate"]), float(dpu["chunk_overhead"]))
                  for n, d in self.devices.items() if d["kind"] in ("dpu", "nic")}
         kinds = {n: i["kind"] for n, i in self.islands.items()}
-        return Fabric(self.sim, g, self.device_island, kinds, wires, mem, self)
+        engines = {n: int(self._gpu_figure(n, "copy_engines")) for n, d in self.devices.items() if d["kind"] == "gpu"}
+        return Fabric(self.sim, g, self.device_island, kinds, wires, mem, self, engines)
+
+    @staticmethod
+    def _setup(link) -> float:
+        """The link's fixed cost per chunk, from the figure of its kind (the default link's for
+        one without); none inside a switch, between it and its memory."""
+        kind = link.get("kind")
+        if kind == "internal":
+            return 0.0
+        return float(figures()["links"][LINK_FIGURE.get(kind, figures()["defaults"]["link"])]["setup"])
 
     def _prop(self, device, name):
         return self.devices[device].get("props", {}).get(name)
@@ -155,25 +170,20 @@ class Engine(HookSite):
     def _gpu_figure(self, device, name):
         return float(self._prop(device, name) or default("gpu")[name])
 
-    def _movement_index(self):
-        idx = {}   # (operator or None, class, src, dst) -> the first movement declared for it
-        for m in self.man["movements"]:
-            for f in m["flows"]:
-                idx.setdefault((m["operator"], m["class"], f["src"], f["dst"]), m)
-        return idx
-
-    def _movement(self, cls, operator, src, dst):
-        return self.movement_index.get((operator, cls, src, dst)) or self.movement_index.get((None, cls, src, dst))
+    def _movement(self, cls, operator, src, dst) -> dict | None:
+        hit = self.movements.match(cls, operator, src, dst)
+        return hit.movement if hit else None
 
     # -- transfers --------------------------------------------------------------------------
     def transfer(self, cls, operator, src, dst, nbytes, layer, on_done) -> Transfer:
-        m = self._movement(cls, operator, src, dst)
+        hit = self.movements.match(cls, operator, src, dst)
+        m = hit.movement if hit else None
         chunk = int(m["chunk"]) if m and m.get("chunk") else self.workload.transfer_chunk
         if operator == "collective":
             chunk = max(chunk, -(-int(nbytes) // figures()["defaults"]["collective_chunks"]))
         t = Transfer(m["name"] if m else f"({cls}{'/' + operator if operator else ''})",
                      m["id"] if m else 0, cls, operator or "", src, dst, int(nbytes), layer,
-                     bool(m and m["critical"]), on_done, chunk)
+                     bool(m and m["critical"]), on_done, chunk, list(hit.path) if hit else [])
         ids = self.ids
         t.ctx = dict(zip(TRANSFER_FIELDS, (t.movement_id, ids["classes"].get(cls, 0),
                                            ids["operators"].get(t.operator, 0), ids["devices"].get(src, 0),
@@ -209,40 +219,23 @@ class Engine(HookSite):
                     d[k] = self.dev_by_id.get(d[k], 0)
         return d
 
-    def on_issue(self, chunks, island, role):
+    def on_issue(self, chunk, island, role):
         shim = self.shims.get(island)
-        t = chunks[0].transfer
+        t = chunk.transfer
         if shim is None or shim.maps_for("issue", t.movement_id) is None:
             return None
-        if self.ticks:
-            self._ticks_before(island, "issue", t.movement_id)
-        common = self._chunk_fields(chunks[0])
-        path = chunks[0].path
+        fields = self._chunk_fields(chunk)
+        path = chunk.path
         if role == "src" and len(path) > 1:
-            common["out_port"] = self.fabric.port_index(path[0], path[1])
-            common["queue_bytes"] = self.fabric.server(path[0], path[1]).queued_bytes
-        columns = {"chunk": [c.index for c in chunks], "bytes": [c.bytes for c in chunks]}
-        out = shim.deliver_many("issue", len(chunks), common, columns, self.sim.now)
-        if self.opts.trace:
-            self.spans.append((island, "issue", self.sim.now, 0.0))
-        if not out:
+            fields["out_port"] = self.fabric.port_index(path[0], path[1])
+            fields["queue_bytes"] = self.fabric.server(path[0], path[1]).queued_bytes
+        known = self._run(island, "issue", fields)
+        if known is None:
             return None
-        first = out[0]
-        if out.count(first) == len(out):        # the usual case: every chunk decided alike
-            if first and first.get("prefetch"):
-                self.prefetch[island] = first["prefetch"]
-            return None if not first or APPLIED.isdisjoint(first) else [self._devices(first)] * len(out)
-        converted = {}      # chunks that decided alike share one dict: convert each once
-        for i, d in enumerate(out):
-            if d:
-                if id(d) not in converted:
-                    converted[id(d)] = self._devices(d)
-                out[i] = converted[id(d)]
-        for d in reversed(out):
-            if d and d.get("prefetch"):
-                self.prefetch[island] = d["prefetch"]      # the last chunk's word holds
-                break
-        return out
+        d = known.decisions
+        if d.get("prefetch"):
+            self.prefetch[island] = d["prefetch"]       # the latest chunk's word holds
+        return self._devices(d) if not APPLIED.isdisjoint(d) else None
 
     def on_enter(self, chunk, island):
         t, path, hop = chunk.transfer, chunk.path, chunk.hop
@@ -296,15 +289,10 @@ class Engine(HookSite):
         return plan
 
     def _enter_hooks(self, island, src, dst):
-        """The hooks a chunk from src to dst meets on entering ``island``."""
-        kind = self.islands[island]["kind"]
-        if kind == "cxl_switch":
-            mem = any(self.devices[e]["kind"] == "cxl_mem" and self.device_island.get(e) == island
-                      for e in (src, dst))
-            return ("forward", "mem_access") if mem else ("forward",)
-        if kind == "dpu":
-            return ("rx",) if self.device_island.get(src) == island else ("tx",)
-        return ()
+        """The hooks a chunk from src to dst meets on entering ``island`` (the catalogue's)."""
+        role = "src" if self.device_island.get(src) == island else \
+            "dst" if self.device_island.get(dst) == island else "transit"
+        return firing(self.islands[island]["kind"], "enter", role)
 
     def on_delivered(self, chunk, island, latency):
         where = (island, "complete", chunk.transfer.movement_id)
@@ -408,14 +396,16 @@ class Engine(HookSite):
         self.weight_src = self._placement()
         self.units = [(p, layer, op) for p, _ in enumerate(w.passes()) for layer in range(w.model.layers)
                       for op in ("attention", "ffn")]
-        self.ready = {g: {} for g in self.gpus}       # unit -> arrival time of its weights
+        self.ready = {g: {} for g in self.gpus}       # unit -> arrival time of its inputs
+        self.inputs_left: dict[tuple, int] = {}       # (gpu, unit) -> inputs still moving
+        self.last_input: dict[tuple, str] = {}        # (gpu, unit) -> the movement that arrived last
         self.issued = {g: 0 for g in self.gpus}       # units issued so far
         self.waiting = {}
         self.done_count = 0
         self.ar_pending = 0
         self._start_ticks()
         for g in self.gpus:
-            self._issue_weights(g, 0)
+            self._issue_inputs(g, 0)
         self.sim.at(0, self._begin, 0)
         with _fewer_collections():
             self.sim.run()
@@ -424,22 +414,39 @@ class Engine(HookSite):
         self._catch_up(self.ticks, self.finished)
         return self._collect()
 
-    def _issue_weights(self, g, current):
+    def _issue_inputs(self, g, current):
+        """Issue what the units up to the prefetch depth ahead need on GPU g: their weights
+        (unless in HBM) and, for attention in a later pass of a chunked prefill, the KV of
+        the earlier passes from where it lives (unless in HBM)."""
         w = self.workload
         depth = max(1, self.prefetch[g])
         while self.issued[g] < len(self.units) and self.issued[g] < current + 2 * depth:
             u = self.issued[g]
             self.issued[g] += 1
             p, layer, op = self.units[u]
+            inputs = []
             where = self.weight_src[(layer, op)]
-            if where in ("hbm", "none"):
+            if where not in ("hbm", "none"):
+                inputs.append(("weights", op, where, w.weight_bytes(op)))
+            first_token = w.passes()[p][0]
+            if op == "attention" and first_token and w.kv not in ("hbm", "none"):
+                inputs.append(("kv", "attention", w.kv, w.kv_bytes(first_token)))
+            if not inputs:
                 self.ready[g][u] = 0.0
                 continue
-            self.transfer("weights", op, where, g, w.weight_bytes(op), layer,
-                          lambda t, g=g, u=u: self._weights_arrived(g, u))
+            self.inputs_left[(g, u)] = len(inputs)
+            for cls, operator, src, nbytes in inputs:
+                self.transfer(cls, operator, src, g, nbytes, layer, lambda t, g=g, u=u: self._input_arrived(g, u, t))
 
-    def _weights_arrived(self, g, u):
+    def _input_arrived(self, g, u, t):
+        """One input of unit u on GPU g arrived; the last one makes the unit ready (and is what
+        a stall before it is charged to)."""
+        self.inputs_left[(g, u)] -= 1
+        if self.inputs_left[(g, u)]:
+            return
+        del self.inputs_left[(g, u)]
         self.ready[g][u] = self.sim.now
+        self.last_input[(g, u)] = t.name
         if self.waiting.get(g) == u:
             del self.waiting[g]
             self._compute(g, u)
@@ -462,15 +469,14 @@ class Engine(HookSite):
         ops = w.ops(layer, start, n)
         o = ops[0] if op == "attention" else ops[1]
         stall = self.sim.now - self.unit_start
-        if stall > 0:
-            m = self._movement("weights", op, self.weight_src[(layer, op)], g)
-            self.stall_by_movement[m["name"] if m else f"(weights/{op})"] += stall
+        if stall > 0:      # charged to the input that arrived last
+            self.stall_by_movement[self.last_input.get((g, u), f"(weights/{op})")] += stall
         known = self._run(g, "launch", {"now": int(self.sim.now), "layer": layer,
                                         "operator": self.ids["operators"][op], "flops": int(o.flops),
                                         "bytes": int(o.bytes), "stall": int(stall)})
         if known is not None and known.decisions.get("prefetch"):
             self.prefetch[g] = known.decisions["prefetch"]
-        self._issue_weights(g, u + 1)
+        self._issue_inputs(g, u + 1)
         dur = compute.op_time(o.flops, o.bytes, self._gpu_figure(g, "bf16"), self._gpu_figure(g, "hbm_bw")) * 1e9
         if self.opts.trace:
             self.spans.append((g, f"{op} L{layer}", self.sim.now, dur))

@@ -3,15 +3,18 @@
 Every directed link is a server with per-priority queues: strict priority
 between classes (7 first), round-robin between flows within a class, so two
 equal flows each get half and a high-priority flow gets all it asks for.  A
-chunk is sent whole (bytes / bandwidth) and arrives after the link's latency.
-The two directions of the link to switch-attached memory share one server:
-a memory device's bandwidth is shared by reads and writes.  A chunk that ends
-at a DPU/NIC leaves on its wire (line rate, plus a per-chunk overhead).
+chunk is sent whole (bytes / bandwidth, plus the link's fixed cost per chunk)
+and arrives after the link's latency.  The two directions of the link to
+switch-attached memory share one server: a memory device's bandwidth is
+shared by reads and writes.  A chunk that ends at a DPU/NIC leaves on its wire
+(line rate, plus a per-chunk overhead).  A GPU moves its transfers' chunks with
+its copy engines, one chunk at a time per engine (`CopyEngine`).
 
 Hooks are not called here: the fabric asks a `HookSite` at the moments a
 program may decide (a chunk issued, entering an island, delivered) and applies
 what comes back: ``priority``, ``rate`` (a token bucket at that island),
-``defer``, ``route`` (the next hop), ``coalesce`` (merge small chunks) and
+``defer``, ``route`` (the next hop), ``coalesce`` (merge small chunks),
+``stream`` (the copy-engine stream), ``queue`` (the NIC transmit queue) and
 ``tier`` (redirect the data to another memory).
 """
 from __future__ import annotations
@@ -24,8 +27,12 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
+from fabric_ext import topology
+from fabric_ext.hooks import firing
+
 DEFAULT_PRIORITY = 3
-APPLIED = frozenset({"priority", "defer", "rate", "route", "tier"})   # what `Fabric._apply` acts on
+#: the decisions the fabric acts on (`Fabric._apply`, and at issue `stream` and `coalesce`)
+APPLIED = frozenset({"priority", "defer", "rate", "route", "tier", "queue", "stream", "coalesce"})
 
 
 #: ~50x the events of the largest bundled run (Llama-3-70B, 32k tokens: ~420,000); a few minutes of run
@@ -34,6 +41,10 @@ DEFAULT_MAX_EVENTS = 20_000_000
 
 class EventLimit(RuntimeError):
     """A run that passed its limit on events (``Sim.max_events``)."""
+
+
+class NoPath(ValueError):
+    """A transfer between devices the fabric does not connect."""
 
 
 class Sim:
@@ -87,6 +98,8 @@ class Transfer:
     queue_waits: list = field(default_factory=list)
     ctx: dict = field(default_factory=dict)     # the hook site's context fields, the same for every chunk
     standing: dict = field(default_factory=dict)  # island -> `Standing` decisions there
+    pending: deque = field(default_factory=deque)  # chunks not yet issued, in order
+    driver: list | None = None    # the copy engines that issue its chunks (None: issued at once)
 
     @property
     def flow(self) -> tuple:
@@ -114,6 +127,8 @@ class Chunk:
     waited: float = 0.0
     island: str | None = None
     parts: list = field(default_factory=list)   # chunks merged into this one by coalescing
+    queue: object = None      # the NIC transmit queue it leaves by (None: its flow's own)
+    engine: object = None     # the copy engine busy with it until it leaves its first link
 
     @property
     def last(self) -> bool:
@@ -121,7 +136,9 @@ class Chunk:
 
 
 class Server:
-    """A transmission resource: one directed link, or a memory channel both directions share."""
+    """A transmission resource: one directed link, or a memory channel both directions share.
+    Each chunk costs ``overhead`` ns on top of its bytes: the link's fixed cost per transfer
+    (DMA descriptor and doorbell on PCIe/CXL, one message on NVLink, a frame on a wire)."""
 
     def __init__(self, sim: Sim, name: str, bw: float, overhead: float = 0.0):
         self.sim, self.name, self.bw, self.overhead = sim, name, bw, overhead
@@ -151,7 +168,7 @@ class Server:
         if q is None:
             q = self.queues[chunk.priority] = OrderedDict()
             bisect.insort(self.classes, -chunk.priority)
-        q.setdefault(chunk.transfer.flow, deque()).append((chunk, done))
+        q.setdefault(chunk.queue or chunk.transfer.flow, deque()).append((chunk, done))
         if not self.busy:
             self._start()
 
@@ -185,12 +202,63 @@ class Server:
         self._start()
 
 
+class CopyEngine:
+    """One DMA engine of a GPU.  It takes one chunk at a time from its streams (round robin
+    between streams) and is busy with it until the chunk has left the first link of its
+    path; what waits for it counts as queueing.  A stream serves its transfers in order, one
+    after another, as a CUDA stream does: the next chunk of the transfer it took from last
+    goes first (a chunk held back by ``defer`` or ``rate`` lets the next transfer go)."""
+
+    def __init__(self, sim: Sim, name: str, take):
+        self.sim, self.name, self._take = sim, name, take
+        self.streams: OrderedDict[int, deque] = OrderedDict()
+        self.current: dict[int, Transfer] = {}     # stream -> the transfer it took from last
+        self.busy = False
+        self.chunks = 0
+        self.bytes = 0
+
+    def submit(self, chunk: Chunk, stream: int) -> None:
+        chunk.enqueued = self.sim.now
+        q = self.streams.setdefault(stream, deque())
+        if self.current.get(stream) is chunk.transfer:
+            q.appendleft(chunk)
+        else:
+            q.append(chunk)
+        if not self.busy:
+            self._next()
+
+    def release(self) -> None:
+        self.busy = False
+        self._next()
+
+    def _next(self) -> None:
+        if not self.streams:
+            return
+        stream, q = next(iter(self.streams.items()))
+        chunk = q.popleft()
+        if q:
+            self.streams.move_to_end(stream)
+        else:
+            del self.streams[stream]
+        self.current[stream] = chunk.transfer
+        self.busy = True
+        self.chunks += 1
+        self.bytes += chunk.bytes
+        chunk.waited += self.sim.now - chunk.enqueued
+        chunk.engine = self
+        self._take(chunk)
+
+
+#: the stream a chunk is issued on when no program chooses one: one per data class
+CLASS_STREAM = {"weights": 1, "kv": 2, "activations": 3}
+
+
 class HookSite:
     """What the fabric asks at decision points; the engine implements it with shims."""
 
-    def on_issue(self, chunks: list[Chunk], island: str, role: str) -> list | None:
-        """A transfer's chunks are issued at a GPU: each chunk's decisions, read only (None:
-        nothing for the fabric to apply)."""
+    def on_issue(self, chunk: Chunk, island: str, role: str) -> dict | None:
+        """A chunk is about to be issued at a GPU: its decisions, read only (None: nothing for
+        the fabric to apply)."""
         return None
 
     def on_enter(self, chunk: Chunk, island: str) -> dict | None:
@@ -207,7 +275,8 @@ class Fabric:
 
     def __init__(self, sim: Sim, graph: nx.DiGraph, device_island: dict[str, str],
                  island_kind: dict[str, str], wires: dict[str, tuple[float, float]],
-                 memory_channels: dict[str, float], hooks: HookSite | None = None):
+                 memory_channels: dict[str, float], hooks: HookSite | None = None,
+                 copy_engines: dict[str, int] | None = None):
         self.sim, self.g = sim, graph
         self.device_island, self.island_kind = device_island, island_kind
         self.hooks = hooks or HookSite()
@@ -220,35 +289,38 @@ class Fabric:
                     shared[mem] = Server(sim, f"{mem} memory", memory_channels[mem])
                 self.servers[(u, v)] = shared[mem]
             else:
-                self.servers[(u, v)] = Server(sim, f"{u}->{v}", e["bw"])
+                self.servers[(u, v)] = Server(sim, f"{u}->{v}", e["bw"], e.get("setup") or 0.0)
         self.wires = {dev: Server(sim, f"{dev}->wire", bw, overhead) for dev, (bw, overhead) in wires.items()}
+        self.engines = {dev: [CopyEngine(sim, f"{dev} copy engine {i}", self._taken) for i in range(n)]
+                        for dev, n in (copy_engines or {}).items() if n > 0}
         self.buckets: dict[tuple, float] = {}
+        self.refused = {"route": 0, "tier": 0}     # decisions with no path, or only a looping one
         self.coalescing: dict[tuple, list] = {}
         self.transfers: list[Transfer] = []
         self._ports: dict[str, list[str]] = {}
         self._port_index: dict[tuple[str, str], int] = {}
         self._routes: dict[tuple[str, str], list[str]] = {}
-        self._ends: dict[tuple[str, str], list[tuple[str, str]]] = {}
+        self._ends_of: dict[tuple[str, str, str], list[tuple[str, str]]] = {}
 
     # -- paths ------------------------------------------------------------------------
-    def route(self, src: str, dst: str) -> list[str]:
-        """The lowest-latency path (fewest hops among equals); the graph is fixed, so cached."""
+    def route(self, src: str, dst: str) -> list[str] | None:
+        """`topology.route`, cached: the graph is fixed."""
         key = (src, dst)
         if key not in self._routes:
-            self._routes[key] = nx.shortest_path(self.g, src, dst, weight=lambda u, v, e: (e.get("latency") or 0) + 1)
-        return list(self._routes[key])
+            self._routes[key] = topology.route(self.g, src, dst)
+        path = self._routes[key]
+        return list(path) if path is not None else None
 
     def ports(self, device: str) -> list[str]:
-        """The devices a device's ports lead to, in port-index order."""
+        """The devices a device's ports lead to, in port-index order (`topology.ports`)."""
         if device not in self._ports:
-            self._ports[device] = sorted(self.g.successors(device))
+            self._ports[device] = topology.ports(self.g, device)
         return self._ports[device]
 
     def port_index(self, device: str, peer: str) -> int:
         key = (device, peer)
         if key not in self._port_index:
-            ports = self.ports(device)
-            self._port_index[key] = ports.index(peer) if peer in ports else 0
+            self._port_index[key] = topology.port_index(self.g, device, peer)
         return self._port_index[key]
 
     def server(self, u: str, v: str) -> Server:
@@ -256,33 +328,75 @@ class Fabric:
 
     # -- transfers --------------------------------------------------------------------
     def start(self, t: Transfer) -> None:
-        """Split a transfer into chunks and issue them now."""
-        now = self.sim.now
-        t.start = now
+        """Split a transfer into chunks and issue the first."""
+        t.start = self.sim.now
         t.path = t.path or self.route(t.src, t.dst)
+        if t.path is None:
+            raise NoPath(f"the fabric has no path from '{t.src}' to '{t.dst}' for {t.name}: link them")
         n = max(1, -(-t.bytes // t.chunk_bytes))
         t.chunks_total = n
         self.transfers.append(t)
-        chunks = [Chunk(t, i, min(t.chunk_bytes, t.bytes - i * t.chunk_bytes) if t.bytes else 0, t.path)
-                  for i in range(n)]
-        release = [now] * n
-        for isl, role in self._gpu_ends(t):
-            for i, d in enumerate(self.hooks.on_issue(chunks, isl, role) or ()):
-                if d and not APPLIED.isdisjoint(d):
-                    release[i] = max(release[i], self._apply(chunks[i], isl, d, release[i]))
-        for chunk, at in zip(chunks, release):
-            self.sim.at(at, self._arrive, chunk)
+        t.pending = deque(Chunk(t, i, min(t.chunk_bytes, t.bytes - i * t.chunk_bytes) if t.bytes else 0, t.path)
+                          for i in range(n))
+        t.driver = self._driver(t)
+        self._issue(t)
 
-    def _gpu_ends(self, t: Transfer) -> list[tuple[str, str]]:
-        """The GPU islands at a transfer's ends, with their role: the source first, then the
-        destination (the order their programs see its chunks in).  Asked for every chunk
-        delivered, so kept per pair of ends."""
-        key = (t.path[0], t.path[-1])
-        if key not in self._ends:
+    def _driver(self, t: Transfer) -> list | None:
+        """The copy engines of the GPU that moves a transfer: its source, else its destination.
+        A collective has none: NCCL moves it from kernels on the SMs, every chunk at once."""
+        if t.operator == "collective":
+            return None
+        return self.engines.get(t.src) or self.engines.get(t.dst)
+
+    def _issue(self, t: Transfer) -> None:
+        """The transfer's next chunk meets the issue hooks at its GPU ends and goes to a copy
+        engine; the one after it meets them when an engine takes it.  A chunk held to be
+        coalesced counts as taken.  Without copy engines every chunk follows at once."""
+        while t.pending:
+            chunk = t.pending.popleft()
+            release, stream, coalesce = self.sim.now, 0, 0
+            for isl, role in self._ends(t, "issue"):
+                d = self.hooks.on_issue(chunk, isl, role)
+                if d:
+                    release = max(release, self._apply(chunk, isl, d, release))
+                    stream = d.get("stream") or stream
+                    coalesce = d.get("coalesce") or coalesce
+            if coalesce and chunk.bytes < coalesce:
+                chunk = self._coalesce(chunk, ("issue", id(t)), coalesce)
+                if chunk is None:
+                    continue
+            if t.driver is None:
+                self.sim.at(release, self._arrive, chunk)
+                continue
+            stream = stream or CLASS_STREAM.get(t.cls, 1)
+            engine = t.driver[(stream - 1) % len(t.driver)]
+            if release > self.sim.now:
+                self.sim.at(release, engine.submit, chunk, stream)
+            else:
+                engine.submit(chunk, stream)
+            return
+
+    def _taken(self, chunk: Chunk) -> None:
+        """A copy engine took a chunk: it enters the fabric, and the next one is issued."""
+        self._arrive(chunk)
+        self._issue(chunk.transfer)
+
+    @staticmethod
+    def _free_engine(chunk: Chunk) -> None:
+        engine, chunk.engine = chunk.engine, None
+        if engine is not None:
+            engine.release()
+
+    def _ends(self, t: Transfer, moment: str) -> list[tuple[str, str]]:
+        """The islands at a transfer's ends whose hooks fire at ``moment`` (the catalogue's),
+        with their role: the source first, then the destination (the order their programs
+        see its chunks in).  Asked for every chunk, so kept per pair of ends."""
+        key = (t.path[0], t.path[-1], moment)
+        if key not in self._ends_of:
             ends = [(key[0], "src")] + ([(key[1], "dst")] if key[1] != key[0] else [])
-            self._ends[key] = [(isl, role) for isl, role in ((self.device_island.get(e), r) for e, r in ends)
-                               if isl is not None and self.island_kind.get(isl) == "gpu"]
-        return self._ends[key]
+            self._ends_of[key] = [(isl, role) for isl, role in ((self.device_island.get(e), r) for e, r in ends)
+                                  if isl is not None and firing(self.island_kind.get(isl, ""), moment, role)]
+        return self._ends_of[key]
 
     def _apply(self, chunk: Chunk, island: str, d: dict, now: float) -> float:
         """Apply decisions; returns when the chunk may move on."""
@@ -291,9 +405,11 @@ class Fabric:
             if len(d) == 1:         # the usual decision: nothing else to look up
                 return now
         release = now + d.get("defer", 0)
+        if "queue" in d:
+            chunk.queue = ("queue", d["queue"]) if d["queue"] else None
         rate = d.get("rate", 0)
-        if rate:
-            key = (island, chunk.transfer.flow)
+        if rate:        # per flow, or per transmit queue where a NIC program chose one
+            key = (island, chunk.queue or chunk.transfer.flow)
             start = max(release, self.buckets.get(key, 0.0))
             self.buckets[key] = start + chunk.bytes / rate * 1e9
             release = start
@@ -307,20 +423,30 @@ class Fabric:
 
     def _reroute(self, chunk, next_dev):
         here = chunk.path[chunk.hop]
-        if not self.g.has_edge(here, next_dev) or next_dev == chunk.path[chunk.hop + 1]:
+        if next_dev == chunk.path[chunk.hop + 1]:
             return
-        try:
-            rest = self.route(next_dev, chunk.path[-1])
-        except nx.NetworkXNoPath:
+        if not self.g.has_edge(here, next_dev):
+            self.refused["route"] += 1
+            return
+        rest = self.route(next_dev, chunk.path[-1])
+        if rest is None or not self._loop_free(chunk.path[:chunk.hop + 1], rest):
+            self.refused["route"] += 1
             return
         chunk.path = chunk.path[:chunk.hop + 1] + rest
 
+    @staticmethod
+    def _loop_free(done: list[str], rest: list[str]) -> bool:
+        """Whether a path on leaves out every device the chunk has crossed: a route back
+        through one of them would loop (each time it got there, it would be sent back)."""
+        return set(done).isdisjoint(rest)
+
     def _retarget(self, chunk, memory):
         here = chunk.path[chunk.hop]
-        try:
-            chunk.path = chunk.path[:chunk.hop] + self.route(here, memory)
-        except nx.NetworkXNoPath:
-            pass
+        path = self.route(here, memory)
+        if path is None or not self._loop_free(chunk.path[:chunk.hop], path):
+            self.refused["tier"] += 1
+            return
+        chunk.path = chunk.path[:chunk.hop] + path
 
     def _arrive(self, chunk: Chunk) -> None:
         isl = self.device_island.get(chunk.path[chunk.hop])
@@ -346,17 +472,22 @@ class Fabric:
         else:
             self._forward(chunk)
 
-    def _coalesce(self, chunk, island, size):
-        key = (island, chunk.transfer.flow)
+    def _coalesce(self, chunk, where, size):
+        """Hold the chunk with the flow's others held at ``where`` until together they reach
+        ``size`` bytes (or the transfer's last chunk came): the merged chunk then, else None.
+        A held chunk frees its copy engine, as if it had left."""
+        if chunk.engine is not None:
+            engine, chunk.engine = chunk.engine, None
+            self.sim.at(self.sim.now, engine.release)
+        key = (where, chunk.transfer.flow)
         buf = self.coalescing.setdefault(key, [])
         buf.append(chunk)
         total = sum(c.bytes for c in buf)
         if total < size and not chunk.last:
             return None
         del self.coalescing[key]
-        merged = Chunk(chunk.transfer, chunk.index, total, chunk.path, chunk.hop, chunk.priority,
-                       island=chunk.island, parts=[p for c in buf for p in (c.parts or [c])])
-        return merged
+        return Chunk(chunk.transfer, chunk.index, total, chunk.path, chunk.hop, chunk.priority,
+                     island=chunk.island, parts=[p for c in buf for p in (c.parts or [c])], queue=chunk.queue)
 
     def _forward(self, chunk: Chunk) -> None:
         path, hop = chunk.path, chunk.hop
@@ -371,15 +502,20 @@ class Fabric:
     def _sent(self, chunk: Chunk) -> None:
         u, v = chunk.path[chunk.hop], chunk.path[chunk.hop + 1]
         chunk.hop += 1
+        chunk.queue = None          # a transmit queue holds at the NIC it was chosen at
+        if chunk.engine is not None:
+            self._free_engine(chunk)
         self.sim.at(self.sim.now + (self.g.edges[u, v].get("latency") or 0), self._arrive, chunk)
 
     def _delivered(self, chunk: Chunk) -> None:
         now = self.sim.now
+        if chunk.engine is not None:
+            self._free_engine(chunk)
         for part in chunk.parts or [chunk]:
             t = part.transfer
             t.queue_waits.append(chunk.waited + part.waited if chunk.parts else part.waited)
             t.chunks_done += 1
-            for isl, _ in self._gpu_ends(t):
+            for isl, _ in self._ends(t, "deliver"):
                 self.hooks.on_delivered(part, isl, now - t.start)
             if t.chunks_done == t.chunks_total:
                 t.end = now

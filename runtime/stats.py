@@ -33,6 +33,7 @@ def collect(e) -> dict:
                           "transfers": len(ts), "bytes": nbytes,
                           "avg_gbps": round(nbytes / busy, 3) if busy else 0.0,
                           "span_ms": round(span / 1e6, 4),
+                          "issued_avg_ms": round(sum(t.start for t in ts) / len(ts) / 1e6, 4),
                           "queue_p50_us": round(_pct(waits, 50) / 1e3, 3),
                           "queue_p99_us": round(_pct(waits, 99) / 1e3, 3),
                           "stall_ms": round(e.stall_by_movement.get(name, 0.0) / 1e6, 4)})
@@ -55,7 +56,8 @@ def collect(e) -> dict:
                     lo, hi = max(start, k * width), min(stop, (k + 1) * width)
                     timeline[k] += max(0.0, hi - lo)
         util = np.minimum(timeline / width, 1.0)
-        links.append({"name": srv.name, "bytes": srv.bytes, "bw_gbps": round(srv.bw / 1e9, 3),
+        links.append({"name": srv.name, "bytes": srv.bytes, "chunks": len(srv.intervals),
+                      "bw_gbps": round(srv.bw / 1e9, 3),
                       "util_avg": round(float(sum(b - a for a, b, _ in srv.intervals) / horizon), 4),
                       "util_peak": round(float(util.max()) if len(util) else 0.0, 4),
                       "timeline": [round(float(x), 3) for x in util]})
@@ -69,8 +71,10 @@ def collect(e) -> dict:
                          "kv_export": w.kv_export},
             "ttft_ms": round(end / 1e6, 4), "kv_done_ms": round(e.kv_done / 1e6, 4),
             "events": e.sim.events, "layers": layers, "movements": movements,
-            "links": sorted(links, key=lambda x: x["name"]), "islands": islands, "maps": _jsonable(maps),
-            "faults": faults}
+            "links": sorted(links, key=lambda x: x["name"]), "islands": islands,
+            "copy_engines": [{"name": ce.name, "chunks": ce.chunks, "bytes": ce.bytes}
+                             for engines in e.fabric.engines.values() for ce in engines], "maps": _jsonable(maps),
+            "faults": faults, "refused": dict(e.fabric.refused)}
 
 
 def _jsonable(maps):
@@ -136,6 +140,12 @@ def render(report: dict, baseline: dict | None = None) -> str:
     for name, m in drops:
         out.append(f"ringbuf {name}: {m['dropped']} records dropped, {len(m['records'])} kept: it was full "
                    "(nothing consumes it during a run); make it larger or emit less")
+    refused = {k: v for k, v in report.get("refused", {}).items() if v}
+    if refused:
+        out.append("")
+    for what, n in refused.items():
+        out.append(f"{what}: {n} decisions not applied: no link to that device, no path from there to the "
+                   "chunk's destination, or only one back through a device it already crossed (a loop)")
     if report["faults"]:
         out.append("")
         for f in report["faults"]:

@@ -140,3 +140,26 @@ def test_route_decision_picks_the_egress():
     f.start(t)
     sim.run()
     assert f.servers[("s", "y")].bytes == MiB and f.servers[("s", "x")].bytes == 0
+
+
+def test_a_route_back_through_a_crossed_device_is_refused_and_counted():
+    """A switch program that sends every chunk to a neighbour whose shortest way on comes
+    back through the switch would loop forever: the fabric refuses it and counts it."""
+    import networkx as nx
+    from fabric_ext.runtime.fabric_model import Fabric, HookSite, Sim, Transfer
+
+    class SendToCpu(HookSite):
+        def on_enter(self, chunk, island):
+            return {"route": "cpu0"} if island == "sw0" else None
+    g = nx.DiGraph()
+    for a, b in (("gpu0", "sw0"), ("sw0", "pool0"), ("sw0", "cpu0")):
+        g.add_edge(a, b, bw=1e9, latency=10.0)
+        g.add_edge(b, a, bw=1e9, latency=10.0)
+    sim = Sim(max_events=10_000)
+    fab = Fabric(sim, g, {"sw0": "sw0", "pool0": "sw0", "cpu0": "cpu0", "gpu0": "gpu0"},
+                 {"sw0": "cxl_switch", "cpu0": "host", "gpu0": "gpu"}, {}, {}, SendToCpu())
+    t = Transfer("kv", 1, "kv", "", "gpu0", "pool0", 4 * 4096, chunk_bytes=4096)
+    fab.start(t)
+    sim.run()
+    assert t.chunks_done == 4 and t.path == ["gpu0", "sw0", "pool0"]
+    assert fab.refused["route"] == 4
