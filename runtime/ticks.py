@@ -34,17 +34,28 @@ ROW_FIELDS = ("now", "port", "peer", "util_pct", "bytes", "queue_bytes", "period
 
 class _Period:
     """One tick period's progress through the record: its next tick, the first record
-    that tick has not yet counted, and (when the queue is read) each port's bytes started
-    and enqueued before its last tick."""
+    that tick has not yet counted, each port's transmission that may still be in service
+    past the last tick (a port sends one chunk at a time, so there is at most one), and
+    (when the queue is read) each port's bytes started and enqueued before its last tick.
 
-    def __init__(self, period: int, bw: np.ndarray, last_wins: bool):
+    A tick at T sees its ports over [T - period, T): ``util_pct`` is the share of that
+    window the port was busy (a chunk in service for half of it counts 50 %) and ``bytes``
+    the bytes it sent in it, each chunk's bytes spread evenly over its service time (its
+    bytes / bandwidth plus the link's fixed cost per chunk)."""
+
+    def __init__(self, period: int, bw: np.ndarray, overhead: np.ndarray, last_wins: bool):
         self.period = period
         self.last_wins = last_wins      # only the last of several ticks in a row has an effect
         self.next_k = 1                                  # the next tick is at next_k * period
         self.cursor = 0                                  # records before this are all before the last tick
         self.before = [0.0] * (2 * len(bw))              # bytes started, then enqueued, per port
-        # bytes that make 1 % of a period's capacity; a port without a bandwidth reads 0 %
-        self.per_pct = np.where(bw > 0, bw * period / 1e9 / 100, np.inf).tolist()
+        self.bw, self.overhead = bw.tolist(), overhead.tolist()
+        self.carry: list[tuple[float, float, float] | None] = [None] * len(bw)   # (start, service, bytes)
+
+    def service(self, lane: int, size: float) -> float:
+        """How long a chunk of ``size`` bytes keeps the port busy (as `Server` reckons it)."""
+        bw = self.bw[lane]
+        return (size / bw * 1e9 if bw > 0 else 0.0) + self.overhead[lane]
 
     @property
     def due(self) -> float:
@@ -53,9 +64,15 @@ class _Period:
         return float(self.next_k * self.period)
 
     def skip_to(self, record: list, t: float) -> None:
-        """Move the cursor past the records before time t (the record is flat: time, lane, bytes)."""
-        # the times alone, copied: a bisect in C beats one calling a key function per step
-        self.cursor += bisect.bisect_left(record[3 * self.cursor::3], t)
+        """Move the cursor past the records before time t (the record is flat: time, lane,
+        bytes), keeping each port's last transmission: it may still be in service at t."""
+        n = len(self.carry)
+        skip = bisect.bisect_left(record[3 * self.cursor::3], t)
+        for i in range(self.cursor, self.cursor + skip):
+            lane = int(record[3 * i + 1])
+            if lane < n:
+                self.carry[lane] = (record[3 * i], self.service(lane, record[3 * i + 2]), record[3 * i + 2])
+        self.cursor += skip
 
     def due_by(self, upto: float) -> int:
         """How many ticks are due by ``upto``."""
@@ -67,51 +84,90 @@ class _Period:
         due = self.due_by(upto)
         return min(due, 1) if elide and self.last_wins else due
 
+    def util_pct(self, busy):
+        """A busy time over the period as whole percent, rounded (an array or a float)."""
+        return np.minimum(busy * 100 / self.period + 0.5, 100)
+
     def fill(self, record: np.ndarray, upto: float, ctx: np.ndarray, queue_read: bool) -> np.ndarray:
         """Write the contexts of this period's last ``len(ctx)`` ticks up to ``upto`` into
         ``ctx`` (a (ticks, ports) view) and return their times; earlier ticks are passed over.
 
-        A transmission that starts in [T - period, T) is what the tick at T sees sent; the
-        queue at T is everything enqueued before T less everything started before T.  A
-        record counts for the first tick after its time, so one bincount by (tick, lane)
-        gives both, and a running sum over ticks the queue."""
-        n, k1 = len(self.per_pct), int(upto // self.period)
+        Each transmission (the ports' carried ones first, then the record's in order) is
+        spread over the tick windows its service time overlaps, and one bincount by
+        (tick, port) sums the overlaps; the queue at T is everything enqueued before T less
+        everything started before T, a running sum over ticks of the records binned by the
+        first tick after them."""
+        n, k1 = len(self.carry), int(upto // self.period)
         k0 = max(self.next_k, k1 - len(ctx))       # one tick more than run: it bounds the first run's bytes
         times = np.arange(k0, k1 + 1, dtype=np.float64) * self.period
         k = len(times)
-        rec = record[self.cursor:]
-        first = np.searchsorted(times, rec[:, 0], side="right")
-        binned = np.bincount(first * (2 * n) + rec[:, 1].astype(np.int64), weights=rec[:, 2],
-                             minlength=2 * n * (k + 1)).reshape(k + 1, 2, n)[:k]
+        rec = record[self.cursor:record_end(record, self.cursor, times[-1])]
+        starts = rec[rec[:, 1] < n]
+        carried = [(s, d, b, lane) for lane, c in enumerate(self.carry) if c is not None for s, d, b in (c,)]
+        lane = np.concatenate([[c[3] for c in carried], starts[:, 1]]).astype(np.int64)
+        s = np.concatenate([[c[0] for c in carried], starts[:, 0]])
+        size = np.concatenate([[c[2] for c in carried], starts[:, 2]])
+        bw, oh = np.asarray(self.bw)[lane], np.asarray(self.overhead)[lane]
+        d = np.concatenate([[c[1] for c in carried],
+                            np.where(bw[len(carried):] > 0, size[len(carried):] / np.where(
+                                bw[len(carried):] > 0, bw[len(carried):], 1) * 1e9, 0.0) + oh[len(carried):]])
+        e = s + d
+        busy, sent = self._spread(times, lane, s, d, e, size, n)
+        for j in range(len(lane)):          # each port's last transmission may outlast the batch
+            self.carry[lane[j]] = (float(s[j]), float(d[j]), float(size[j]))
         run = slice(k - len(ctx), None)
-        sent = binned[run, 0]
         ctx["now"] = times[run, None]
         ctx["period"] = self.period
-        ctx["bytes"] = sent
-        util = sent / np.asarray(self.per_pct)
-        util += 0.5
-        ctx["util_pct"] = np.minimum(util, 100, out=util)      # the cast to an integer floors it
+        ctx["bytes"] = sent[run]
+        ctx["util_pct"] = self.util_pct(busy[run])      # the cast to an integer floors it
         if queue_read:
+            first = np.searchsorted(times, rec[:, 0], side="right")
+            binned = np.bincount(first * (2 * n) + rec[:, 1].astype(np.int64), weights=rec[:, 2],
+                                 minlength=2 * n * (k + 1)).reshape(k + 1, 2, n)[:k]
             sums = np.cumsum(binned, axis=0, dtype=np.float64)
             sums += np.reshape(self.before, (2, n))
             ctx["queue_bytes"] = sums[run, 1] - sums[run, 0]
             self.before = sums[-1].ravel().tolist()
-        self.cursor += int(np.searchsorted(rec[:, 0], times[-1], side="left"))
+        self.cursor += len(rec)
         self.next_k = k1 + 1
         return times[run]
 
-    def last_tick(self, record: list, upto: float, queue_read: bool) -> tuple[int, list, list]:
-        """`fill` for only the last tick due by ``upto``, counted from the flat record in
-        Python: (its time, bytes sent per port, bytes queued per port, 0 unless read).
+    def _spread(self, times, lane, s, d, e, size, n):
+        """Busy time and bytes of each (tick, port): every transmission [s, e) spread over the
+        windows [T - period, T) it overlaps, summed in transmission order."""
+        k, p = len(times), float(self.period)
+        first = np.searchsorted(times, s, side="right")          # the first window ending after s
+        last = np.searchsorted(times - p, e, side="left")         # windows starting before e
+        count = np.maximum(last - first, 0)
+        which = np.repeat(np.arange(len(s)), count)
+        window = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count) + np.repeat(first, count)
+        hi = times[window]
+        overlap = np.minimum(e[which], hi) - np.maximum(s[which], hi - p)
+        bins = window * n + lane[which]
+        busy = np.bincount(bins, weights=overlap, minlength=k * n).reshape(k, n)
+        part = np.where(d[which] > 0, size[which] * overlap / np.where(d[which] > 0, d[which], 1), 0.0)
+        sent = np.bincount(bins, weights=part, minlength=k * n).reshape(k, n)
+        return busy, sent
 
-        The same sums as `fill` (byte counts are whole numbers, exact in any order): a
-        tick sees sent what started since the tick before it, or since this period's
-        last run when none was due between."""
+    def last_tick(self, record: list, upto: float, queue_read: bool) -> tuple[int, list, list, list]:
+        """`fill` for only the last tick due by ``upto``, counted from the flat record in
+        Python: (its time, busy time per port, bytes sent per port, bytes queued per port,
+        0 unless read), with the same arithmetic in the same order."""
         k1 = int(upto // self.period)
         t_run = float(k1 * self.period)         # floats, as the record's times (see `due`)
-        since = float((k1 - 1) * self.period) if self.next_k < k1 else float("-inf")
-        n = len(self.per_pct)
-        sent = [0.0] * n
+        lo = t_run - float(self.period)
+        n = len(self.carry)
+        busy, sent = [0.0] * n, [0.0] * n
+
+        def spread(lane, start, service, size):
+            end = start + service
+            if start < t_run and end > lo:
+                overlap = min(end, t_run) - max(start, lo)
+                busy[lane] += overlap
+                sent[lane] += size * overlap / service if service > 0 else 0.0
+        for lane, c in enumerate(self.carry):
+            if c is not None:
+                spread(lane, *c)
         before = self.before
         i, end = self.cursor, len(record) // 3
         while i < end:
@@ -119,13 +175,20 @@ class _Period:
             if t >= t_run:
                 break
             lane, size = int(record[3 * i + 1]), record[3 * i + 2]
-            if t >= since and lane < n:      # lanes n and up are enqueues
-                sent[lane] += size
+            if lane < n:      # lanes n and up are enqueues
+                service = self.service(lane, size)
+                spread(lane, t, service, size)
+                self.carry[lane] = (t, service, size)
             before[lane] += size
             i += 1
         self.cursor, self.next_k = i, k1 + 1
         queued = [before[n + j] - before[j] for j in range(n)] if queue_read else [0.0] * n
-        return k1 * self.period, sent, queued
+        return k1 * self.period, busy, sent, queued
+
+
+def record_end(record: np.ndarray, cursor: int, t: float) -> int:
+    """The index past the records (from ``cursor``) before time t."""
+    return cursor + int(np.searchsorted(record[cursor:, 0], t, side="left"))
 
 
 class TickSource:
@@ -139,8 +202,9 @@ class TickSource:
         self.servers = servers
         n = len(servers)
         bw = np.array([srv.bw or 0.0 for srv in servers], dtype=np.float64)
+        overhead = np.array([srv.overhead or 0.0 for srv in servers], dtype=np.float64)
         handlers = shim.handlers.get("tick")
-        self.periods = [_Period(p, bw, handlers is not None and all(
+        self.periods = [_Period(p, bw, overhead, handlers is not None and all(
             h.get("last_wins") for h in handlers if h["period"] == p)) for p in sorted({int(p) for p in periods})]
         self.elide = True                                # run only the last of `last_wins` ticks
         self.shortest = self.periods[0].period
@@ -223,10 +287,10 @@ class TickSource:
         n = len(self.ports)
         ticks = [p.last_tick(self.record, upto, self.queue_read) + (i, p) for i, p in enumerate(due)]
         if len(ticks) > 1:      # in time order; at one time the shorter period first (`due` is so)
-            ticks.sort(key=lambda tick: (tick[0], tick[3]))
+            ticks.sort(key=lambda tick: (tick[0], tick[4]))
         values = []
-        for t, sent, queued, _, p in ticks:
-            utils = [int(min(s / pct + 0.5, 100)) for s, pct in zip(sent, p.per_pct)]
+        for t, busy, sent, queued, _, p in ticks:
+            utils = [int(p.util_pct(b)) for b in busy]
             values += chain.from_iterable(zip(repeat(t, n), self.ports, self.peers, utils, map(int, sent),
                                               map(int, queued), repeat(p.period, n)))
         self._buffer(len(ticks) * n)

@@ -86,14 +86,22 @@ def _sample_before_ticks(sim, servers, due):
 
 
 def sampled(due, samples, servers):
-    """The tick contexts the samples taken just before each tick time imply."""
+    """The tick contexts the servers' records imply: each port's busy share of the window
+    [T - period, T) and the bytes sent in it (each transmission's bytes spread evenly over
+    its service time), summed in transmission order; the queue as sampled just before T."""
     want = []
     for t, period in due:
+        lo = float(t) - float(period)
         for port, srv in enumerate(servers):
-            now, before = samples[t][port], samples[t - period][port]
-            sent = now[0] - before[0]
-            util = min(100, int(sent / (srv.bw * period / 1e9 / 100) + 0.5))
-            want.append((t, port, 11 + port, util, sent, now[1], period))
+            busy = sent = 0.0
+            for start, stop, size in srv.intervals:
+                if start < t and stop > lo:
+                    overlap = min(stop, float(t)) - max(start, lo)
+                    service = size / srv.bw * 1e9 + srv.overhead
+                    busy += overlap
+                    sent += size * overlap / service
+            util = int(min(busy * 100 / period + 0.5, 100))
+            want.append((t, port, 11 + port, util, int(sent), samples[t][port][1], period))
     return want
 
 
@@ -210,3 +218,18 @@ policy p {
 }""")
     report, _ = _same_run(out, prompt=2048)
     assert report["maps"]["saw"]["0"] > 0
+
+
+def test_utilisation_is_the_busy_share_of_the_window():
+    """A chunk in service for half of a period reads 50 %, and a port busy through a
+    period reads 100 % in every tick of it (it read 0 % or 100 %, as transmissions started)."""
+    shim = RecordingShim()
+    sim = Sim()
+    port = Server(sim, "p", 1e9)             # 1 byte per ns
+    src = TickSource(shim, "sw0", [10], [port], [11])
+    flow = Transfer("m", 1, "kv", "", "a", "b", 0)
+    sim.at(0, port.enqueue, Chunk(flow, 0, 35, ["a", "b"]), lambda c: None)   # busy 0-35 ns
+    sim.run()
+    src.catch_up(40)
+    rows = [(r[0], r[3], r[4]) for r in got_rows(shim)]
+    assert rows == [(10, 100, 10), (20, 100, 10), (30, 100, 10), (40, 50, 5)]
