@@ -71,8 +71,7 @@ def manifest(analysis, ids, compiled, opt: int, mcpu: str, files: dict[str, byte
     movements = []
     for m in g["movements"]:
         decl = sym.movements[m["name"]]
-        movements.append(dict(m, id=ids.movements[m["name"]], pattern=prop_value(decl.props, "pattern", "bulk"),
-                              chunk=prop_value(decl.props, "chunk"), background=has_flag(decl.props, "background")))
+        movements.append(dict(m, id=ids.movements[m["name"]], chunk=prop_value(decl.props, "chunk")))
     line_map = {}
     for island, progs in compiled:
         for pir, spec in progs:

@@ -117,6 +117,9 @@ def _check_props(props, table, what, diags, devices=None):
             continue
         seen[name] = p
         kind = table.get(name)
+        if kind is None and table is S.MOVEMENT_PROPS and name in S.REMOVED_PROPS:
+            diags.error(p.name.span, f"{what} has no property '{name}'", S.REMOVED_PROPS[name])
+            continue
         if kind is None:
             diags.error(p.name.span, f"{what} has no property '{name}'",
                         did_you_mean(name, table) or "known: " + ", ".join(table))
@@ -233,11 +236,6 @@ def _check_movements(prog: Program, sym: Symbols, diags: Diagnostics) -> None:
         for p in (m.src, m.dst, *m.via):
             ok &= _check_pattern(p, sym, diags)
         props = _check_props(m.props, S.MOVEMENT_PROPS, "a movement", diags)
-        pat = props.get("pattern")
-        if pat is not None and isinstance(pat.value, A.Name) and pat.value.id not in S.MOVEMENT_PATTERNS:
-            diags.error(pat.value.span, f"unknown movement pattern '{pat.value.id}'",
-                        did_you_mean(pat.value.id, S.MOVEMENT_PATTERNS)
-                        or "patterns: " + ", ".join(S.MOVEMENT_PATTERNS))
         if ok:
             sym.movements[name] = m
 

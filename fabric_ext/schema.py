@@ -25,12 +25,18 @@ WORKLOAD_PROPS = {"model": STRING, "prompt": COUNT, "batch": COUNT, "tp": COUNT,
 #: workload placements may also name a GPU's own memory
 WORKLOAD_MEMORY_WORDS = ("hbm", "none")
 
-MOVEMENT_PROPS = {"critical": FLAG, "pattern": NAME, "chunk": SIZE, "background": FLAG}
+MOVEMENT_PROPS = {"critical": FLAG, "chunk": SIZE}
+#: properties the language no longer has, each with what to write instead: they were
+#: accepted and changed nothing in a run
+REMOVED_PROPS = {
+    "pattern": "'pattern' had no effect and is gone: a movement's chunks move as its handlers decide "
+               "(size: 'chunk: SIZE'; pace: 'rate = ...'; merge: 'coalesce = ...')",
+    "background": "'background' had no effect and is gone: give the movement a low 'priority' in its handlers",
+}
 #: the values a workload or movement property may take (base units), so that no run is endless:
 #: a chunk is at least a page (a 1-byte chunk is ~10^10 events), a prompt at most 2^20 tokens
 PROP_RANGES = {"prompt": (1, 1 << 20), "batch": (1, 1 << 16), "tp": (1, 1 << 16),
                "chunk": (4096, 1 << 40), "prefetch": (0, 1 << 16)}
-MOVEMENT_PATTERNS = ("bulk", "stream", "burst")
 
 MAP_KINDS = ("array", "hash", "percpu_array", "percpu_hash", "lru_hash", "ringbuf")
 #: integer types and the byte size they are stored in

@@ -6,7 +6,7 @@ import "fabrics/dgx_cxl.fx"
 
 workload prefill { model: "llama3-8b"; prompt: 8192; tp: 4; weights: hbm; kv: pool0; chunk: 1MiB }
 
-movement kv_writeback = kv : gpu* -> pool0 { pattern: bulk }
+movement kv_writeback = kv : gpu* -> pool0
 movement kv_reload    = kv : pool0 -> gpu*
 
 map layer_writes : array<u32, count>[128]   // writes per layer

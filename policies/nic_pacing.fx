@@ -5,7 +5,7 @@ import "fabrics/dgx_cxl.fx"
 
 workload prefill { model: "llama3-8b"; prompt: 8192; tp: 4; weights: hbm; kv: hbm; kv_export: nic0 }
 
-movement kv_export = kv : gpu* -> nic0 { pattern: stream; chunk: 512KiB }
+movement kv_export = kv : gpu* -> nic0 { chunk: 512KiB }
 
 map tx_bytes : percpu_array<u32, size>[1]
 

@@ -183,3 +183,24 @@ class Workload:
 
     def activation_bytes(self, n: int) -> int:
         return n * self.batch * self.model.hidden * self.model.dtype_bytes
+
+
+def prefill_flows(gpus: list[str], weights: str, kv: str, kv_export: str | None) -> list[tuple]:
+    """(class, operator, source, destination) of every kind of transfer a prefill on ``gpus``
+    (the tensor-parallel group) makes: weights from where they live to each GPU, KV written
+    back and exported, KV read back for attention (a chunked prefill's later passes), and the
+    all-reduce ring.  The compiler warns with it about movements no transfer matches."""
+    def placed(where):
+        return where not in ("hbm", "none")
+    out = []
+    for i, g in enumerate(gpus):
+        if placed(weights):
+            out += [("weights", op, weights, g) for op in ("attention", "ffn")]
+        for where in (kv, kv_export):
+            if where and placed(where):
+                out.append(("kv", None, g, where))
+        if placed(kv):
+            out.append(("kv", "attention", kv, g))
+        if len(gpus) > 1:
+            out.append(("activations", "collective", g, gpus[(i + 1) % len(gpus)]))
+    return out

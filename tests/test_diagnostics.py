@@ -96,3 +96,26 @@ def test_werror_compile_writes_nothing_and_fabric_run_shows_the_warnings(tmp_pat
     r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.cli", "--policy", str(path), "-q"],
                        capture_output=True, text=True, check=False)
     assert r.returncode == 0 and "warning: map 'kv' is declared but no handler uses it" in r.stderr, r.stderr
+
+
+def test_warnings_for_movements_and_handlers_no_transfer_reaches(tmp_path):
+    """The compiler matches the transfers the declared prefill makes to movements, as the
+    runtime does: a movement none matches, and a handler at an island none of its matched
+    transfers cross, are warnings (the README's example matched nothing without a workload)."""
+    from conftest import POLICIES
+    text = (f'import "{POLICIES}/fabrics/dgx_cxl.fx"\n'
+            'workload w { model: "llama3-8b"; prompt: 1024; tp: 2; weights: hbm; kv: pool0 }\n'
+            "movement w_in = weights : pool0 -> gpu*\n"
+            "movement kv = kv : gpu* -> pool0 via nic0\n"
+            "movement back = kv : pool0 -> gpu*\n"
+            "policy p { on w_in.forward { priority = 7 }\n"
+            "           on kv.forward at sw0 { priority = 1 }\n"
+            "           on kv.tx at nic0 { rate = 1GB/s }\n"
+            "           on back.forward { priority = 6 } }\n")
+    path = tmp_path / "m.fx"
+    path.write_text(text)
+    a = analyze(path)
+    warnings = {f"{d.span.line}:{d.span.col}": d.message for d in a.diags.items if d.severity == "warning"}
+    assert not a.diags.errors
+    assert "matches no transfer of the prefill" in warnings.pop("3:1")        # weights stay in HBM
+    assert warnings == {}, warnings       # kv crosses nic0 (via), back is the chunked prefill's read-back

@@ -251,3 +251,29 @@ policy p { on w_in.forward at sw0 { emit ring(now, ev.bytes) } }""")
     assert kept * (16 + 8) <= 4096 < (kept + 1) * (16 + 8)        # full: 16-byte records, 8-byte headers
     assert ring["dropped"] > 0
     assert f"ringbuf ring: {ring['dropped']} records dropped, {kept} kept" in stats.render(report)
+
+
+KV_RELOAD = """
+import "fabrics/dgx_cxl.fx"
+workload w {{ model: "llama3-8b"; prompt: 8192; tp: 2; weights: hbm; kv: pool0 }}
+movement kv_out = kv : gpu* -> pool0
+movement kv_reload = kv : pool0 -> gpu*
+policy p {{ {body} }}"""
+
+
+def test_chunked_prefill_reads_the_earlier_passes_kv_back_from_where_it_lives(tmp_path):
+    """With KV outside HBM, attention of each later pass waits for the KV of the passes before
+    it, read back as a `kv` transfer with its own movement; a reload policy then changes TTFT."""
+    from fabric_ext.runtime.workload import load_model
+    plain = compile_text(tmp_path, KV_RELOAD.format(body=""), "plain")
+    report, eng = run_engine(plain, prompt=8192, tp=2, chunk_tokens=2048)
+    reload = next(m for m in report["movements"] if m["name"] == "kv_reload")
+    m = load_model("llama3-8b")
+    per_token = 2 * m.kv_heads * m.head_dim * m.dtype_bytes // 2        # one layer, one GPU (TP 2)
+    assert reload["bytes"] == 2 * m.layers * sum(per_token * first for first in (2048, 4096, 6144))
+    whole, _ = run_engine(plain, prompt=8192, tp=2)                       # one pass: nothing to read back
+    assert "kv_reload" not in {x["name"] for x in whole["movements"]}
+    slow = compile_text(tmp_path, KV_RELOAD.format(body="on kv_reload.forward at sw0 { rate = 2GB/s }"), "slow")
+    paced, _ = run_engine(slow, prompt=8192, tp=2, chunk_tokens=2048)
+    assert paced["ttft_ms"] > report["ttft_ms"]
+    assert next(m for m in paced["movements"] if m["name"] == "kv_reload")["stall_ms"] > reload["stall_ms"]
