@@ -277,3 +277,18 @@ def test_chunked_prefill_reads_the_earlier_passes_kv_back_from_where_it_lives(tm
     paced, _ = run_engine(slow, prompt=8192, tp=2, chunk_tokens=2048)
     assert paced["ttft_ms"] > report["ttft_ms"]
     assert next(m for m in paced["movements"] if m["name"] == "kv_reload")["stall_ms"] > reload["stall_ms"]
+
+
+def test_the_runtime_follows_the_compiled_path_via_a_switch(tmp_path):
+    """`via sw0` routes the all-reduce through the switch: the manifest's path is what the
+    chunks take, so the switch's handler runs (the runtime routed gpu0 -> gpu1 directly)."""
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 1024; tp: 2; weights: hbm; kv: hbm }
+movement ar = activations(collective) : gpu* <-> gpu* via sw0
+policy p { on ar.forward at sw0 { priority = 7 } }""")
+    report, _ = run_engine(out, prompt=1024, tp=2)
+    sw0 = next(i for i in report["islands"] if i["name"] == "sw0")
+    assert sw0["events"] > 0 and "forward.priority" in sw0["decisions"]
+    links = {x["name"]: x["bytes"] for x in report["links"]}
+    assert links["gpu0->sw0"] > 0 and links.get("gpu0->gpu1", 0) == 0
