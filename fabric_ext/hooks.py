@@ -251,7 +251,8 @@ for _h in _ALL:
 
 def ctx_struct_c(h: Hook) -> str:
     """The C declaration of a hook's context struct (used by fabric.h)."""
-    lines = [f"/* {h.island_kind}.{h.name}: {h.doc} */", f"struct {h.struct_name} {{"]
+    lines = [f"/* {h.island_kind}.{h.name}: {h.doc}; fires when {MOMENTS[h.moment]} */",
+             f"struct {h.struct_name} {{"]
     for name, (off, f) in h.layout.items():
         kind = "decision" if f.decision else "input"
         lines.append(f"\t__{f.ctype} {name};\t/* +{off} {kind}: {f.doc} */")

@@ -137,30 +137,6 @@ class Shim:
         self._count(hook, changed)
         return act.remember(key, changed) or Known(changed, kept=False)
 
-    def deliver_many(self, hook: str, n: int, common: dict, columns: dict, now: float = 0.0) -> list | None:
-        """Deliver n events at once (a transfer's chunks, issued together): ``common`` fields
-        are the same for all, ``columns`` give one value per event.  Runs in order, as n
-        `decide` calls would; returns each event's changed decisions (None: unchanged), or
-        None if no handler acts on these events."""
-        act = self.acting(hook, common.get("movement")) if hook in self.handles else None
-        if act is None:
-            return None
-        key = act.key(common) if act.key_fields is not None and columns.keys().isdisjoint(act.key_fields) else None
-        known = act.recall(key)
-        if known is not None:
-            known.hits += n
-            return [known.decisions or None] * n          # read-only, like every Known's
-        codec = self.codecs[hook]
-        rows = codec.pack_many(n, common, columns)
-        ran = self.deliver_batch(hook, rows, lambda row: now)
-        out = codec.changed_many(rows[:ran]) + [None] * (n - ran)   # a faulting event gets the defaults
-        for d in out[:ran]:
-            if d:
-                self._count(hook, d)
-        if ran == n:                 # every row decided alike where the key covers all they read
-            act.remember(key, out[0] or {})
-        return out
-
     def pass_over(self, hook: str, n: int) -> None:
         """Count n events not run because the runs after them overwrite all they would do."""
         self.passed[hook] += n
