@@ -119,3 +119,11 @@ def test_warnings_for_movements_and_handlers_no_transfer_reaches(tmp_path):
     assert not a.diags.errors
     assert "matches no transfer of the prefill" in warnings.pop("3:1")        # weights stay in HBM
     assert warnings == {}, warnings       # kv crosses nic0 (via), back is the chunked prefill's read-back
+
+
+def test_removed_movement_properties_say_what_to_write_instead(tmp_path):
+    path = tmp_path / "r.fx"
+    path.write_text("fabric f { gpu a, b link a <-> b }\nmovement m = kv : a -> b { pattern: bulk; background }\n")
+    errors = {d.message: " ".join(d.hints) for d in analyze(path).diags.errors}
+    assert "gone" in errors["a movement has no property 'pattern'"]
+    assert "priority" in errors["a movement has no property 'background'"]

@@ -163,3 +163,30 @@ def test_a_route_back_through_a_crossed_device_is_refused_and_counted():
     sim.run()
     assert t.chunks_done == 4 and t.path == ["gpu0", "sw0", "pool0"]
     assert fab.refused["route"] == 4
+
+
+def test_a_transfer_between_unlinked_devices_is_a_clear_error():
+    import networkx as nx
+    import pytest
+    from fabric_ext.runtime.fabric_model import Fabric, NoPath, Sim, Transfer
+    g = nx.DiGraph()
+    g.add_edge("a", "b", bw=1e9, latency=1.0)
+    g.add_node("c")
+    fab = Fabric(Sim(), g, {}, {}, {}, {})
+    with pytest.raises(NoPath, match="no path from 'a' to 'c'"):
+        fab.start(Transfer("m", 1, "kv", "", "a", "c", 4096))
+
+
+def test_a_link_pays_its_fixed_cost_per_chunk():
+    """bytes / bandwidth plus the fixed cost, once per chunk: 4 chunks of 1000 B at 1 B/ns with
+    a 500 ns cost take 6000 ns; as one chunk, 4500 ns."""
+    import networkx as nx
+    from fabric_ext.runtime.fabric_model import Fabric, Sim, Transfer
+    for chunk, ends in ((1000, 6000.0), (4000, 4500.0)):     # one chunk: 4000 + 500
+        g = nx.DiGraph()
+        g.add_edge("a", "b", bw=1e9, latency=0.0, setup=500.0)
+        sim = Sim()
+        t = Transfer("m", 1, "kv", "", "a", "b", 4000, chunk_bytes=chunk)
+        Fabric(sim, g, {}, {}, {}, {}).start(t)
+        sim.run()
+        assert t.end == ends

@@ -292,3 +292,31 @@ policy p { on ar.forward at sw0 { priority = 7 } }""")
     assert sw0["events"] > 0 and "forward.priority" in sw0["decisions"]
     links = {x["name"]: x["bytes"] for x in report["links"]}
     assert links["gpu0->sw0"] > 0 and links.get("gpu0->gpu1", 0) == 0
+
+
+def test_a_gpus_copy_engines_are_what_its_fabric_says(tmp_path):
+    """`copy_engines: 1` leaves one engine per GPU: a transfer on stream 3 runs on it."""
+    text = """
+fabric f {{
+  gpu gpu0 {{ copy_engines: {n} }}
+  cxl_switch sw0
+  cxl_mem pool0 at sw0 {{ bw: 64GB/s }}
+  link gpu0 <-> sw0 {{ bw: 63GB/s; kind: cxl }}
+}}
+workload w {{ model: "llama3-8b"; prompt: 256; tp: 1; weights: pool0; kv: hbm }}
+movement w_in = weights : pool0 -> gpu0
+policy p {{ on w_in.issue at gpu0 {{ stream = 3 }} }}"""
+    for n in (1, 4):
+        report, _ = run_engine(compile_text(tmp_path, text.format(n=n), f"ce{n}"), prompt=256, tp=1)
+        used = [c["chunks"] for c in report["copy_engines"]]
+        assert len(used) == n and used[(3 - 1) % n] == sum(used) > 0
+
+
+def test_stored_nvlink_message_cost_matches_a_refit():
+    from pathlib import Path
+    from fabric_ext.runtime.calibrate import SEND_RECV, fit_message_cost
+    from fabric_ext.runtime.figures import figures
+    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "vidur" / SEND_RECV
+    if not data.is_file():
+        pytest.skip(f"no Vidur send/recv profile at {data}")
+    assert fit_message_cost(data)["setup"] == figures()["links"]["nvlink4"]["setup"]

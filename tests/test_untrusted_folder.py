@@ -189,3 +189,16 @@ def test_a_model_config_is_read_bounded(tmp_path, capsys):
     code = cli.main(["--policy", str(compiled("prefill_qos")), "-q", "--model", str(big)])
     err = capsys.readouterr().err
     assert code == 1 and "not a usable Hugging Face config" in err and "allowed" in err, err
+
+
+@pytest.mark.parametrize("path,value,says", [
+    (("movements", 0, "flows", 0, "path", 1), "gpu3", "movements[0].flows[0].path[1]: no link from 'pool0' to 'gpu3'"),
+    (("movements", 0, "flows", 0, "path"), ["gpu0"], "movements[0].flows[0].path: a path from 'pool0'"),
+    (("movements", 0, "flows", 0, "path"), KeyError, "key movements[0].flows[0].path: missing"),
+])
+def test_a_flow_path_the_runtime_would_follow_must_run_over_links(tmp_path, capsys, original, path, value, says):
+    """The runtime moves chunks along the manifest's paths: one that skips a link is refused."""
+    man = json.loads(json.dumps(original))
+    set_at(man, path, value)
+    code, err = run_folder(tampered(tmp_path, man), capsys)
+    assert code == 1 and says in err, err
