@@ -23,6 +23,9 @@ ISLAND_RUNTIME = {"gpu": "bpftime", "host": "bpftime", "cxl_switch": "dputime", 
 DEVICE_ISLAND_KIND = {"gpu": "gpu", "host": "host", "cxl_switch": "cxl_switch",
                       "dpu": "dpu", "nic": "dpu", "cxl_mem": None}
 
+#: device kinds that hold memory, which a `tier` decision may name (a GPU: its HBM)
+TIER_KINDS = ("cxl_mem", "gpu", "host")
+
 
 @dataclass(frozen=True)
 class Field:
@@ -111,8 +114,8 @@ STREAM = _d("stream", "u32", COUNT, 0, "copy-engine stream to issue on: a stream
              "(0: the data class's stream: weights 1, kv 2, activations 3)", "engines")
 ROUTE = _d("route", "u32", DEVICE, 0, "next-hop device for the chunk, then the shortest path on (0: the "
             "movement's path)", "links")
-TIER = _d("tier", "u32", DEVICE, 0, "memory device to place or keep the data in instead (0: workload "
-           "default; a GPU: its HBM)", "links")
+TIER = _d("tier", "u32", DEVICE, 0, "memory device (" + ", ".join(TIER_KINDS) + ") to place or keep the "
+           "data in instead (0: workload default; a GPU: its HBM; another device is refused)", "links")
 QUEUE = _d("queue", "u32", COUNT, 0, "transmit queue the chunk leaves the NIC by: one queue sends in "
             "order, queues share the link round robin, and a `rate` set with it limits the queue, not the "
             "flow (0: the flow's own queue)", "throughput")

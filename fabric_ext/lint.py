@@ -3,16 +3,21 @@
 A policy the checker accepts may still do nothing where its writer expects it to: a
 movement no transfer of the prefill matches (the workload, as declared, never moves that
 data there), a handler at an island none of its movement's transfers cross, a handler
-placed only on GPUs the workload does not use, or a map no handler touches.  The compiler
+placed only on GPUs the workload does not use, a map no handler touches, or a decision
+whose constant value can never take effect.  The compiler
 says so, at the declaration's or the handler's position; `fabricc check --Werror` (and
 `compile --Werror`) make these errors.
 """
 from __future__ import annotations
 
 from . import ast as A
+from .checker import const_value
 from .diagnostics import Diagnostics
 from .flows import MovementTable
+from .graph import prop_value
 from .graph_export import to_json
+from .hooks import TIER_KINDS
+from .units import SIZE, format_quantity
 
 
 class _MapUses(A.Visitor):
@@ -28,11 +33,24 @@ class _MapUses(A.Visitor):
     visit_MapGet = visit_MapUpdate = visit_Delete = visit_Emit = _use
 
 
+class _Decisions(A.Visitor):
+    """The decisions a handler sets to a constant (``coalesce = 256KiB``, ``route = sw1``)."""
+
+    def __init__(self, names: set[str]):
+        self.names, self.found = names, []
+
+    def visit_Assign(self, node):
+        if node.target.name in self.names:
+            self.found.append(node)
+        self.generic_visit(node)
+
+
 def warn(analysis, diags: Diagnostics) -> None:
     """Add the warnings of ``analysis`` to ``diags``."""
     sym = analysis.symbols
     _handlers_outside_the_tp_group(analysis, sym, diags)
     _movements_without_transfers(analysis, sym, diags)
+    _decisions_without_effect(analysis, sym, diags)
     uses = _MapUses()
     for policy in analysis.program.policies:
         uses.visit(policy)
@@ -101,3 +119,67 @@ def _handlers_outside_the_tp_group(analysis, sym, diags) -> None:
             diags.warning(handler.span, f"this handler runs only on {shown}, outside the tensor-parallel group "
                           f"(tp {tp}: {', '.join(gpus[:tp])}): it never runs",
                           "place it on a GPU of the group, or raise the workload's tp")
+
+
+def _decisions_without_effect(analysis, sym, diags) -> None:
+    """A decision set to a constant that no event at any of the handler's islands can act on:
+    `coalesce` no larger than the chunks it would merge, `prefetch` with no weights to fetch,
+    `route` to a device not linked to the island, `tier` naming a device that holds no memory."""
+    by_handler: dict[int, tuple[A.Handler, list]] = {}
+    for pl in analysis.placements:
+        by_handler.setdefault(id(pl.handler), (pl.handler, []))[1].append(pl)
+    for handler, placements in by_handler.values():
+        names = {f.name for pl in placements for f in pl.hook.decisions}
+        finder = _Decisions(names)
+        for stmt in handler.body:
+            finder.visit(stmt)
+        for assign in finder.found:
+            why = _without_effect(analysis, sym, assign, placements)
+            if why is not None:
+                diags.warning(assign.value.span, why[0], why[1])
+
+
+def _chunk_size(sym, movement: str | None) -> int:
+    """The largest chunk a handler on ``movement`` (None: every movement) can be given: the
+    movement's `chunk`, or the workload's, which transfers no movement sets keep."""
+    from fabric_ext.runtime.workload import Workload
+    size = _workload(sym).get("chunk", Workload.transfer_chunk)
+    decls = [sym.movements[movement]] if movement else list(sym.movements.values())
+    sizes = [prop_value(d.props, "chunk", size) for d in decls]
+    return min(sizes + ([size] if movement is None else []))
+
+
+def _without_effect(analysis, sym, assign, placements) -> tuple[str, str] | None:
+    """Why the constant decision ``assign`` never takes effect at any of ``placements`` (a
+    message and a hint), or None when it may."""
+    name, value = assign.target.name, assign.value
+    if name in ("route", "tier"):
+        device = value.id if isinstance(value, A.Name) and value.id in sym.devices else None
+        if device is None:
+            return None
+        if name == "tier" and sym.devices[device].kind not in TIER_KINDS:
+            return (f"tier = {device}: {device} is a {sym.devices[device].kind}, which holds no memory; the runtime "
+                    "refuses it", f"a tier names a memory device ({', '.join(TIER_KINDS)})")
+        if name == "route":
+            g, islands = analysis.graph.g, analysis.graph.islands
+            linked = [pl.island for pl in placements
+                      if any(g.has_edge(d, device) for d in islands[pl.island].devices)]
+            if not linked:
+                where = ", ".join(sorted({pl.island for pl in placements}))
+                return (f"route = {device}: {device} is not linked to {where}, so no chunk can go there next; "
+                        "the runtime refuses it", "route names a neighbour of the island (its next hop)")
+        return None
+    v = const_value(value)
+    if not v:
+        return None
+    if name == "coalesce":
+        sizes = {pl.movement: _chunk_size(sym, pl.movement) for pl in placements}
+        if all(v <= size for size in sizes.values()):
+            chunk = format_quantity(min(sizes.values()), SIZE)
+            return (f"coalesce = {format_quantity(v, SIZE)} never merges anything: the chunks it meets are "
+                    f"{chunk} or more already (a chunk is held only while smaller than the coalesce size)",
+                    "coalesce to more than the chunk size, or give the movement a smaller `chunk`")
+    if name == "prefetch" and _workload(sym)["weights"] == "hbm":
+        return ("prefetch never takes effect: the workload keeps the weights in HBM (weights: hbm), so no "
+                "weights are fetched", "place the weights elsewhere (weights: pool0), or drop the decision")
+    return None

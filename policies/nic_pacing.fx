@@ -1,11 +1,12 @@
-// DPU pacing and coalescing of KV export to a decode node.  Small chunks are
-// merged into 256 KiB frames; the pacing rate backs off when the queue at
-// the NIC grows beyond 4 MiB.
+// DPU pacing and coalescing of KV export to a decode node.  KV leaves the GPUs
+// in 64 KiB chunks; the DPU merges them into 256 KiB frames before the wire
+// (one per-frame cost instead of four), spreads them over four transmit queues,
+// and the pacing rate backs off when the queue at the NIC grows beyond 4 MiB.
 import "fabrics/dgx_cxl.fx"
 
 workload prefill { model: "llama3-8b"; prompt: 8192; tp: 4; weights: hbm; kv: hbm; kv_export: nic0 }
 
-movement kv_export = kv : gpu* -> nic0 { chunk: 512KiB }
+movement kv_export = kv : gpu* -> nic0 { chunk: 64KiB }
 
 map tx_bytes : percpu_array<u32, size>[1]
 

@@ -37,7 +37,7 @@ policy prefill_qos {
   on ffn_weights.issue at gpu*  { prefetch = 2 }
   on attn_weights.issue at gpu* { prefetch = 2 }
 
-  // KV export: pace and batch at the DPU so it does not burst into the switch
+  // KV export: pace it at the DPU so it does not burst into the switch
   on kv_export.forward at sw0 { priority = 2 }
-  on kv_export.tx at nic0 { rate = 25GB/s; coalesce = 256KiB }
+  on kv_export.tx at nic0 { rate = 25GB/s }
 }

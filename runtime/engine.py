@@ -386,7 +386,9 @@ class Engine(HookSite):
                                                       "class": self.ids["classes"]["weights"], "layer": layer,
                                                       "bytes": w.weight_bytes(op)})
                     tier = self.dev_by_id.get(known.decisions.get("tier")) if known is not None else None
-                    if tier:
+                    if tier and tier not in self.fabric.memories:
+                        self.fabric.refused["tier"] += 1
+                    elif tier:
                         where = "hbm" if self.devices[tier]["kind"] == "gpu" else tier
                 src[(layer, op)] = where
         return src

@@ -294,7 +294,9 @@ class Fabric:
         self.engines = {dev: [CopyEngine(sim, f"{dev} copy engine {i}", self._taken) for i in range(n)]
                         for dev, n in (copy_engines or {}).items() if n > 0}
         self.buckets: dict[tuple, float] = {}
-        self.refused = {"route": 0, "tier": 0}     # decisions with no path, or only a looping one
+        self.refused = {"route": 0, "tier": 0}     # decisions with no path, only a looping one, or no memory
+        # what a tier may name: switch-attached memory, a GPU's HBM, the host's memory
+        self.memories = set(memory_channels) | {n for n, k in island_kind.items() if k in ("gpu", "host")}
         self.coalescing: dict[tuple, list] = {}
         self.transfers: list[Transfer] = []
         self._ports: dict[str, list[str]] = {}
@@ -417,7 +419,7 @@ class Fabric:
         if nxt and chunk.hop + 1 < len(chunk.path):
             self._reroute(chunk, nxt)
         tier = d.get("tier", 0)
-        if tier and tier != chunk.path[-1] and tier in self.g and chunk.path[-1] in self.g:
+        if tier and tier != chunk.path[-1] and chunk.path[-1] in self.g:
             self._retarget(chunk, tier)
         return release
 
@@ -441,6 +443,9 @@ class Fabric:
         return set(done).isdisjoint(rest)
 
     def _retarget(self, chunk, memory):
+        if memory not in self.memories:
+            self.refused["tier"] += 1
+            return
         here = chunk.path[chunk.hop]
         path = self.route(here, memory)
         if path is None or not self._loop_free(chunk.path[:chunk.hop], path):

@@ -121,6 +121,36 @@ def test_warnings_for_movements_and_handlers_no_transfer_reaches(tmp_path):
     assert warnings == {}, warnings       # kv crosses nic0 (via), back is the chunked prefill's read-back
 
 
+def test_warnings_for_decisions_that_can_never_take_effect(tmp_path):
+    """A constant decision no event can act on: coalescing to no more than the chunk size, a
+    prefetch with the weights in HBM, a route to a device not linked to the island, a tier
+    naming no memory.  The same decisions with values that can act are not warned about."""
+    path = tmp_path / "d.fx"
+    path.write_text(
+        "fabric f {\n  gpu g0, g1\n  cxl_switch s0, s1\n  cxl_mem m0 at s0 { capacity: 1TiB; bw: 64GB/s }\n"
+        "  dpu n0\n  link g0 <-> s0 { bw: 63GB/s }\n  link g1 <-> s0 { bw: 63GB/s }\n"
+        "  link s0 <-> s1 { bw: 63GB/s }\n  link s1 <-> n0 { bw: 63GB/s }\n}\n"
+        'workload w { model: "llama3-8b"; prompt: 1024; tp: 2; weights: hbm; kv: m0; kv_export: n0 }\n'
+        "movement kv = kv : g* -> m0 { chunk: 64KiB }\nmovement ex = kv : g* -> n0\n"
+        "policy p {\n"
+        "  on kv.issue at g* { coalesce = 64KiB; prefetch = 2 }\n"       # 15
+        "  on kv.issue at g0 { coalesce = 1MiB }\n"
+        "  on kv.forward at s0 { route = n0 }\n"                         # 17
+        "  on ex.forward at s0 { route = s1 }\n"
+        "  on kv.mem_access at s0 { tier = n0 }\n"                       # 19
+        "  on kv.mem_access at s0 { tier = g1 }\n"
+        "  on ex.tx at n0 { coalesce = 1MiB }\n}\n")                   # 21
+    a = analyze(path)
+    assert not a.diags.errors
+    warnings = {f"{d.span.line}:{d.span.col}": d.message for d in a.diags.items}
+    assert "never merges anything: the chunks it meets are 64 KiB" in warnings.pop("15:34")
+    assert "prefetch never takes effect" in warnings.pop("15:52")
+    assert "n0 is not linked to s0" in warnings.pop("17:33")
+    assert "n0 is a dpu, which holds no memory" in warnings.pop("19:35")
+    assert "the chunks it meets are 2 MiB" in warnings.pop("21:31")      # ex keeps the workload's chunk
+    assert warnings == {}, warnings
+
+
 def test_removed_movement_properties_say_what_to_write_instead(tmp_path):
     path = tmp_path / "r.fx"
     path.write_text("fabric f { gpu a, b link a <-> b }\nmovement m = kv : a -> b { pattern: bulk; background }\n")
