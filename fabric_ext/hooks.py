@@ -182,8 +182,8 @@ MOMENTS = {
     "enter": "the chunk enters the island on its path (a switch or a DPU/NIC it crosses or ends at)",
     "deliver": "the chunk's last byte arrived at the end of its path",
     "launch": "an operator kernel is about to start on the GPU",
-    "tick": "every period, once per port of the island",
-    "place": "before the run, once per layer and operator, when the weights are placed",
+    "tick": "a period has passed, once per port of the island",
+    "place": "the weights are placed before the run, once per layer and operator",
 }
 
 
@@ -261,3 +261,57 @@ def ctx_struct_c(h: Hook) -> str:
         lines.append(f"\t__{f.ctype} {name};\t/* +{off} {kind}: {f.doc} */")
     lines.append("};")
     return "\n".join(lines)
+
+
+# ---- the catalogue in docs/language.md ------------------------------------------------
+DOCS_BEGIN = "<!-- hooks: generated from fabric_ext/hooks.py by `python -m fabric_ext.hooks docs/language.md` -->"
+DOCS_END = "<!-- hooks: end -->"
+
+
+def _dim_word(f: Field) -> str:
+    return f.dim or f.ctype
+
+
+def markdown() -> str:
+    """The hooks (what fires when, with which decisions) and every decision's effect, as the
+    Markdown tables of docs/language.md."""
+    roles = {"src": "source", "dst": "destination", "transit": "on the way"}
+    rows = ["| island | hook | event | where on a movement's path | decisions |", "| --- | --- | --- | --- | --- |"]
+    for h in _ALL:
+        name = f"`{h.name}(PERIOD)`" if h.scope == "tick" else f"`{h.name}`"
+        where = ", ".join(roles[r] for r in h.roles) if h.moment in ("issue", "enter", "deliver") else "—"
+        decisions = " ".join(f"`{f.name}`" for f in h.decisions) or "—"
+        rows.append(f"| {h.island_kind} | {name} | {h.doc} | {where} | {decisions} |")
+    rows += ["", "When each hook fires:", ""]
+    for moment, text in MOMENTS.items():
+        named = ", ".join(f"`{h.island_kind}.{h.name}`" for h in _ALL if h.moment == moment)
+        rows.append(f"- {named}: when {text}.")
+    rows += ["", "| decision | value | default | what the fabric does with it | the report shows it in |",
+             "| --- | --- | --- | --- | --- |"]
+    seen = {}
+    for h in _ALL:
+        for f in h.decisions:
+            seen.setdefault(f.name, f)
+    for f in seen.values():
+        rows.append(f"| `{f.name}` | {_dim_word(f)} | {f.default} | {f.effect} | {SHOWS[f.shows]} |")
+    return "\n".join(rows)
+
+
+def update_docs(path) -> bool:
+    """Rewrite the generated part of ``path``; whether it changed."""
+    from pathlib import Path
+    path = Path(path)
+    text = path.read_text()
+    head, rest = text.split(DOCS_BEGIN, 1)
+    _, tail = rest.split(DOCS_END, 1)
+    new = f"{head}{DOCS_BEGIN}\n{markdown()}\n{DOCS_END}{tail}"
+    path.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    import sys
+    for arg in sys.argv[1:]:
+        print(f"{arg}: {'updated' if update_docs(arg) else 'up to date'}")
+    if len(sys.argv) == 1:
+        print(markdown())

@@ -21,7 +21,7 @@ LINK_KINDS = ("pcie", "cxl", "nvlink", "ethernet", "internal")
 
 WORKLOAD_PROPS = {"model": STRING, "prompt": COUNT, "batch": COUNT, "tp": COUNT,
                   "weights": DEVICE, "kv": DEVICE, "kv_export": DEVICE, "chunk": SIZE,
-                  "prefetch": COUNT}
+                  "prefill_chunk": COUNT, "prefetch": COUNT}
 #: workload placements may also name a GPU's own memory
 WORKLOAD_MEMORY_WORDS = ("hbm", "none")
 
@@ -36,7 +36,7 @@ REMOVED_PROPS = {
 #: the values a workload or movement property may take (base units), so that no run is endless:
 #: a chunk is at least a page (a 1-byte chunk is ~10^10 events), a prompt at most 2^20 tokens
 PROP_RANGES = {"prompt": (1, 1 << 20), "batch": (1, 1 << 16), "tp": (1, 1 << 16),
-               "chunk": (4096, 1 << 40), "prefetch": (0, 1 << 16)}
+               "chunk": (4096, 1 << 40), "prefill_chunk": (0, 1 << 20), "prefetch": (0, 1 << 16)}
 
 MAP_KINDS = ("array", "hash", "percpu_array", "percpu_hash", "lru_hash", "ringbuf")
 #: integer types and the byte size they are stored in

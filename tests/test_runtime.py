@@ -156,6 +156,47 @@ policy p { on cpu0.alloc when ev.layer < 16 { tier = gpu0 } }""")
     assert streamed["bytes"] == 16 * ffn_per_layer * 2  # layers 16..31 only, to both GPUs
 
 
+def test_a_tier_that_names_no_memory_is_refused_and_counted(tmp_path):
+    """nic0 is a DPU, not a memory: neither the host's placement nor the switch's memory access
+    moves data there, the run is the baseline's, and each refusal is counted."""
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0 }
+movement w_in = weights(ffn) : pool0 -> gpu*
+movement kv = kv : gpu* -> pool0
+policy p { on cpu0.alloc when ev.layer < 16 { tier = nic0 }
+           on kv.mem_access at sw0 { tier = nic0 } }""")
+    report, _ = run_engine(out)
+    base, _ = run_engine(out, attach=False)
+    assert report["ttft_ms"] == base["ttft_ms"]
+    assert [(m["name"], m["bytes"]) for m in report["movements"]] == \
+        [(m["name"], m["bytes"]) for m in base["movements"]]
+    kv_chunks = sum(link["chunks"] for link in report["links"] if link["name"] in ("gpu0->sw0", "gpu1->sw0"))
+    assert report["refused"]["tier"] == 16 * 2 + kv_chunks     # 16 layers x 2 operators placed, every KV chunk
+
+
+@pytest.mark.parametrize("placement", ["weights: pool0; kv: pool0; kv_export: nic0",
+                                       "weights: hbm; kv: hbm", "weights: nic0; kv: pool0"])
+def test_the_transfers_a_run_makes_are_the_ones_the_compiler_warns_with(tmp_path, monkeypatch, placement):
+    """The compiler's movement warnings (`lint`) read `prefill_flows`; the engine must make
+    exactly those kinds of transfer, or a movement warned about might move data after all."""
+    from fabric_ext.runtime.workload import prefill_flows
+    out = compile_text(tmp_path, f"""
+import "fabrics/dgx_cxl.fx"
+workload w {{ model: "llama3-8b"; prompt: 1024; prefill_chunk: 512; tp: 2; {placement} }}""")
+    made = set()
+    real = Engine.transfer
+
+    def transfer(self, cls, operator, src, dst, *rest):
+        made.add((cls, operator, src, dst))
+        return real(self, cls, operator, src, dst, *rest)
+    monkeypatch.setattr(Engine, "transfer", transfer)
+    _, eng = run_engine(out, prompt=1024)
+    w = eng.workload
+    assert len(w.passes()) == 2
+    assert made == set(prefill_flows(eng.gpus, w.weights, w.kv, w.kv_export))
+
+
 def test_prefetch_decision_deepens_the_weight_stream(tmp_path):
     text = """
 import "fabrics/dgx_cxl.fx"
