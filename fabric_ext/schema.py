@@ -21,7 +21,7 @@ LINK_KINDS = ("pcie", "cxl", "nvlink", "ethernet", "internal")
 
 WORKLOAD_PROPS = {"model": STRING, "prompt": COUNT, "batch": COUNT, "tp": COUNT,
                   "weights": DEVICE, "kv": DEVICE, "kv_export": DEVICE, "chunk": SIZE,
-                  "prefill_chunk": COUNT, "prefetch": COUNT}
+                  "prefill_chunk": COUNT, "prefetch": COUNT, "stack": STRING}
 #: workload placements may also name a GPU's own memory
 WORKLOAD_MEMORY_WORDS = ("hbm", "none")
 

@@ -1,28 +1,163 @@
-"""Refit the compute model from Vidur's H100 profiles and store it in figures.json.
+"""Refit every coefficient of the model from the shared measurements, and validate it.
 
-    python -m fabric_ext.runtime.calibrate [DATA_DIR]   (default: ../shared/data/vidur)
+    python -m fabric_ext.runtime.calibrate [DATA_DIR] [--check]   (default: ../shared/data)
+
+From ``DATA_DIR/vidur`` (operator and NCCL profiles): the operator tables the compute model
+interpolates (runtime/data/operator_profiles.json), per GPU profile the GEMM efficiency
+curve and each memory-bound operator's fixed cost and share of HBM bandwidth, the attention
+curve through its published points, the all-reduce's alpha-beta per TP degree, and NVLink's
+per-message cost.  From ``DATA_DIR/splitwise`` (measured prefills): the serving-stack
+profile (`validation.fit_stack`).  It writes them into runtime/data (``--check``: writes
+nothing and exits 1 where a stored figure differs from the refit) and prints the validation
+table of the model against every measured configuration.
 """
 from __future__ import annotations
 
+import csv
 import json
 import sys
+from collections import defaultdict
 from pathlib import Path
-
-import csv
 
 import numpy as np
 
-from .compute import fit
+from .compute import PROFILES, gemm_time, profile_tables
 from .figures import PATH, figures
 
 SEND_RECV = "h100_dgx_send_recv.csv"
+#: which GPU profile each Vidur file prefix was measured on
+GPU_OF_PREFIX = {"h100": "h100_sxm", "a100": "a100_sxm"}
+LINEAR_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
+MEMORY_OPS = ("input_layernorm", "attn_rope", "post_attention_layernorm", "mlp_act", "add", "emb")
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _shape(row) -> tuple:
+    return (int(row["n_embd"]), int(row["n_head"]), int(row["n_kv_head"]), int(row["n_expanded_embd"]),
+            row["use_gated_mlp"] == "True")
+
+
+class _Shape:
+    """A model as far as one profile row describes it (for `operators`)."""
+
+    def __init__(self, row):
+        self.hidden, self.heads, self.kv_heads, self.ffn, self.gated = _shape(row)
+        self.head_dim, self.dtype_bytes, self.rope, self.vocab = self.hidden // self.heads, 2, True, 0
+
+
+def profiled_operators(row):
+    """The operators of one profile row (its token count, TP degree, layer shape), by name."""
+    from .operators import attention_block, embedding, ffn_block
+    m, n, tp = _Shape(row), int(row["num_tokens"]), int(row["num_tensor_parallel_workers"])
+    ops = attention_block(m, 1, 0, n, tp) + ffn_block(m, 1, n, tp) + [embedding(m, 1, n)]
+    return {op.name: op for op in ops}
+
+
+def tables(files: list[Path]) -> list[dict]:
+    """The medians of every profiled operator per (GPU, layer shape, TP degree), by token count."""
+    out = []
+    for path in files:
+        groups = defaultdict(dict)
+        for row in _rows(path):
+            groups[(_shape(row), int(row["num_tensor_parallel_workers"]))][int(row["num_tokens"])] = row
+        for (shape, tp), by_tokens in sorted(groups.items()):
+            tokens = sorted(by_tokens)
+            ops = LINEAR_OPS + MEMORY_OPS
+            out.append({"gpu": GPU_OF_PREFIX[path.name.split("_")[0]], "file": path.name, "shape": list(shape),
+                        "tp": tp, "tokens": tokens,
+                        "ms": {op: [float(by_tokens[t][f"time_stats.{op}.median"]) for t in tokens] for op in ops}})
+    return out
+
+
+def _points(files, names):
+    """(operator, measured seconds) for every row of ``files`` and operator in ``names``."""
+    for path in files:
+        for row in _rows(path):
+            ops = profiled_operators(row)
+            for name in names:
+                yield ops[name], float(row[f"time_stats.{name}.median"]) * 1e-3
+
+
+def _fixed_plus_bytes(nbytes, t):
+    """(t0 s, s per byte) of t = t0 + bytes * per_byte, least squares on the relative error."""
+    t0, per_byte = np.linalg.lstsq(np.vstack([1 / t, nbytes / t]).T, np.ones_like(t), rcond=None)[0]
+    return max(float(t0), 0.0), max(float(per_byte), 1e-18)
+
+
+def fit_gemm(files, peak: float, hbm_bw: float) -> dict:
+    """The GEMM model: where a linear operator moves more bytes than the peak rate computes in
+    that time, ``t0 + bytes / (hbm_bw * bw_frac)``; elsewhere the efficiency curve, by least
+    squares on the observed efficiency."""
+    pts = list(_points(files, LINEAR_OPS))
+    flops = np.array([op.flops for op, _ in pts])
+    nbytes = np.array([op.bytes for op, _ in pts])
+    t = np.array([s for _, s in pts])
+    bound = flops / peak >= nbytes / hbm_bw
+    t0, per_byte = _fixed_plus_bytes(nbytes[~bound], t[~bound])
+    x, e = flops[bound], (flops / peak)[bound] / t[bound]
+    best = None
+    for x_half in np.geomspace(1e8, 1e13, 400):
+        g = x / (x + x_half)
+        e_max = float(np.dot(e, g) / np.dot(g, g))
+        err = float(np.sum((e - e_max * g) ** 2))
+        if best is None or err < best[0]:
+            best = (err, e_max, float(x_half))
+    c = {"e_max": round(best[1], 4), "x_half": float(f"{best[2]:.4g}"), "t0": round(t0 * 1e9),
+         "bw_frac": round(1 / (per_byte * hbm_bw), 4)}
+    rel = np.abs(np.array([gemm_time(f, b, peak, hbm_bw, c) for f, b in zip(flops, nbytes)]) - t) / t
+    return {**c, "model": "max(FLOPs / (peak * e_max * x / (x + x_half)), t0 + bytes / (hbm_bw * bw_frac)), "
+                          "x = FLOPs of the GEMM", "fit_points": len(t),
+            "median_rel_err": round(float(np.median(rel)), 4), "p90_rel_err": round(float(np.percentile(rel, 90)), 4)}
+
+
+def fit_memory(files, hbm_bw: float) -> dict:
+    """Per memory-bound operator, t = t0 + bytes / (hbm_bw * bw_frac), least squares on the
+    relative error (every row counts alike, small and large)."""
+    out = {}
+    for name in MEMORY_OPS:
+        pts = [(op.bytes, s) for op, s in _points(files, (name,)) if s > 0]
+        b, t = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+        t0, per_byte = _fixed_plus_bytes(b, t)
+        rel = np.abs(t0 + b * per_byte - t) / t
+        out[name] = {"t0": round(t0 * 1e9), "bw_frac": round(1 / (per_byte * hbm_bw), 4), "fit_points": len(t),
+                     "median_rel_err": round(float(np.median(rel)), 4)}
+    return out
+
+
+def attention_curve(published: dict) -> dict:
+    """rate(s) = r_max * s / (s + s_half) through the two published (context, FLOP/s) points."""
+    (s1, r1), (s2, r2) = published["points"]
+    s_half = (r2 - r1) / (r1 / s1 - r2 / s2)
+    return {"r_max": float(f"{r1 * (s1 + s_half) / s1:.4g}"), "s_half": round(s_half), "peak": published["peak"],
+            "t0": published["t0"], "source": published["source"]}
+
+
+def fit_allreduce(path: Path) -> dict:
+    """Per TP degree within one node: time = alpha + 2 (t-1)/t * size / busbw, least squares on
+    the relative error over every profiled size."""
+    out = {}
+    rows = [r for r in _rows(path) if r["num_workers"] == r["devices_per_node"]]
+    for t in sorted({int(r["num_workers"]) for r in rows}):
+        rr = [r for r in rows if int(r["num_workers"]) == t]
+        size = np.array([float(r["size"]) for r in rr])
+        sec = np.array([float(r["time_stats.all_reduce.median"]) for r in rr]) * 1e-3
+        x = 2 * (t - 1) / t * size
+        alpha, per_byte = np.linalg.lstsq(np.vstack([1 / sec, x / sec]).T, np.ones_like(sec), rcond=None)[0]
+        rel = np.abs(alpha + x * per_byte - sec) / sec
+        out[str(t)] = {"alpha": round(float(alpha) * 1e9), "busbw": float(f"{1 / per_byte:.4g}"),
+                       "fit_points": len(sec), "max_size": int(size.max()),
+                       "median_rel_err": round(float(np.median(rel)), 4)}
+    return out
 
 
 def fit_message_cost(path: Path) -> dict:
     """time = setup + bytes / bw, least squares over the NCCL send/recv profile's rows within
     one node (NVLink, devices_per_node 2): what one message costs beyond its bytes."""
-    with open(path, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["devices_per_node"] == "2"]
+    rows = [r for r in _rows(path) if r["devices_per_node"] == "2"]
     size = np.array([float(r["size"]) for r in rows])
     ns = np.array([float(r["time_stats.send_recv.median"]) for r in rows]) * 1e6
     setup, per_byte = np.linalg.lstsq(np.vstack([np.ones_like(size), size]).T, ns, rcond=None)[0]
@@ -32,25 +167,70 @@ def fit_message_cost(path: Path) -> dict:
                             "devices_per_node 2): the intercept of time against size, one message's fixed cost"}
 
 
+def refit(data: Path) -> tuple[dict, dict]:
+    """The figures document and the operator tables as the shared files give them."""
+    vidur = data / "vidur"
+    doc = json.loads(PATH.read_text())
+    files = sorted(vidur.glob("*_mlp.csv"))
+    for prefix, gpu_name in GPU_OF_PREFIX.items():
+        mine = [f for f in files if f.name.startswith(prefix + "_")]
+        if not mine:
+            continue
+        gpu = doc["gpu"][gpu_name]
+        c = doc["compute"].setdefault(gpu_name, {})
+        c["gemm"] = fit_gemm(mine, gpu["bf16"], gpu["hbm_bw"])
+        c["memory"] = fit_memory(mine, gpu["hbm_bw"])
+        c["attention"] = attention_curve(doc["attention_published"][gpu_name])
+        c["source"] = (f"fitted by 'python -m fabric_ext.runtime.calibrate' to Vidur's {prefix.upper()} operator "
+                       f"profiles ({', '.join(f.name for f in mine)}: microsoft/vidur data/profiling/compute); "
+                       "attention through attention_published")
+        ar = vidur / f"{prefix}_dgx_all_reduce.csv"
+        if ar.is_file():
+            c["all_reduce"] = fit_allreduce(ar)
+    if (vidur / SEND_RECV).is_file():
+        doc["links"]["nvlink4"].update(fit_message_cost(vidur / SEND_RECV))
+    profiles = {"source": "medians of microsoft/vidur data/profiling/compute/*/mlp.csv (ms), extracted by "
+                          "'python -m fabric_ext.runtime.calibrate'", "tables": tables(files)}
+    doc["stacks"].setdefault("vllm", {})
+    return doc, profiles
+
+
+def _write(texts: dict[Path, str]) -> None:
+    for path, text in texts.items():
+        path.write_text(text)
+    figures.cache_clear()
+    profile_tables.cache_clear()
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    data = Path(argv[0] if argv else "../shared/data/vidur")
-    files = sorted(data.glob("h100_*_mlp.csv"))
-    if not files:
-        print(f"calibrate: no h100_*_mlp.csv profiles in {data}", file=sys.stderr)
+    check = "--check" in argv
+    args = [a for a in argv if a != "--check"]
+    data = Path(args[0] if args else "../shared/data")
+    if not sorted((data / "vidur").glob("*_mlp.csv")):
+        print(f"calibrate: no Vidur operator profiles (*_mlp.csv) in {data / 'vidur'}", file=sys.stderr)
         return 2
-    gpu = figures()["gpu"]["h100_sxm"]
-    result = fit(files, gpu["bf16"], gpu["hbm_bw"])
-    result["source"] = ("fitted by 'python -m fabric_ext.runtime.calibrate' to Vidur's public H100 profiles "
-                        "(microsoft/vidur data/profiling/compute/h100, Llama-2-7B and Llama-2-70B mlp.csv, "
-                        "linear operators at every token count and TP degree)")
-    doc = json.loads(PATH.read_text())
-    doc["compute"] = result
-    if (data / SEND_RECV).is_file():
-        doc["links"]["nvlink4"].update(fit_message_cost(data / SEND_RECV))
-    PATH.write_text(json.dumps(doc, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
-    return 0
+    from . import validation
+    splitwise = data / "splitwise" / "prefill_measured.csv"
+    doc, profiles = refit(data)
+    stored = {PATH: PATH.read_text(), PROFILES: PROFILES.read_text() if PROFILES.is_file() else ""}
+    new = {PATH: _dump(doc), PROFILES: json.dumps(profiles) + "\n"}
+    if splitwise.is_file():
+        # the stack is fitted over the engine's runs, which read the hardware figures just fitted
+        _write({**new, PATH: _dump({**doc, "stacks": json.loads(stored[PATH])["stacks"]})})
+        doc["stacks"]["vllm"].update(validation.fit_stack(splitwise))
+        new[PATH] = _dump(doc)
+    changed = [p for p, text in new.items() if stored[p] != text]
+    _write(stored if check else new)
+    for p in changed if check else ():
+        print(f"calibrate: {p} differs from a refit of {data}", file=sys.stderr)
+    if splitwise.is_file():
+        print(validation.render(validation.validate(splitwise)))
+    return 1 if check and changed else 0
+
+
+def _dump(doc: dict) -> str:
+    return json.dumps(doc, indent=2) + "\n"
 
 
 if __name__ == "__main__":

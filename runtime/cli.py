@@ -48,11 +48,15 @@ def build_parser():
                    help="run-time bounds checks in JIT code: on accesses the verifier did not prove "
                         "(default), or on all of them, for policy folders you do not trust "
                         "(docs/security.md; FABRIC_EXT_JIT_CHECKS)")
-    p.add_argument("--model", help="llama3-8b, llama3-70b, qwen2.5-7b, or a Hugging Face config.json")
+    p.add_argument("--model", help="a built-in model (llama3-8b, llama3-70b, llama2-7b, llama2-70b, qwen2.5-7b, "
+                                    "bloom-176b) or a Hugging Face config.json")
     p.add_argument("--prompt", type=int, help="prompt tokens")
     p.add_argument("--batch", type=int, help="prompts in the batch")
     p.add_argument("--tp", type=int, help="tensor-parallel degree")
     p.add_argument("--chunk", type=int, metavar="TOKENS", help="chunked prefill: tokens per pass")
+    p.add_argument("--stack", metavar="NAME",
+                   help="serving-stack profile: what the software adds to the hardware's time (vllm: fitted to "
+                        "measured vLLM prefills; none: the hardware alone; default: the workload's, else none)")
     p.add_argument("--max-events", type=int, default=None, metavar="N",
                    help=f"stop a run that passes N simulated events (default {DEFAULT_MAX_EVENTS:,}; "
                         "0: no limit)")
@@ -149,8 +153,9 @@ def run(args) -> int:
             for attach in ([True, False] if args.baseline else [True]):
                 maps = create_maps(man)
                 show = _progress() if attach else None
-                opts = RunOptions(args.model, args.prompt, args.batch, args.tp, args.chunk, attach, show,
-                                  trace=bool(args.trace) and attach, max_events=max_events)
+                opts = RunOptions(args.model, args.prompt, args.batch, args.tp, args.chunk, stack=args.stack,
+                                  attach=attach, progress=show, trace=bool(args.trace) and attach,
+                                  max_events=max_events)
                 eng = Engine(folder, man, maps, backend, opts)
                 report = eng.run()
                 if hasattr(backend, "sync"):

@@ -1,77 +1,137 @@
-"""Operator compute time: a roofline with an efficiency curve calibrated from measured H100 profiles.
+"""How long each operator (`operators.Operator`) takes on one GPU.
 
-``time = max(flops / (peak * eff(flops)), bytes / hbm_bw)`` where
-``eff(x) = e_max * x / (x + x_half)`` rises with the size of the GEMM.  The
-two coefficients are fitted (`fit`) to Vidur's public H100 profiles of
-Llama-2-7B and -70B linear layers (QKV, output, gate/up and down
-projections, every token count and TP degree) by least squares on the
-observed efficiency; ``python -m fabric_ext.runtime.calibrate`` refits them
-and writes them with the fit's error to figures.json.
+Where Vidur measured the operator at this shape (same model layer shape, same tensor-parallel
+degree, token count inside the profiled range) the time is interpolated from those medians
+(`runtime/data/operator_profiles.json`, extracted from ../shared/data/vidur by
+``python -m fabric_ext.runtime.calibrate``).  Elsewhere a mechanistic model, with
+coefficients fitted by the same command to the same profiles, one set per GPU profile:
+
+- GEMM: ``max(flops / (peak * eff(flops)), t0 + bytes / (hbm_bw * bw_frac))``,
+  ``eff(x) = e_max * x / (x + x_half)``;
+- memory-bound operators (norms, RoPE, activation, residual add, embedding):
+  ``t0 + bytes / (hbm_bw * bw_frac)``, ``t0`` and ``bw_frac`` per operator;
+- attention core (a FlashAttention-class kernel): ``flops / (rate(context) * occupancy)``,
+  ``rate(s) = r_max * s / (s + s_half)`` through the published causal, head-dim-128 figures,
+  and ``occupancy`` the share of the last wave of thread blocks (one per 128 queries of a
+  head) that the GPU's SMs fill.
 """
 from __future__ import annotations
 
-import csv
+import json
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 from .figures import figures
+from .operators import ATTENTION, GEMM, Operator
 
-LINEAR_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
+PROFILES = Path(__file__).with_name("data") / "operator_profiles.json"
+ATTENTION_TILE = 128         # query rows per thread block of the attention kernel
+
+
+@lru_cache(maxsize=1)
+def profile_tables() -> list[dict]:
+    return json.loads(PROFILES.read_text())["tables"] if PROFILES.is_file() else []
 
 
 def efficiency(flops: float, e_max: float, x_half: float) -> float:
     return e_max * flops / (flops + x_half)
 
 
-def op_time(flops: float, bytes_: float, peak: float, hbm_bw: float, coeffs: dict | None = None) -> float:
-    """Seconds for one operator on one GPU."""
-    c = coeffs or figures()["compute"]
-    if flops <= 0:
-        return bytes_ / hbm_bw
-    return max(flops / (peak * efficiency(flops, c["e_max"], c["x_half"])), bytes_ / hbm_bw)
+def gemm_time(flops: float, nbytes: float, peak: float, hbm_bw: float, c: dict) -> float:
+    """Seconds of one GEMM: the efficiency curve, or its bytes where they take longer."""
+    return max(flops / (peak * efficiency(flops, c["e_max"], c["x_half"])),
+               c["t0"] * 1e-9 + nbytes / (hbm_bw * c["bw_frac"]))
 
 
-def linear_shape(op: str, row: dict) -> tuple[int, int]:
-    """(in, out) features of one profiled linear operator, before sharding."""
-    h, heads, kv, f = int(row["n_embd"]), int(row["n_head"]), int(row["n_kv_head"]), int(row["n_expanded_embd"])
-    hd = h // heads
-    return {"attn_pre_proj": (h, (heads + 2 * kv) * hd), "attn_post_proj": (heads * hd, h),
-            "mlp_up_proj": (h, 2 * f), "mlp_down_proj": (f, h)}[op]
+@dataclass(frozen=True)
+class GpuProfile:
+    """A GPU's figures and the compute model's coefficients for it."""
+    name: str
+    peak: float          # dense BF16 FLOP/s
+    hbm_bw: float        # B/s
+    sms: int
+    coeffs: dict
+
+    @classmethod
+    def named(cls, name: str, peak: float | None = None, hbm_bw: float | None = None) -> GpuProfile:
+        gpu = figures()["gpu"][name]
+        return cls(name, float(peak or gpu["bf16"]), float(hbm_bw or gpu["hbm_bw"]), int(gpu["sms"]),
+                   figures()["compute"][gpu.get("compute", name)])
 
 
-def profile_points(files: list[Path]):
-    """(flops, bytes, measured seconds) for every profiled linear operator."""
-    pts = []
-    for path in files:
-        for row in csv.DictReader(open(path)):
-            n, tp = int(row["num_tokens"]), int(row["num_tensor_parallel_workers"])
-            for op in LINEAR_OPS:
-                i, o = linear_shape(op, row)
-                i, o = (i // tp, o) if op in ("attn_post_proj", "mlp_down_proj") else (i, o // tp)
-                flops = 2.0 * n * i * o
-                nbytes = 2.0 * (i * o + n * i + n * o)
-                pts.append((flops, nbytes, float(row[f"time_stats.{op}.median"]) * 1e-3))
-    return np.array(pts)
+def _table(gpu: GpuProfile, model, tp: int) -> dict | None:
+    shape = model.shape
+    for t in profile_tables():
+        if t["gpu"] == gpu.name and t["tp"] == tp and tuple(t["shape"]) == shape:
+            return t
+    return None
 
 
-def fit(files: list[Path], peak: float, hbm_bw: float) -> dict:
-    """Least-squares fit of (e_max, x_half) and the relative error of the fitted times."""
-    pts = profile_points(files)
-    flops, nbytes, t = pts[:, 0], pts[:, 1], pts[:, 2]
-    compute_bound = flops / peak >= nbytes / hbm_bw
-    x, e = flops[compute_bound], (flops / peak)[compute_bound] / t[compute_bound]
-    best = None
-    for x_half in np.geomspace(1e8, 1e13, 400):
-        g = x / (x + x_half)
-        e_max = float(np.dot(e, g) / np.dot(g, g))
-        err = float(np.sum((e - e_max * g) ** 2))
-        if best is None or err < best[0]:
-            best = (err, e_max, float(x_half))
-    _, e_max, x_half = best
-    coeffs = {"e_max": e_max, "x_half": x_half}
-    pred = np.array([op_time(f, b, peak, hbm_bw, coeffs) for f, b in zip(flops, nbytes)])
-    rel = np.abs(pred - t) / t
-    return {"model": "eff(x) = e_max * x / (x + x_half), x = FLOPs of the GEMM", "e_max": round(e_max, 4),
-            "x_half": float(f"{x_half:.4g}"), "fit_points": int(len(t)),
-            "median_rel_err": round(float(np.median(rel)), 4), "p90_rel_err": round(float(np.percentile(rel, 90)), 4)}
+class Timer:
+    """Operator times (seconds) for one model on one GPU profile at one TP degree."""
+
+    def __init__(self, gpu: GpuProfile, model, tp: int):
+        self.gpu, self.tp = gpu, tp
+        self.table = _table(gpu, model, tp)
+
+    def time(self, op: Operator) -> float:
+        measured = self._measured(op)
+        return measured if measured is not None else self.modelled(op)
+
+    def _measured(self, op: Operator) -> float | None:
+        t = self.table
+        if t is None or op.name not in t["ms"] or not t["tokens"][0] <= op.tokens <= t["tokens"][-1]:
+            return None
+        return float(np.interp(op.tokens, t["tokens"], t["ms"][op.name])) * 1e-3
+
+    def modelled(self, op: Operator) -> float:
+        g, c = self.gpu, self.gpu.coeffs
+        if op.kind == GEMM:
+            return gemm_time(op.flops, op.bytes, g.peak, g.hbm_bw, c["gemm"])
+        if op.kind == ATTENTION:
+            a = c["attention"]
+            rate = a["r_max"] * op.context / (op.context + a["s_half"]) * g.peak / a["peak"]
+            blocks = op.seqs * op.heads * math.ceil(op.tokens / max(op.seqs, 1) / ATTENTION_TILE)
+            occupancy = blocks / (math.ceil(blocks / g.sms) * g.sms) if blocks else 1.0
+            return max(op.flops / (rate * occupancy), op.bytes / g.hbm_bw) + a["t0"] * 1e-9
+        m = c["memory"].get(op.name) or c["memory"]["add"]
+        return m["t0"] * 1e-9 + op.bytes / (g.hbm_bw * m["bw_frac"])
+
+    def total(self, ops: list[Operator]) -> float:
+        return sum(self.time(op) for op in ops)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What the serving software adds to the hardware's time (figures.json "stacks")."""
+    name: str
+    floor_ms: dict = field(default_factory=dict)     # GPU profile -> the least time a pass takes (its host CPU)
+    kernel_factor: dict = field(default_factory=dict)    # GPU profile -> kernel time / profiled time
+    large_busbw_factor: dict = field(default_factory=dict)   # TP degree -> bus bandwidth share, beyond the profile
+    per_prompt_ms: float = 0.0     # CPU time per prompt of the batch in a pass
+    tail_ms: float = 0.0           # from the last kernel to the first token out
+
+    @classmethod
+    def named(cls, name: str) -> Stack:
+        stacks = figures()["stacks"]
+        if name not in stacks:
+            raise KeyError(name)
+        s = stacks[name]
+        return cls(name, dict(s.get("floor_ms", {})), dict(s.get("kernel_factor", {})),
+                   dict(s.get("large_busbw_factor", {})), float(s.get("per_prompt_ms", 0.0)),
+                   float(s.get("tail_ms", 0.0)))
+
+    def floor(self, gpu: str) -> float:
+        return float(self.floor_ms.get(gpu, 0.0))
+
+    def kernels(self, gpu: str) -> float:
+        return float(self.kernel_factor.get(gpu, 1.0))
+
+    def busbw(self, tp: int) -> float:
+        """The share of the profiled bus bandwidth an all-reduce at or beyond the largest
+        profiled size reaches in this stack."""
+        return float(self.large_busbw_factor.get(str(tp), 1.0))

@@ -18,18 +18,26 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from . import compute
 from fabric_ext.flows import MovementTable
 from fabric_ext.hooks import firing
 from fabric_ext.schema import PROP_RANGES
 
-from .fabric_model import APPLIED, DEFAULT_MAX_EVENTS, Fabric, HookSite, Sim, Standing, Transfer
-from .figures import default, figures
+from .compute import GpuProfile, Stack, Timer
 from .dispatch import Known
+from .fabric_model import (
+    APPLIED,
+    DEFAULT_MAX_EVENTS,
+    Fabric,
+    HookSite,
+    Sim,
+    Standing,
+    Transfer,
+)
+from .figures import default, figures
+from .operators import embedding, lm_head
 from .shims import SHIMS
 from .ticks import BLOCK, TickSource, catch_up_together
 from .workload import Workload, WorkloadError, load_model, tp_problem
-
 
 # Allocations between young-generation collections while a prefill runs (CPython's default
 # is 700).  A run allocates millions of short-lived objects and makes almost no cyclic
@@ -62,6 +70,7 @@ class RunOptions:
     batch: int | None = None
     tp: int | None = None
     chunk_tokens: int | None = None
+    stack: str | None = None         # serving-stack profile (figures.json "stacks"), else the workload's
     attach: bool = True              # False: the baseline, every island on its defaults
     progress: object = None          # callable(fraction) or None
     trace: bool = False              # record spans for a Perfetto trace
@@ -90,6 +99,13 @@ class Engine(HookSite):
         self.movements = MovementTable(manifest["movements"])
         self.gpus = self._gpus()
         self.prefetch = {g: self.workload.prefetch for g in self.gpus}
+        self.stack = self._stack()
+        self.timers = {g: self._timer(g) for g in self.gpus}
+        self.kernel_factor = {g: self.stack.kernels(self.timers[g].gpu.name) for g in self.gpus}
+        self.beyond_profile_ms = 0.0     # bandwidth time of all-reduces at or beyond the profiled sizes
+        self.pass_start = 0.0
+        self.durations: dict[tuple, float] = {}      # (gpu, pass, block) -> ns of its operators
+        self.operator_ms = defaultdict(float)        # operator -> ms on the first GPU, the whole prefill
         self.layer_stats = defaultdict(lambda: defaultdict(float))
         self.stall_by_movement = defaultdict(float)
         self.finished = None
@@ -164,18 +180,66 @@ class Engine(HookSite):
             return 0.0
         return float(figures()["links"][LINK_FIGURE.get(kind, figures()["defaults"]["link"])]["setup"])
 
+    def _stack(self) -> Stack:
+        name = self.opts.stack or self.man.get("workload", {}).get("stack") or figures()["defaults"]["stack"]
+        try:
+            return Stack.named(name)
+        except KeyError:
+            raise WorkloadError(f"unknown serving stack '{name}': stacks are {', '.join(figures()['stacks'])}") \
+                from None
+
+    def _gpu_profile(self, g) -> str:
+        """The GPU profile (figures.json "gpu") GPU g's `model` property names, else the default."""
+        name = self._prop(g, "model") or figures()["defaults"]["gpu"]
+        if name not in figures()["gpu"]:
+            raise WorkloadError(f"GPU {g}: unknown model '{name}'; GPU profiles: {', '.join(figures()['gpu'])}")
+        return name
+
+    def _timer(self, g) -> Timer:
+        """The compute model of GPU g: its profile, with its own `bf16` and `hbm_bw` where the
+        fabric gives them."""
+        return Timer(GpuProfile.named(self._gpu_profile(g), self._prop(g, "bf16"), self._prop(g, "hbm_bw")),
+                     self.workload.model, self.workload.tp)
+
+    def _block_time(self, g, p: int, block: str) -> float:
+        """ns GPU g computes one layer's block in pass p (the same in every layer); the
+        operators of GPU g's first run of it are added to `operator_ms` per layer."""
+        key = (g, p, block)
+        if key not in self.durations:
+            start, n = self.workload.passes()[p]
+            ops = self.workload.blocks(start, n)[block]
+            times = [self.timers[g].time(op) * 1e9 * self.kernel_factor[g] for op in ops]
+            self.durations[key] = sum(times)
+            if g == self.gpus[0]:
+                for op, t in zip(ops, times):
+                    self.operator_ms[op.name] += t / 1e6 * self.workload.model.layers
+        return self.durations[key]
+
+    def _pass_edges_ns(self, g, p: int, first: bool, last: bool) -> float:
+        """The embedding before pass p and the LM head after the last pass, on GPU g."""
+        w = self.workload
+        ops = ([embedding(w.model, w.batch, w.passes()[p][1])] if first else []) + \
+            ([lm_head(w.model, w.batch, w.tp)] if last else [])
+        ns = 0.0
+        for op in ops:
+            t = self.timers[g].time(op) * 1e9 * self.kernel_factor[g]
+            ns += t
+            if g == self.gpus[0]:
+                self.operator_ms[op.name] += t / 1e6
+        return ns
+
     def _prop(self, device, name):
         return self.devices[device].get("props", {}).get(name)
 
     def _gpu_figure(self, device, name):
-        return float(self._prop(device, name) or default("gpu")[name])
+        return float(self._prop(device, name) or figures()["gpu"][self._gpu_profile(device)][name])
 
     def _movement(self, cls, operator, src, dst) -> dict | None:
         hit = self.movements.match(cls, operator, src, dst)
         return hit.movement if hit else None
 
     # -- transfers --------------------------------------------------------------------------
-    def transfer(self, cls, operator, src, dst, nbytes, layer, on_done) -> Transfer:
+    def transfer(self, cls, operator, src, dst, nbytes, layer, on_done, pace=0.0) -> Transfer:
         hit = self.movements.match(cls, operator, src, dst)
         m = hit.movement if hit else None
         chunk = int(m["chunk"]) if m and m.get("chunk") else self.workload.transfer_chunk
@@ -184,6 +248,8 @@ class Engine(HookSite):
         t = Transfer(m["name"] if m else f"({cls}{'/' + operator if operator else ''})",
                      m["id"] if m else 0, cls, operator or "", src, dst, int(nbytes), layer,
                      bool(m and m["critical"]), on_done, chunk, list(hit.path) if hit else [])
+        if operator == "collective":
+            t.pace, t.fixed_cost = pace, not pace
         ids = self.ids
         t.ctx = dict(zip(TRANSFER_FIELDS, (t.movement_id, ids["classes"].get(cls, 0),
                                            ids["operators"].get(t.operator, 0), ids["devices"].get(src, 0),
@@ -455,6 +521,8 @@ class Engine(HookSite):
 
     def _begin(self, u):
         self.unit_start = self.sim.now
+        if u == 0 or self.units[u - 1][0] != self.units[u][0]:
+            self.pass_start = self.sim.now
         self.done_count = 0
         for g in self.gpus:
             if u in self.ready[g]:
@@ -467,19 +535,20 @@ class Engine(HookSite):
     def _compute(self, g, u):
         w = self.workload
         p, layer, op = self.units[u]
-        start, n = w.passes()[p]
-        ops = w.ops(layer, start, n)
-        o = ops[0] if op == "attention" else ops[1]
+        ops = w.blocks(*w.passes()[p])[op] if self.shims.get(g) is not None and self.shims[g].has("launch") else ()
         stall = self.sim.now - self.unit_start
         if stall > 0:      # charged to the input that arrived last
             self.stall_by_movement[self.last_input.get((g, u), f"(weights/{op})")] += stall
         known = self._run(g, "launch", {"now": int(self.sim.now), "layer": layer,
-                                        "operator": self.ids["operators"][op], "flops": int(o.flops),
-                                        "bytes": int(o.bytes), "stall": int(stall)})
+                                        "operator": self.ids["operators"][op],
+                                        "flops": int(sum(o.flops for o in ops)),
+                                        "bytes": int(sum(o.bytes for o in ops)), "stall": int(stall)})
         if known is not None and known.decisions.get("prefetch"):
             self.prefetch[g] = known.decisions["prefetch"]
         self._issue_inputs(g, u + 1)
-        dur = compute.op_time(o.flops, o.bytes, self._gpu_figure(g, "bf16"), self._gpu_figure(g, "hbm_bw")) * 1e9
+        dur = self._block_time(g, p, op)
+        if layer == 0 and op == "attention":
+            dur += self._pass_edges_ns(g, p, True, False)
         if self.opts.trace:
             self.spans.append((g, f"{op} L{layer}", self.sim.now, dur))
         s = self.layer_stats[layer]
@@ -497,16 +566,39 @@ class Engine(HookSite):
             self._after(u)
 
     def _allreduce(self, u):
+        """A ring all-reduce of the block's output: each GPU sends 2 (t-1)/t of it to the next,
+        at the bus bandwidth NCCL reaches at this TP degree, after its fixed cost (alpha: the
+        call's launch and synchronisation, less what the fabric's links add)."""
         w = self.workload
-        p, layer, op = self.units[u]
+        p, layer, _ = self.units[u]
         n = w.passes()[p][1]
         t = len(self.gpus)
-        nbytes = 2 * (t - 1) * w.activation_bytes(n) // t   # ring all-reduce: what each GPU sends
+        nbytes = 2 * (t - 1) * w.activation_bytes(n) // t
         self.ar_pending = t
         self.ar_start = self.sim.now
         for i, g in enumerate(self.gpus):
             nxt = self.gpus[(i + 1) % t]
-            self.transfer("activations", "collective", g, nxt, nbytes, layer, lambda tr, u=u: self._ar_done(u))
+            alpha, busbw, largest = self._collective(g, t)
+            if busbw and w.activation_bytes(n) >= largest:
+                if i == 0:
+                    self.beyond_profile_ms += nbytes / busbw * 1e3
+                busbw *= self.stack.busbw(t)
+            hop = self.fabric.g.edges[g, nxt].get("latency") or 0.0 if self.fabric.g.has_edge(g, nxt) else 0.0
+            self.sim.at(self.sim.now + max(0.0, alpha - hop), self._ring_send, g, nxt, nbytes, layer, u, busbw)
+
+    def _ring_send(self, g, nxt, nbytes, layer, u, busbw):
+        self.transfer("activations", "collective", g, nxt, nbytes, layer, lambda tr, u=u: self._ar_done(u),
+                      pace=busbw)
+
+    def _collective(self, g, t: int) -> tuple[float, float, float]:
+        """(alpha ns, bus bandwidth B/s, largest profiled size B) of an all-reduce over t GPUs
+        of g's profile: the fit for that TP degree, or the nearest fitted one; none (the links
+        alone) when the profile has no fit."""
+        fits = self.timers[g].gpu.coeffs.get("all_reduce")
+        if not fits:
+            return 0.0, 0.0, float("inf")
+        fit = fits[min(fits, key=lambda k: abs(int(k) - t))]
+        return float(fit["alpha"]), float(fit["busbw"]), float(fit["max_size"])
 
     def _ar_done(self, u):
         self.ar_pending -= 1
@@ -525,14 +617,18 @@ class Engine(HookSite):
                 for where in (w.kv, w.kv_export):
                     if where and where not in ("hbm", "none"):
                         self.transfer("kv", None, g, where, w.kv_bytes(n), layer, self._kv_done)
-        if u + 1 < len(self.units):
+        if u + 1 < len(self.units) and self.units[u + 1][0] == p:
             self._begin(u + 1)
+            return
+        # the pass ends: the stack's CPU work per prompt, then its floor (a pass takes that at least)
+        g0, stack = self.gpus[0], self.stack
+        floor_end = self.pass_start + stack.floor(self.timers[g0].gpu.name) * 1e6
+        cpu = stack.per_prompt_ms * w.batch * 1e6
+        if u + 1 < len(self.units):
+            self.sim.at(max(self.sim.now + cpu, floor_end), self._begin, u + 1)
         else:
-            g0 = self.gpus[0]
-            m = w.model
-            lm = compute.op_time(2.0 * w.batch * m.hidden * m.vocab / len(self.gpus), m.hidden * m.vocab * 2 /
-                                 len(self.gpus), self._gpu_figure(g0, "bf16"), self._gpu_figure(g0, "hbm_bw")) * 1e9
-            self.sim.at(self.sim.now + lm, self._finish)
+            end = self.sim.now + self._pass_edges_ns(g0, p, False, True) + cpu + stack.tail_ms * 1e6
+            self.sim.at(max(end, floor_end), self._finish)
 
     def _kv_done(self, t):
         self.kv_done = max(self.kv_done, self.sim.now)

@@ -100,6 +100,8 @@ class Transfer:
     standing: dict = field(default_factory=dict)  # island -> `Standing` decisions there
     pending: deque = field(default_factory=deque)  # chunks not yet issued, in order
     driver: list | None = None    # the copy engines that issue its chunks (None: issued at once)
+    pace: float = 0.0             # B/s its chunks are issued at, at most (0: as fast as they go)
+    fixed_cost: bool = True       # whether its chunks pay the links' fixed cost (a collective's is in its alpha)
 
     @property
     def flow(self) -> tuple:
@@ -189,7 +191,7 @@ class Server:
         self.busy = True
         now = self.sim.now
         chunk.waited += now - chunk.enqueued
-        dt = chunk.bytes / self.bw * 1e9 + self.overhead
+        dt = chunk.bytes / self.bw * 1e9 + (self.overhead if chunk.transfer.fixed_cost else 0.0)
         self.bytes += chunk.bytes
         self.queued_bytes -= chunk.bytes
         self.intervals.append((now, now + dt, chunk.bytes))
@@ -368,6 +370,8 @@ class Fabric:
                 if chunk is None:
                     continue
             if t.driver is None:
+                if t.pace:
+                    release = self._paced(chunk, release)
                 self.sim.at(release, self._arrive, chunk)
                 continue
             stream = stream or CLASS_STREAM.get(t.cls, 1)
@@ -377,6 +381,13 @@ class Fabric:
             else:
                 engine.submit(chunk, stream)
             return
+
+    def _paced(self, chunk: Chunk, release: float) -> float:
+        """When a chunk of a paced transfer may go: its transfer's bytes leave at its pace."""
+        key = ("pace", id(chunk.transfer))
+        start = max(release, self.buckets.get(key, 0.0))
+        self.buckets[key] = start + chunk.bytes / chunk.transfer.pace * 1e9
+        return start
 
     def _taken(self, chunk: Chunk) -> None:
         """A copy engine took a chunk: it enters the fabric, and the next one is issued."""

@@ -164,7 +164,8 @@ SCHEMA = record({
                   {what: mapping(ID) for what in ("classes", "operators")}),
 }, {
     "workload": record({}, {
-        "model": text(max_len=1024), "weights": text(), "kv": text(), "kv_export": nullable(text()),
+        "model": text(max_len=1024), "stack": text(max_len=256), "weights": text(), "kv": text(),
+        "kv_export": nullable(text()),
         "prefill_chunk": integer(0, PROP_RANGES["prompt"][1]),
         **{p: integer(*PROP_RANGES[p]) for p in ("prompt", "batch", "tp", "chunk", "prefetch")}}),
     "sources": list_of(record({"file": text(), "path": text(), "sha256": text(SHA256)})),

@@ -69,7 +69,11 @@ def collect(e) -> dict:
             "workload": {"model": w.model.name, "prompt": w.prompt, "batch": w.batch, "tp": w.tp,
                          "chunk_tokens": w.chunk_tokens or w.prompt, "weights": w.weights, "kv": w.kv,
                          "kv_export": w.kv_export},
+            "stack": e.stack.name, "gpu": e.timers[e.gpus[0]].gpu.name,
             "ttft_ms": round(end / 1e6, 4), "kv_done_ms": round(e.kv_done / 1e6, 4),
+            "compute_ms": round(sum(e.operator_ms.values()), 4),
+            "allreduce_beyond_profile_ms": round(e.beyond_profile_ms, 4),
+            "operators": {name: round(ms, 4) for name, ms in e.operator_ms.items()},
             "events": e.sim.events, "layers": layers, "movements": movements,
             "links": sorted(links, key=lambda x: x["name"]), "islands": islands,
             "copy_engines": [{"name": ce.name, "chunks": ce.chunks, "bytes": ce.bytes}

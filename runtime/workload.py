@@ -2,9 +2,9 @@
 
 Built-in models (``llama3-8b``, ``llama3-70b``, ``qwen2.5-7b``) come from the
 data file with their published configs; ``--model path/config.json`` reads a
-Hugging Face config.  Per layer: attention (QKV projection, attention, output
-projection) and FFN (gate/up, down), with FLOPs and bytes from the shapes,
-sharded over tensor parallelism.
+Hugging Face config (Llama- or BLOOM-style).  Each layer is the operator
+sequence of `operators.py`, with FLOPs and bytes from the shapes, sharded over
+tensor parallelism.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 from fabric_ext.fsutil import read_bounded
 
 from .figures import figures
+from .operators import Operator, attention_block, ffn_block
 
 
 class WorkloadError(ValueError):
@@ -32,6 +33,13 @@ class ModelConfig:
     ffn: int
     vocab: int
     dtype_bytes: int = 2
+    gated: bool = True       # gated FFN (SiLU(gate) * up, Llama) or one up projection (GeLU, BLOOM)
+    rope: bool = True        # rotary position embedding (Llama) or ALiBi biases (BLOOM)
+
+    @property
+    def shape(self) -> tuple:
+        """The layer's shape as Vidur's profiles name it: hidden, heads, KV heads, FFN, gated."""
+        return (self.hidden, self.heads, self.kv_heads, self.ffn, self.gated)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -43,7 +51,7 @@ class ModelConfig:
         return (h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h) * self.dtype_bytes
 
     def ffn_weight_bytes(self) -> int:
-        return 3 * self.hidden * self.ffn * self.dtype_bytes
+        return (3 if self.gated else 2) * self.hidden * self.ffn * self.dtype_bytes
 
 
 MAX_CONFIG = 1 << 20       # bytes of a Hugging Face config.json
@@ -64,25 +72,37 @@ def load_model(name_or_path: str) -> ModelConfig:
     if name_or_path in models:
         m = models[name_or_path]
         return ModelConfig(name_or_path, m["layers"], m["hidden"], m["heads"], m["kv_heads"], m["head_dim"],
-                           m["ffn"], m["vocab"], m["dtype_bytes"])
+                           m["ffn"], m["vocab"], m["dtype_bytes"], m.get("gated", True), m.get("rope", True))
     p = Path(name_or_path)
     if not p.is_file():
         import difflib
         close = difflib.get_close_matches(name_or_path, list(models), n=1, cutoff=0.6)
         raise UnknownModel(name_or_path, close[0] if close else None)
     try:
-        c = json.loads(read_bounded(p, MAX_CONFIG))
-        heads = c["num_attention_heads"]
-        cfg = ModelConfig(c.get("_name_or_path", p.stem), c["num_hidden_layers"], c["hidden_size"], heads,
-                          c.get("num_key_value_heads", heads), c.get("head_dim", c["hidden_size"] // heads),
-                          c["intermediate_size"], c["vocab_size"],
-                          {"float32": 4}.get(c.get("torch_dtype"), 2))
+        cfg = _from_hf_config(json.loads(read_bounded(p, MAX_CONFIG)), p.stem)
         numbers = (cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn, cfg.vocab)
         if not all(type(v) is int and 0 < v < 1 << 24 for v in numbers):
             raise ValueError("its shape must be positive whole numbers")
         return cfg
-    except (ValueError, KeyError, TypeError, ZeroDivisionError, OSError, RecursionError) as e:
+    except (ValueError, KeyError, TypeError, ZeroDivisionError, OSError, RecursionError, AttributeError) as e:
         raise WorkloadError(f"{p}: not a usable Hugging Face config ({type(e).__name__}: {e})") from None
+
+
+def _from_hf_config(c: dict, stem: str) -> ModelConfig:
+    """A Llama-style config (num_hidden_layers, num_attention_heads, num_key_value_heads,
+    intermediate_size: gated FFN, RoPE) or a BLOOM one (model_type bloom; n_layer, n_head:
+    multi-head attention with ALiBi, a 4x FFN with GeLU)."""
+    dtype = {"float32": 4}.get(c.get("torch_dtype"), 2)
+    name = c.get("_name_or_path", stem)
+    if c.get("model_type") == "bloom":
+        hidden = c.get("hidden_size", c.get("n_embed"))
+        heads = c.get("n_head", c.get("num_attention_heads"))
+        return ModelConfig(name, c.get("n_layer", c.get("num_hidden_layers")), hidden, heads, heads,
+                           hidden // heads, 4 * hidden, c["vocab_size"], dtype, gated=False, rope=False)
+    heads = c["num_attention_heads"]
+    return ModelConfig(name, c["num_hidden_layers"], c["hidden_size"], heads,
+                       c.get("num_key_value_heads", heads), c.get("head_dim", c["hidden_size"] // heads),
+                       c["intermediate_size"], c["vocab_size"], dtype)
 
 
 def tp_problem(model: ModelConfig, tp: int, gpus: list[str]) -> str | None:
@@ -101,13 +121,29 @@ def tp_problem(model: ModelConfig, tp: int, gpus: list[str]) -> str | None:
             f"it splits over {', '.join(map(str, ok))} GPUs")
 
 
+def _known_name(prop, known, what: str, diags) -> None:
+    """An error at ``prop``'s value when it is a string naming none of ``known``."""
+    import difflib
+    name = getattr(prop.value, "value", None) if prop is not None else None
+    if isinstance(name, str) and name not in known:
+        close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+        diags.error(prop.value.span, f"unknown {what} '{name}'",
+                    f"did you mean '{close[0]}'?" if close else f"{what}s: {', '.join(known)}")
+
+
 def check_declaration(symbols, diags) -> None:
-    """The policy's workload against the models the runtime knows: an unknown model (with the
-    closest name) and a tensor-parallel degree that cannot split it, at their line:col."""
+    """The policy against the figures the runtime knows, at their line:col: a GPU's `model`
+    (a GPU profile), the workload's model (with the closest name), its serving `stack`, and a
+    tensor-parallel degree that cannot split the model."""
+    for d in symbols.devices.values():
+        if d.kind == "gpu":
+            _known_name(next((p for p in d.props if p.name.name == "model"), None), figures()["gpu"],
+                        "GPU profile", diags)
     w = symbols.workload
     if w is None:
         return
     props = {p.name.name: p for p in w.props}
+    _known_name(props.get("stack"), figures()["stacks"], "serving stack", diags)
     model_prop = props.get("model")
     name = getattr(model_prop.value, "value", None) if model_prop else "llama3-8b"
     if not isinstance(name, str):
@@ -130,15 +166,6 @@ def check_declaration(symbols, diags) -> None:
             diags.error(tp_prop.value.span, why)
 
 
-@dataclass(frozen=True)
-class Op:
-    """One operator of one layer on one GPU (already sharded by TP)."""
-    layer: int
-    operator: str     # "attention" | "ffn"
-    flops: float
-    bytes: float      # HBM traffic: weights, activations in and out
-
-
 @dataclass
 class Workload:
     model: ModelConfig
@@ -157,20 +184,11 @@ class Workload:
         step = self.chunk_tokens or self.prompt
         return [(s, min(step, self.prompt - s)) for s in range(0, self.prompt, step)]
 
-    def ops(self, layer: int, start: int, n: int) -> tuple[Op, Op]:
-        """Attention and FFN of one layer for a pass of n tokens starting at token ``start``."""
+    def blocks(self, start: int, n: int) -> dict[str, list[Operator]]:
+        """The operators of one layer's attention and FFN blocks (on one GPU) for a pass of n
+        tokens per prompt after ``start`` earlier ones."""
         m, tp, b = self.model, self.tp, self.batch
-        tokens = n * b
-        h, d, dt = m.hidden, m.head_dim, m.dtype_bytes
-        qkv_out = (m.heads + 2 * m.kv_heads) * d
-        proj = 2 * tokens * h * qkv_out / tp + 2 * tokens * m.heads * d * h / tp
-        ctx = start + n / 2                      # causal: each token sees half the pass on average
-        attn = 4 * tokens * ctx * m.heads * d / tp
-        attn_bytes = m.attn_weight_bytes() / tp + tokens * h * dt * 2 + \
-            2 * (start + n) * b * m.kv_heads * d * dt / tp
-        ffn = 2 * tokens * h * 3 * m.ffn / tp
-        ffn_bytes = m.ffn_weight_bytes() / tp + tokens * h * dt * 2 + tokens * 2 * m.ffn * dt / tp
-        return Op(layer, "attention", proj + attn, attn_bytes), Op(layer, "ffn", ffn, ffn_bytes)
+        return {"attention": attention_block(m, b, start, n, tp), "ffn": ffn_block(m, b, n, tp)}
 
     def weight_bytes(self, operator: str) -> int:
         total = self.model.attn_weight_bytes() if operator == "attention" else self.model.ffn_weight_bytes()

