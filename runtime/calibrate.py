@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     if splitwise.is_file():
         # the stack is fitted over the engine's runs, which read the hardware figures just fitted
         _write({**new, PATH: _dump({**doc, "stacks": json.loads(stored[PATH])["stacks"]})})
-        doc["stacks"]["vllm"].update(validation.fit_stack(splitwise))
+        doc["stacks"]["vllm"] = {"source": doc["stacks"]["vllm"].get("source", ""), **validation.fit_stack(splitwise)}
         new[PATH] = _dump(doc)
     changed = [p for p, text in new.items() if stored[p] != text]
     _write(stored if check else new)
