@@ -70,12 +70,12 @@ class RunOptions:
     batch: int | None = None
     tp: int | None = None
     chunk_tokens: int | None = None
-    stack: str | None = None         # serving-stack profile (figures.json "stacks"), else the workload's
     attach: bool = True              # False: the baseline, every island on its defaults
     progress: object = None          # callable(fraction) or None
     trace: bool = False              # record spans for a Perfetto trace
     eager_ticks: bool = False        # run each tick at its time instead of lazily (tests compare the two)
     max_events: int | None = DEFAULT_MAX_EVENTS   # a run that passes this many events stops (None: no limit)
+    stack: str | None = None         # serving-stack profile (figures.json "stacks"), else the workload's
 
 
 class Engine(HookSite):
