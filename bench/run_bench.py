@@ -15,7 +15,7 @@ per cent, --instructions also counts each run's instructions under valgrind (cac
 no cache simulation: about 30x slower), less those of a process that only starts up:
 the same on every run, though it does not see cache misses.
 
-The JIT keeps compiled programs in an on-disk code cache (runtime/codecache.py), as a
+The JIT keeps compiled programs in an on-disk code cache (runtime/machine/codecache.py), as a
 user's repeated runs do: the bench gives the runs a cache of their own, makes one run with
 it empty ("cold s", compiling every program) and then the timed runs, which find it full.
 """
@@ -35,9 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 from fabric_ext.codegen.driver import build, write_output  # noqa: E402
-from fabric_ext.runtime.bundle import create_maps, load_manifest  # noqa: E402
-from fabric_ext.runtime.engine import Engine, RunOptions  # noqa: E402
-from fabric_ext.runtime.program import get_backend  # noqa: E402
+from fabric_ext.runtime.simulation.bundle import create_maps, load_manifest  # noqa: E402
+from fabric_ext.runtime.simulation.engine import Engine, RunOptions  # noqa: E402
+from fabric_ext.runtime.machine.program import get_backend  # noqa: E402
 
 CONFIGS = [("llama3-8b", 8192, 8), ("llama3-70b", 32768, 8)]
 

@@ -22,13 +22,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from fabric_ext.runtime import kernel  # noqa: E402
-from fabric_ext.runtime.asm import assemble  # noqa: E402
-from fabric_ext.runtime.interp import Interpreter  # noqa: E402
-from fabric_ext.runtime.jit import JitBackend  # noqa: E402
-from fabric_ext.runtime.maps import ARRAY, Map  # noqa: E402
-from fabric_ext.runtime.program import Program  # noqa: E402
-from fabric_ext.runtime.verifier import verify  # noqa: E402
+from fabric_ext.runtime.machine import kernel  # noqa: E402
+from fabric_ext.runtime.machine.asm import assemble  # noqa: E402
+from fabric_ext.runtime.machine.interp import Interpreter  # noqa: E402
+from fabric_ext.runtime.machine.jit import JitBackend  # noqa: E402
+from fabric_ext.runtime.machine.maps import ARRAY, Map  # noqa: E402
+from fabric_ext.runtime.machine.program import Program  # noqa: E402
+from fabric_ext.runtime.machine.verifier import verify  # noqa: E402
 
 PRIME = """
     mov %r0, 0          # primes found
@@ -85,7 +85,7 @@ skip:
 
 def loop_programs():
     count = assemble(COUNT)
-    from fabric_ext.runtime import isa as I
+    from fabric_ext.runtime.machine import isa as I
     count = [I.Insn(i.opcode, i.dst, I.PSEUDO_MAP_FD, i.off, 0) if i.is_lddw else i for i in count]
     return [("prime loop", Program("prime", assemble(PRIME)), None),
             ("byte-swap loop", Program("bswap", assemble(BSWAP)), None),
@@ -105,9 +105,9 @@ def timeit(fn, n):
 def recorded_streams(quick):
     """(label, program, [ctx bytes]) for each program of each example, from a short fabric-run."""
     from policy_helpers import compiled
-    from fabric_ext.runtime.bundle import create_maps, load_manifest
-    from fabric_ext.runtime.engine import Engine, RunOptions
-    from fabric_ext.runtime import dispatch, shims
+    from fabric_ext.runtime.simulation.bundle import create_maps, load_manifest
+    from fabric_ext.runtime.simulation.engine import Engine, RunOptions
+    from fabric_ext.runtime.simulation import dispatch, shims
     out = []
     memo_limit, dispatch.MEMO_LIMIT = dispatch.MEMO_LIMIT, 0    # every event reaches `decide`
     for policy in ("prefill_qos", "kv_tiering", "nic_pacing", "telemetry"):

@@ -13,11 +13,11 @@ from pathlib import Path
 
 from fabric_ext.diagnostics import Diagnostics, Span
 from fabric_ext.frontend import analyze
-from fabric_ext.fsutil import OutputError, check_replaceable, replace_dir
+from fabric_ext.runtime.machine.fsutil import OutputError, check_replaceable, replace_dir
 from fabric_ext.loader import display_path
-from fabric_ext.runtime import isa
-from fabric_ext.runtime.elf import load_object
-from fabric_ext.runtime.verifier import VerifierError, verify
+from fabric_ext.runtime.machine import isa
+from fabric_ext.runtime.machine.elf import load_object
+from fabric_ext.runtime.machine.verifier import VerifierError, verify
 
 from . import artifacts
 from .c_listing import render_fabric_h, render_listing
@@ -57,7 +57,7 @@ def build(path: Path, opt: int = 2, mcpu: str = "v3", emit=(), kernel_verify: bo
 
 
 def _build(path, opt, mcpu, emit, kernel_verify, diags) -> CompileResult | None:
-    from fabric_ext.runtime.workload import check_declaration
+    from fabric_ext.runtime.simulation.workload import check_declaration
     a = analyze(path, diags)
     if not a.program.unread:
         check_declaration(a.symbols, diags)
@@ -120,7 +120,7 @@ def _build(path, opt, mcpu, emit, kernel_verify, diags) -> CompileResult | None:
 
 
 def _kernel_verify(loaded, hooks, progs, specs, island, diags):
-    from fabric_ext.runtime import kernel
+    from fabric_ext.runtime.machine import kernel
     ok, why = kernel.permitted()
     if not ok:
         diags.warning(progs[0].handlers[0].span, f"--kernel-verify skipped: {why}")

@@ -15,8 +15,8 @@ import llvmlite.binding as llvm
 import llvmlite.ir as L
 
 from fabric_ext import __version__
-from fabric_ext.runtime.helpers import HELPERS
-from fabric_ext.runtime.maps import KIND_TYPE
+from fabric_ext.runtime.machine.helpers import HELPERS
+from fabric_ext.runtime.machine.maps import KIND_TYPE
 
 from . import ir
 

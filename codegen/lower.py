@@ -13,7 +13,7 @@ from fabric_ext import ast as A
 from fabric_ext.checker import CONST_OPS, M64, const_value, exact_value
 from fabric_ext.diagnostics import Diagnostics
 
-from fabric_ext.runtime.isa import STACK_SIZE as STACK_LIMIT
+from fabric_ext.runtime.machine.isa import STACK_SIZE as STACK_LIMIT
 
 from . import ir
 from .ids import IdTables
@@ -190,7 +190,7 @@ def _port_key(e) -> bool:
 
 def _last_wins(h: ir.HandlerIR, prog: ir.ProgramIR, maps: dict) -> bool:
     """Whether of several runs of tick handler ``h`` in a row only the last one's effect
-    remains, so the runtime may run just the last (`runtime/ticks.py`): it reads no map
+    remains, so the runtime may run just the last (`runtime/simulation/ticks.py`): it reads no map
     and, on every path, stores plainly to the same entries (keys from constants and the
     port, over every port each tick) of array or hash maps that no other handler of its
     program reads."""
@@ -211,7 +211,7 @@ def _map_reads(h: ir.HandlerIR, hook, maps: dict) -> list | None:
     """The map entries a handler's decisions depend on besides its context fields, when it
     only reads maps and only at keys the runtime can work out before it runs: array maps at
     constant keys or keys that are an input field of the context (a decision field holds
-    what the program stored there, unknown before it runs).  Then (`runtime/dispatch.py`) its
+    what the program stored there, unknown before it runs).  Then (`runtime/simulation/dispatch.py`) its
     decisions are a function of the fields it reads and those entries' values.  A list of
     [map, {"const": k}] or [map, {"field": name}]; None where the handler writes or emits
     anything but context decisions, or reads a map otherwise."""

@@ -35,7 +35,7 @@ def _existing(path: str) -> Path:
 
 def _analyze(path: Path, werror: bool = False):
     from .frontend import analyze
-    from .runtime.workload import check_declaration
+    from .runtime.simulation.workload import check_declaration
     a = analyze(path)
     if not a.program.unread:                    # (a missing import says it all)
         check_declaration(a.symbols, a.diags)   # the workload against the models the runtime knows
@@ -65,7 +65,7 @@ def cmd_graph(args) -> int:
         return EXIT_INPUT
     text = json.dumps(to_json(a), indent=2) + "\n" if args.format == "json" else to_dot(a)
     if args.output:
-        from .fsutil import atomic_write_text
+        from fabric_ext.runtime.machine.fsutil import atomic_write_text
         atomic_write_text(Path(args.output), text)
     else:
         sys.stdout.write(text)

@@ -76,7 +76,7 @@ def _movements_without_transfers(analysis, sym, diags) -> None:
     """Match the transfers the declared prefill makes to movements, as the runtime will
     (`flows.MovementTable`): a movement none matches never moves anything, and a handler on
     a movement at an island none of its matched transfers cross never runs."""
-    from fabric_ext.runtime.workload import prefill_flows
+    from fabric_ext.runtime.simulation.workload import prefill_flows
     w = _workload(sym)
     gpus = [name for name, d in sym.devices.items() if d.kind == "gpu"][:w["tp"]]
     table = MovementTable(to_json(analysis)["movements"])
@@ -142,7 +142,7 @@ def _decisions_without_effect(analysis, sym, diags) -> None:
 def _chunk_size(sym, movement: str | None) -> int:
     """The largest chunk a handler on ``movement`` (None: every movement) can be given: the
     movement's `chunk`, or the workload's, which transfers no movement sets keep."""
-    from fabric_ext.runtime.workload import Workload
+    from fabric_ext.runtime.simulation.workload import Workload
     size = _workload(sym).get("chunk", Workload.transfer_chunk)
     decls = [sym.movements[movement]] if movement else list(sym.movements.values())
     sizes = [prop_value(d.props, "chunk", size) for d in decls]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from . import ast as A
 from .diagnostics import Diagnostics, Span
-from .fsutil import UnreadableFile, read_bounded
+from fabric_ext.runtime.machine.fsutil import UnreadableFile, read_bounded
 from .parser import parse
 
 MAX_SOURCE = 1 << 20       # bytes in one .fx file

@@ -3,6 +3,8 @@ map kinds and value types.  The checker validates against these tables and the
 runtime's fabric model reads the same names."""
 from __future__ import annotations
 
+from fabric_ext.runtime.machine.maps import MAX_MAP_BYTES  # noqa: F401  (the checker refuses larger maps)
+
 from .units import BANDWIDTH, COUNT, DEVICE, FLOPS, PERCENT, SIZE, TIME
 
 STRING, NAME, FLAG = "string", "name", "flag"
@@ -45,7 +47,6 @@ INT_TYPES = {"u8": 1, "u16": 2, "u32": 4, "u64": 8, "i32": 4, "i64": 8}
 DIM_TYPES = {"size": (SIZE, 8), "bandwidth": (BANDWIDTH, 8), "time": (TIME, 8),
              "percent": (PERCENT, 8), "count": (COUNT, 8), "flops": (FLOPS, 8),
              "device": (DEVICE, 4)}
-MAX_MAP_BYTES = 64 * 2**20     # refuse maps larger than this
 MAX_ENTRIES = 1 << 20
 MAX_LOOP_TRIPS = 1024          # bounded loops are unrolled up to this many trips
 BUILTINS = ("min", "max")

@@ -1,2 +1,2 @@
-"""fabric_ext.runtime: the eBPF machine (ISA, loader, maps, helpers, verifier,
-VM backends), the device shims, the fabric model and the prefill workload."""
+"""fabric_ext.runtime: the eBPF machine (`machine`, imported by the compiler to verify) and the
+fabric simulation (`simulation`, which runs the machine's programs), and `fabric-vm`."""

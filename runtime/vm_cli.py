@@ -10,13 +10,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import isa
-from fabric_ext.fsutil import UnreadableFile, read_bounded
+from .machine import isa
+from fabric_ext.runtime.machine.fsutil import UnreadableFile, read_bounded
 
-from .asm import AsmError, assemble
-from .elf import MAX_OBJECT, ObjectError, load_object
-from .program import JIT_CHECKS, Program, VMFault, get_backend
-from .verifier import VerifierError, verify
+from .machine.asm import AsmError, assemble
+from .machine.elf import MAX_OBJECT, ObjectError, load_object
+from .machine.program import JIT_CHECKS, Program, VMFault, get_backend
+from .machine.verifier import VerifierError, verify
 
 BACKENDS = ("interp", "jit", "kernel")
 
@@ -75,7 +75,7 @@ def cmd_run(args) -> int:
             raise SystemExit(_fail(f"fabric-vm: --ctx has {len(ctx)} bytes; {args.hook} needs {prog.hook.ctx_size}", 2))
         prog.ctx_size = len(ctx)
     elif prog.hook is not None:
-        from .context import ContextCodec
+        from .simulation.context import ContextCodec
         ctx = ContextCodec(prog.hook).pack()
     mem = bytearray(_hex(args.mem, "--mem")) if args.mem is not None else None
     verify(prog)
@@ -88,7 +88,7 @@ def cmd_run(args) -> int:
         backend.close()
     print(f"r0 = {r0:#x} ({r0})")
     if prog.hook is not None:
-        from .context import ContextCodec
+        from .simulation.context import ContextCodec
         for name, value in ContextCodec(prog.hook).decisions(ctx).items():
             print(f"decision {name} = {value}")
     elif ctx is not None:

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-# the JIT's code cache (runtime/codecache.py): one per session, so tests neither reuse nor
+# the JIT's code cache (runtime/machine/codecache.py): one per session, so tests neither reuse nor
 # leave entries in the user's ~/.cache (set before any test imports the JIT)
 os.environ["FABRIC_EXT_JIT_CACHE"] = tempfile.mkdtemp(prefix="fx-jit-cache-")
 atexit.register(shutil.rmtree, os.environ["FABRIC_EXT_JIT_CACHE"], ignore_errors=True)
-# every interpreter run in the suite checks the verifier's proofs (runtime/interp.py): an
+# every interpreter run in the suite checks the verifier's proofs (runtime/machine/interp.py): an
 # access proven safe that faults, or lands in memory of another kind, fails as a verifier bug
 os.environ["FABRIC_EXT_CHECK_PROOFS"] = "1"
 

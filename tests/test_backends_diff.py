@@ -8,11 +8,11 @@ verifier proved the access."""
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fabric_ext.runtime import isa as I
-from fabric_ext.runtime import kernel
-from fabric_ext.runtime.interp import Interpreter
-from fabric_ext.runtime.program import Program
-from fabric_ext.runtime.verifier import verify
+from fabric_ext.runtime.machine import isa as I
+from fabric_ext.runtime.machine import kernel
+from fabric_ext.runtime.machine.interp import Interpreter
+from fabric_ext.runtime.machine.program import Program
+from fabric_ext.runtime.machine.verifier import verify
 
 OK, WHY = kernel.permitted()
 CTX = 64  # bytes of memory the program gets as its context; r0 is stored at offset 56
@@ -124,7 +124,7 @@ def programs(draw):
 
 
 def _maps():
-    from fabric_ext.runtime.maps import ARRAY, HASH, Map
+    from fabric_ext.runtime.machine.maps import ARRAY, HASH, Map
     return [Map("arr", ARRAY, 4, 8, 4), Map("hsh", HASH, 4, 8, 8)]
 
 
@@ -143,7 +143,7 @@ def _run(backend, insns, data, verified=False):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs(), st.binary(min_size=CTX, max_size=CTX))
 def test_backends_agree(insns, data):
-    from fabric_ext.runtime.jit import JitBackend
+    from fabric_ext.runtime.machine.jit import JitBackend
     verify(Program("diff", insns, _maps(), ctx_size=CTX))
     want = _run(Interpreter(), insns, data)
     assert _run(JitBackend(), insns, data) == want, I.disasm(insns)

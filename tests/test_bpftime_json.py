@@ -2,7 +2,7 @@
 reads, and handler fds unique across the islands that are imported into one shared memory."""
 import json
 
-from fabric_ext.runtime.bundle import load_manifest, load_runtime_json
+from fabric_ext.runtime.simulation.bundle import load_manifest, load_runtime_json
 from policy_helpers import compiled
 
 # What bpftime's importer reads of each handler, unconditionally (nlohmann::json's operator[]

@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from fabric_ext.runtime import isa as I
-from fabric_ext.runtime import jit
-from fabric_ext.runtime.codecache import CodeCache, default_dir
-from fabric_ext.runtime.maps import ARRAY, HASH, LRU_HASH, Map
-from fabric_ext.runtime.program import Program
-from fabric_ext.runtime.verifier import verify
+from fabric_ext.runtime.machine import isa as I
+from fabric_ext.runtime.machine import jit
+from fabric_ext.runtime.machine.codecache import CodeCache, default_dir
+from fabric_ext.runtime.machine.maps import ARRAY, HASH, LRU_HASH, Map
+from fabric_ext.runtime.machine.program import Program
+from fabric_ext.runtime.machine.verifier import verify
 from policy_helpers import compiled
 
 
@@ -178,7 +178,7 @@ def test_a_later_fabric_run_compiles_nothing_and_reports_the_same(tmp_path):
     env = {"FABRIC_EXT_JIT_CACHE": str(tmp_path / "cache")}
     reports = []
     for i in range(2):
-        r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.cli", "--policy", str(out), "--model",
+        r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.cli", "--policy", str(out), "--model",
                             "llama3-8b", "--prompt", "1024", "--backend", "jit", "--json", str(tmp_path / f"{i}.json"),
                             "-q"], capture_output=True, text=True, env=os.environ | env)
         assert r.returncode == 0, r.stderr

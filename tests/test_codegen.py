@@ -13,9 +13,9 @@ import pytest
 from conftest import EXAMPLES, FABRIC, POLICIES
 from fabric_ext.codegen.driver import build
 from fabric_ext.diagnostics import Diagnostics
-from fabric_ext.runtime import kernel
-from fabric_ext.runtime.bundle import load_bundle, load_runtime_json
-from fabric_ext.runtime.elf import load_object
+from fabric_ext.runtime.machine import kernel
+from fabric_ext.runtime.simulation.bundle import load_bundle, load_runtime_json
+from fabric_ext.runtime.machine.elf import load_object
 from policy_helpers import Runner, compiled
 
 GB, KiB, MiB = 10**9, 1024, 2**20
@@ -148,15 +148,15 @@ def _run_all(policy, backend):
 
 @pytest.mark.parametrize("policy", [p.stem for p in EXAMPLES])
 def test_jit_runs_every_program_the_same(policy):
-    from fabric_ext.runtime.interp import Interpreter
-    from fabric_ext.runtime.jit import JitBackend
+    from fabric_ext.runtime.machine.interp import Interpreter
+    from fabric_ext.runtime.machine.jit import JitBackend
     assert _run_all(policy, JitBackend()) == _run_all(policy, Interpreter())
 
 
 @pytest.mark.skipif(not KERNEL_OK, reason=KERNEL_WHY)
 @pytest.mark.parametrize("policy", [p.stem for p in EXAMPLES])
 def test_kernel_runs_every_program_the_same(policy):
-    from fabric_ext.runtime.interp import Interpreter
+    from fabric_ext.runtime.machine.interp import Interpreter
     kb = kernel.KernelBackend()
     try:
         assert _run_all(policy, kb) == _run_all(policy, Interpreter())
@@ -186,8 +186,8 @@ def test_bpftool_loadall(tmp_path):
 @pytest.mark.skipif(shutil.which("clang") is None, reason="clang is not installed")
 @pytest.mark.parametrize("policy", [p.stem for p in EXAMPLES])
 def test_c_listing_compiles_and_behaves_the_same(policy, tmp_path):
-    from fabric_ext.runtime.context import ContextCodec
-    from fabric_ext.runtime.interp import Interpreter
+    from fabric_ext.runtime.simulation.context import ContextCodec
+    from fabric_ext.runtime.machine.interp import Interpreter
     out = compiled(policy)
     b = load_bundle(out)
     inc = f"/usr/include/{platform.machine()}-linux-gnu"
@@ -285,8 +285,8 @@ def test_compile_summary_and_emit(tmp_path):
 def test_every_opt_level_and_cpu_gives_the_same_decisions(opt, mcpu):
     res = build(POLICIES / "nic_pacing.fx", opt=opt, mcpu=mcpu, diags=Diagnostics())
     assert res is not None
-    from fabric_ext.runtime.context import ContextCodec
-    from fabric_ext.runtime.interp import Interpreter
+    from fabric_ext.runtime.simulation.context import ContextCodec
+    from fabric_ext.runtime.machine.interp import Interpreter
     from fabric_ext.hooks import HOOKS
     obj = load_object(res.files["nic0.bpf.o"], "nic0.bpf.o")
     hook = HOOKS["dpu", "tx"]

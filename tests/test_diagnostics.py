@@ -93,7 +93,7 @@ def test_werror_compile_writes_nothing_and_fabric_run_shows_the_warnings(tmp_pat
                        capture_output=True, text=True, check=False)
     assert r.returncode == 1 and "error: map 'kv' is declared but no handler uses it" in r.stderr, r.stderr
     assert not out.exists()
-    r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.cli", "--policy", str(path), "-q"],
+    r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.cli", "--policy", str(path), "-q"],
                        capture_output=True, text=True, check=False)
     assert r.returncode == 0 and "warning: map 'kv' is declared but no handler uses it" in r.stderr, r.stderr
 

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabric_ext.runtime import dispatch
-from fabric_ext.runtime.bundle import create_maps, load_bundle, load_manifest
-from fabric_ext.runtime.context import ContextCodec
-from fabric_ext.runtime.interp import Interpreter
+from fabric_ext.runtime.simulation import dispatch
+from fabric_ext.runtime.simulation.bundle import create_maps, load_bundle, load_manifest
+from fabric_ext.runtime.simulation.context import ContextCodec
+from fabric_ext.runtime.machine.interp import Interpreter
 from policy_helpers import compiled
 from test_runtime import compile_text, run_engine
 
@@ -56,7 +56,7 @@ def _timeless(report):
 
 @pytest.mark.parametrize("name", ["prefill_qos", "nic_pacing", "kv_tiering"])
 def test_remembering_decisions_changes_nothing_but_the_runs(name, monkeypatch):
-    from fabric_ext.runtime.jit import JitBackend
+    from fabric_ext.runtime.machine.jit import JitBackend
     remembered, _ = run_engine(compiled(name), backend=JitBackend())
     monkeypatch.setattr(dispatch, "MEMO_LIMIT", 0)
     ran, _ = run_engine(compiled(name), backend=JitBackend())
@@ -83,7 +83,7 @@ policy p { on w_in.forward at sw0 { if ev.bytes >= 3MiB { priority = 7 } else { 
 def test_decisions_standing_for_a_transfer_are_dropped_when_their_program_is_detached():
     """The fabric applies a transfer's standing decisions itself; once the island's program
     is detached (after a fault) they no longer hold, and its later chunks ask again."""
-    from fabric_ext.runtime.jit import JitBackend
+    from fabric_ext.runtime.machine.jit import JitBackend
     report, eng = run_engine(compiled("prefill_qos"), backend=JitBackend())
     standing = [t for t in eng.fabric.transfers if "sw0" in t.standing]
     assert standing and all(t.standing["sw0"].decisions.get("priority") for t in standing)
@@ -95,9 +95,9 @@ def test_decisions_remembered_per_map_entry_follow_the_entry(tmp_path):
     """A handler that reads an array entry at a context field's key: its decisions are
     remembered per field value and entry value, so a changed entry runs the program again;
     without the maps in this process (the kernel's) nothing is remembered."""
-    from fabric_ext.runtime.dispatch import acting
-    from fabric_ext.runtime.jit import JitBackend
-    from fabric_ext.runtime.shims import DputimeShim
+    from fabric_ext.runtime.simulation.dispatch import acting
+    from fabric_ext.runtime.machine.jit import JitBackend
+    from fabric_ext.runtime.simulation.shims import DputimeShim
     out = compile_text(tmp_path, """
 import "fabrics/dgx_cxl.fx"
 movement kv = kv : gpu* -> pool0

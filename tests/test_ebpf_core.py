@@ -3,11 +3,11 @@ reference interpreter and, where bpf(2) is permitted, in the Linux kernel as the
 import pytest
 
 from ebpf_data import CASES
-from fabric_ext.runtime import isa, kernel
-from fabric_ext.runtime.asm import AsmError, assemble
-from fabric_ext.runtime.interp import Interpreter
-from fabric_ext.runtime.program import Program, VMFault
-from fabric_ext.runtime.verifier import VerifierError, verify
+from fabric_ext.runtime.machine import isa, kernel
+from fabric_ext.runtime.machine.asm import AsmError, assemble
+from fabric_ext.runtime.machine.interp import Interpreter
+from fabric_ext.runtime.machine.program import Program, VMFault
+from fabric_ext.runtime.machine.verifier import VerifierError, verify
 
 KERNEL_OK, KERNEL_WHY = kernel.permitted()
 needs_kernel = pytest.mark.skipif(not KERNEL_OK, reason=KERNEL_WHY)
@@ -19,7 +19,7 @@ def program(case):
 
 def backend(name, **kw):
     if name == "jit":
-        from fabric_ext.runtime.jit import JitBackend
+        from fabric_ext.runtime.machine.jit import JitBackend
         return JitBackend(**kw)
     return Interpreter(**kw)
 
@@ -141,7 +141,7 @@ def test_budget_holds_for_straight_line_code(vm):
 
 def test_jit_bounds_checks_what_the_verifier_cannot_prove():
     """A bare program indexes its memory with a value read from it: the JIT checks at run time."""
-    from fabric_ext.runtime.jit import JitBackend
+    from fabric_ext.runtime.machine.jit import JitBackend
     prog = Program("idx", assemble("ldxb %r2, [%r1+0]\nadd %r1, %r2\nldxb %r0, [%r1+0]\nexit"))
     verify(prog)
     b = JitBackend()
@@ -156,7 +156,7 @@ def test_jit_drops_only_the_checks_the_verifier_proved():
     """The verifier records where each access was proven; the JIT's code for a proven context
     access has no check, so a context shorter than the hook's runs the checked code instead."""
     from fabric_ext.hooks import HOOKS
-    from fabric_ext.runtime.jit import JitBackend
+    from fabric_ext.runtime.machine.jit import JitBackend
     hook = HOOKS["cxl_switch", "forward"]
     off = hook.offset("bytes")
     prog = Program("p", assemble(f"ldxdw %r0, [%r1+{off}]\nexit"), hook=hook)
@@ -178,7 +178,7 @@ def test_jit_drops_only_the_checks_the_verifier_proved():
 def test_jit_batch_runs_many_contexts_in_one_call():
     import numpy as np
     from fabric_ext.hooks import HOOKS
-    from fabric_ext.runtime.jit import JitBackend
+    from fabric_ext.runtime.machine.jit import JitBackend
     hook = HOOKS["cxl_switch", "forward"]
     src = (f"ldxdw %r2, [%r1+{hook.offset('bytes')}]\nrsh %r2, 20\nstxw [%r1+{hook.offset('priority')}], %r2\n"
            "mov %r0, 0\nexit")

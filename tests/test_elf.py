@@ -9,9 +9,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from fabric_ext.runtime.elf import ObjectError, load_object
-from fabric_ext.runtime.interp import Interpreter
-from fabric_ext.runtime.verifier import VerifierError, verify
+from fabric_ext.runtime.machine.elf import ObjectError, load_object
+from fabric_ext.runtime.machine.interp import Interpreter
+from fabric_ext.runtime.machine.verifier import VerifierError, verify
 
 FIX = Path(__file__).parent / "fixtures"
 CLANG = shutil.which("clang")

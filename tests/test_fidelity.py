@@ -9,14 +9,14 @@ import sys
 import pytest
 from conftest import POLICIES, ROOT
 from fabric_ext.codegen.driver import build, write_output
-from fabric_ext.runtime import validation
-from fabric_ext.runtime.bundle import create_maps, load_manifest
-from fabric_ext.runtime.compute import GpuProfile, Stack, Timer, profile_tables
-from fabric_ext.runtime.engine import Engine, RunOptions
-from fabric_ext.runtime.figures import figures
-from fabric_ext.runtime.interp import Interpreter
-from fabric_ext.runtime.operators import attention_block, ffn_block
-from fabric_ext.runtime.workload import WorkloadError, load_model
+from fabric_ext.runtime.simulation import validation
+from fabric_ext.runtime.simulation.bundle import create_maps, load_manifest
+from fabric_ext.runtime.simulation.compute import GpuProfile, Stack, Timer, profile_tables
+from fabric_ext.runtime.simulation.engine import Engine, RunOptions
+from fabric_ext.runtime.simulation.figures import figures
+from fabric_ext.runtime.machine.interp import Interpreter
+from fabric_ext.runtime.simulation.operators import attention_block, ffn_block
+from fabric_ext.runtime.simulation.workload import WorkloadError, load_model
 
 from fabric_ext.diagnostics import Diagnostics
 
@@ -166,7 +166,7 @@ def test_the_stack_is_chosen_by_the_workload_or_the_command_line(tmp_path):
                         'workload w { model: "llama2-70b"; tp: 8; prompt: 64; stack: "none" }\n')
     report, _ = run(folder)
     assert report["stack"] == "none"
-    r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.cli", "--policy", str(folder), "--stack", "vllm",
+    r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.cli", "--policy", str(folder), "--stack", "vllm",
                         "-q", "--json", str(tmp_path / "r.json")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "r.json").read_text())["stack"] == "vllm"
@@ -182,7 +182,7 @@ def validated():
 def test_every_stored_coefficient_is_what_a_refit_of_the_shared_data_gives():
     """`calibrate --check` refits the operator tables, the compute and collective models and
     the stack from ../shared/data and fails where a stored figure differs."""
-    r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.calibrate", str(DATA), "--check"],
+    r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.calibrate", str(DATA), "--check"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "median |error|" in r.stdout and "left out:" in r.stdout

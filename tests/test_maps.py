@@ -4,7 +4,7 @@ import multiprocessing as mp
 
 import pytest
 
-from fabric_ext.runtime.maps import ARRAY, BPF_EXIST, BPF_NOEXIST, HASH, LRU_HASH, PERCPU_ARRAY, Map, MapError
+from fabric_ext.runtime.machine.maps import ARRAY, BPF_EXIST, BPF_NOEXIST, HASH, LRU_HASH, PERCPU_ARRAY, Map, MapError
 
 K = lambda i: i.to_bytes(4, "little")  # noqa: E731
 V = lambda i: i.to_bytes(8, "little")  # noqa: E731

@@ -9,9 +9,9 @@ import pytest
 from conftest import POLICIES
 from fabric_ext.codegen.driver import build, write_output
 from fabric_ext.diagnostics import Diagnostics
-from fabric_ext.runtime.bundle import BundleError, create_maps, load_manifest
-from fabric_ext.runtime.engine import Engine, RunOptions
-from fabric_ext.runtime.interp import Interpreter
+from fabric_ext.runtime.simulation.bundle import BundleError, create_maps, load_manifest
+from fabric_ext.runtime.simulation.engine import Engine, RunOptions
+from fabric_ext.runtime.machine.interp import Interpreter
 from policy_helpers import compiled
 
 SMALL = dict(model="llama3-8b", prompt=512, tp=2)
@@ -37,7 +37,7 @@ def compile_text(tmp_path, text, name="p"):
 
 
 def fabric_run(*args):
-    return subprocess.run([sys.executable, "-m", "fabric_ext.runtime.cli", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.cli", *map(str, args)],
                           capture_output=True, text=True)
 
 
@@ -180,7 +180,7 @@ policy p { on cpu0.alloc when ev.layer < 16 { tier = nic0 }
 def test_the_transfers_a_run_makes_are_the_ones_the_compiler_warns_with(tmp_path, monkeypatch, placement):
     """The compiler's movement warnings (`lint`) read `prefill_flows`; the engine must make
     exactly those kinds of transfer, or a movement warned about might move data after all."""
-    from fabric_ext.runtime.workload import prefill_flows
+    from fabric_ext.runtime.simulation.workload import prefill_flows
     out = compile_text(tmp_path, f"""
 import "fabrics/dgx_cxl.fx"
 workload w {{ model: "llama3-8b"; prompt: 1024; prefill_chunk: 512; tp: 2; {placement} }}""")
@@ -252,7 +252,7 @@ def test_models_and_overrides(tmp_path):
 
 def test_plots(tmp_path):
     pytest.importorskip("matplotlib")
-    from fabric_ext.runtime.stats import plots
+    from fabric_ext.runtime.simulation.stats import plots
     report, _ = run_engine(compiled("prefill_qos"))
     files = plots(report, tmp_path)
     assert all(open(f, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for f in files)
@@ -262,8 +262,8 @@ def test_plots(tmp_path):
 def test_ringbuf_drops_are_counted_and_reported(tmp_path, vm):
     """Nothing consumes a ringbuf during a run: once it is full, records are dropped, and the
     report says how many (they were lost in silence)."""
-    from fabric_ext.runtime import stats
-    from fabric_ext.runtime.program import get_backend
+    from fabric_ext.runtime.simulation import stats
+    from fabric_ext.runtime.machine.program import get_backend
     out = compile_text(tmp_path, """
 import "fabrics/dgx_cxl.fx"
 workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0 }
@@ -289,7 +289,7 @@ policy p {{ {body} }}"""
 def test_chunked_prefill_reads_the_earlier_passes_kv_back_from_where_it_lives(tmp_path):
     """With KV outside HBM, attention of each later pass waits for the KV of the passes before
     it, read back as a `kv` transfer with its own movement; a reload policy then changes TTFT."""
-    from fabric_ext.runtime.workload import load_model
+    from fabric_ext.runtime.simulation.workload import load_model
     plain = compile_text(tmp_path, KV_RELOAD.format(body=""), "plain")
     report, eng = run_engine(plain, prompt=8192, tp=2, chunk_tokens=2048)
     reload = next(m for m in report["movements"] if m["name"] == "kv_reload")

@@ -3,13 +3,13 @@
 Every one must be rejected by our verifier (with a message that says why) and, where bpf(2)
 is permitted, by the kernel's; run without a proof, every backend must stop it with a fault."""
 import pytest
-from fabric_ext.runtime import isa as I
-from fabric_ext.runtime import kernel
-from fabric_ext.runtime.asm import assemble
-from fabric_ext.runtime.interp import Interpreter
-from fabric_ext.runtime.maps import ARRAY, RINGBUF, Map
-from fabric_ext.runtime.program import Program, VMFault
-from fabric_ext.runtime.verifier import VerifierError, verify
+from fabric_ext.runtime.machine import isa as I
+from fabric_ext.runtime.machine import kernel
+from fabric_ext.runtime.machine.asm import assemble
+from fabric_ext.runtime.machine.interp import Interpreter
+from fabric_ext.runtime.machine.maps import ARRAY, RINGBUF, Map
+from fabric_ext.runtime.machine.program import Program, VMFault
+from fabric_ext.runtime.machine.verifier import VerifierError, verify
 
 KERNEL_OK, KERNEL_WHY = kernel.permitted()
 
@@ -104,7 +104,7 @@ def test_unverified_runs_fault_on_every_backend(name):
     at all, each backend checks every access.  The interpreter's regions lie far apart, so it
     faults; the JIT's are real buffers, so a stray access may land in another of the run's own
     regions (VM memory) rather than fault — either way the process lives on."""
-    from fabric_ext.runtime.jit import JitBackend
+    from fabric_ext.runtime.machine.jit import JitBackend
     insns, maps, _ = HOSTILE[name]
     with pytest.raises(VMFault):
         Interpreter().run(Program(name, insns, maps()), mem=bytearray(MEM))
@@ -117,7 +117,7 @@ def test_unverified_runs_fault_on_every_backend(name):
 
 def test_jit_bounds_check_cannot_wrap():
     """addr + size overflowed for an address near 2^64, passing for any region."""
-    from fabric_ext.runtime.jit import JitBackend
+    from fabric_ext.runtime.machine.jit import JitBackend
     vm = JitBackend()
     for addr in (0xFFFFFFFFFFFFFFFC, 0xFFFFFFFFFFFFFFFF, 0xFFFFFFFFFFFFFFF8):
         prog = Program("wrap", assemble(f"lddw %r1, {addr:#x}\nldxw %r0, [%r1+0]\nstw [%r1+0], 1\nexit"))
@@ -157,7 +157,7 @@ def test_records_released_on_every_path_are_accepted():
 
 
 def test_a_verifier_defect_rejects_instead_of_raising(monkeypatch):
-    from fabric_ext.runtime import verifier
+    from fabric_ext.runtime.machine import verifier
     def broken(*args):
         raise IndexError("list index out of range")
     monkeypatch.setattr(verifier.Verifier, "load", broken)
@@ -168,7 +168,7 @@ def test_a_verifier_defect_rejects_instead_of_raising(monkeypatch):
 @pytest.fixture
 def unsound_map_bounds(monkeypatch):
     """A verifier with a defect: its bounds check on map values knocked out."""
-    from fabric_ext.runtime import verifier
+    from fabric_ext.runtime.machine import verifier
     real = verifier.Verifier._check_access
 
     def no_map_bounds(self, pc, ptr, off, size, write):
@@ -180,7 +180,7 @@ def unsound_map_bounds(monkeypatch):
 def test_proof_checking_finds_a_verifier_defect(unsound_map_bounds):
     """With the map-value bounds check knocked out of the verifier, the hostile program is
     'proven'; the proof-checking interpreter reports the defect instead of a plain fault."""
-    from fabric_ext.runtime.program import ProofViolation
+    from fabric_ext.runtime.machine.program import ProofViolation
     prog = Program("p", assemble(DIV_BY_RANGE_WITH_ZERO), _value_map())
     verify(prog)
     with pytest.raises(ProofViolation, match="verifier bug: the access was proven to stay in map_value"):
@@ -202,7 +202,7 @@ def test_division_ranges_keep_zero():
 def test_jit_checks_all_stops_what_a_wrong_proof_lets_through(unsound_map_bounds, monkeypatch):
     """Defence in depth: with checks=all the JIT keeps run-time checks on proven accesses, so
     even a verifier defect (simulated here) ends in a fault, not in host memory."""
-    from fabric_ext.runtime.jit import JitBackend
+    from fabric_ext.runtime.machine.jit import JitBackend
     prog = Program("p", assemble(DIV_BY_RANGE_WITH_ZERO), _value_map())
     verify(prog)
     assert prog.proof
@@ -220,7 +220,7 @@ def test_jit_checks_all_stops_what_a_wrong_proof_lets_through(unsound_map_bounds
 def test_proof_checking_finds_an_access_in_memory_of_another_kind():
     """A proven access that lands in memory, but not the kind it was proven in, is a defect too
     (the JIT would run it unchecked wherever it pointed)."""
-    from fabric_ext.runtime.program import ProofViolation
+    from fabric_ext.runtime.machine.program import ProofViolation
     prog = Program("p", assemble("stdw [%r10-8], 1\nldxdw %r0, [%r10-8]\nexit"))
     verify(prog)
     assert Interpreter(check_proofs=True).run(prog) == 1
@@ -231,7 +231,7 @@ def test_proof_checking_finds_an_access_in_memory_of_another_kind():
 
 
 def test_lddw_second_half_must_be_empty():
-    from fabric_ext.runtime.isa import DecodeError, decode
+    from fabric_ext.runtime.machine.isa import DecodeError, decode
     good = bytes.fromhex("18010000050000000000000000000000")
     assert decode(good)[0].imm == 5
     for bad in ("18010000050000000001000000000000", "18010000050000000000010000000000"):
@@ -242,7 +242,7 @@ def test_lddw_second_half_must_be_empty():
 def test_jit_counts_a_second_outstanding_record_as_dropped():
     """The JIT's compiled checks know one reserved record: a second reserve while one is held
     returns null, and the ring counts it as a drop rather than losing it in silence."""
-    from fabric_ext.runtime.jit import JitBackend
+    from fabric_ext.runtime.machine.jit import JitBackend
     src = (RESERVE + "lddw %r1, map 0\nmov %r2, 8\nmov %r3, 0\ncall 131\nmov %r7, %r0\n"
            "jeq %r7, 0, one\nmov %r1, %r7\nmov %r2, 0\ncall 133\none:\n"
            "mov %r1, %r6\nmov %r2, 0\ncall 132\n" + OUT)

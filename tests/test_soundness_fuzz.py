@@ -5,7 +5,7 @@ import random
 from pathlib import Path
 
 import pytest
-from fabric_ext.runtime.program import Program
+from fabric_ext.runtime.machine.program import Program
 from fuzz.soundness import Case, accepts, check, fuzz
 
 CASES = sorted((Path(__file__).parent / "soundness_cases").glob("*.json"))

@@ -5,9 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fabric_ext.hooks import HOOKS
-from fabric_ext.runtime.context import ContextCodec
-from fabric_ext.runtime.fabric_model import Chunk, Server, Sim, Transfer
-from fabric_ext.runtime.ticks import TickSource
+from fabric_ext.runtime.simulation.context import ContextCodec
+from fabric_ext.runtime.simulation.fabric_model import Chunk, Server, Sim, Transfer
+from fabric_ext.runtime.simulation.ticks import TickSource
 from policy_helpers import compiled
 from test_runtime import compile_text, run_engine
 
@@ -135,7 +135,7 @@ def test_only_the_last_of_overwriting_ticks_runs_and_sees_its_own_counters(chunk
 
 
 def _same_run(folder, **kw):
-    from fabric_ext.runtime.jit import JitBackend
+    from fabric_ext.runtime.machine.jit import JitBackend
     lazy, eng_lazy = run_engine(folder, backend=JitBackend(), **kw)
     eager, eng_eager = run_engine(folder, backend=JitBackend(), eager_ticks=True, **kw)
     for key in ("ttft_ms", "maps", "movements", "faults"):
@@ -192,7 +192,7 @@ import "fabrics/dgx_cxl.fx"
 workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0 }
 map m : array<u32, percent>[4]
 policy p { on sw0.tick(10us) { for i in 0..200 { m[i % 4] += ev.util_pct } } }""")
-    from fabric_ext.runtime.interp import Interpreter
+    from fabric_ext.runtime.machine.interp import Interpreter
     report, _ = run_engine(out, backend=Interpreter(budget=1500))
     (fault,) = report["faults"]
     assert fault["hook"] == "tick" and "budget" in fault["reason"]

@@ -7,9 +7,9 @@ from fractions import Fraction
 import pytest
 from conftest import FABRIC, FABRIC_LINES
 from fabric_ext.codegen.driver import build, write_output
-from fabric_ext.runtime.bundle import load_bundle
-from fabric_ext.runtime.context import ContextCodec
-from fabric_ext.runtime.interp import Interpreter
+from fabric_ext.runtime.simulation.bundle import load_bundle
+from fabric_ext.runtime.simulation.context import ContextCodec
+from fabric_ext.runtime.machine.interp import Interpreter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -5,7 +5,7 @@ import random
 import shutil
 
 import pytest
-from fabric_ext.runtime import cli
+from fabric_ext.runtime.simulation import cli
 from policy_helpers import compiled
 
 BAD_VALUES = [None, -1, 0, 1.5, 2 ** 40, 2 ** 64, "x", "../../etc/passwd", [], {}, True, "\u00e9" * 5000]
@@ -148,7 +148,7 @@ def test_scratch_folders_go_on_signals_and_stale_ones_are_reaped(tmp_path):
 
     from conftest import POLICIES
     env = os.environ | {"TMPDIR": str(tmp_path)}
-    cmd = [sys.executable, "-m", "fabric_ext.runtime.cli", "--policy", str(POLICIES / "prefill_qos.fx"),
+    cmd = [sys.executable, "-m", "fabric_ext.runtime.simulation.cli", "--policy", str(POLICIES / "prefill_qos.fx"),
            "--model", "llama3-70b", "--prompt", "32768", "-q"]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
@@ -179,7 +179,7 @@ def test_the_event_limit_and_jit_checks_reach_the_run(tmp_path):
     assert code == 0
     report = json.loads(out.read_text())
     assert report["backend_load"]["checks"] == "all" and report["events"] > 1000
-    from fabric_ext.runtime import stats
+    from fabric_ext.runtime.simulation import stats
     assert "every access checked at run time" in stats.render(report)
 
 

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from fabric_ext.runtime import kernel
+from fabric_ext.runtime.machine import kernel
 
 BACKENDS = ["interp", "jit"] + (["kernel"] if kernel.permitted()[0] else [])
 
@@ -47,8 +47,8 @@ def test_plugin_help_program_option_and_elf_mode(tmp_path):
 @pytest.mark.parametrize("backend", ["interp", "jit"])
 def test_plugin_callx_calls_the_helper_in_a_register(backend):
     """callx (JMP|CALL|X, the helper id in dst): bpf_conformance's callx.data."""
-    from fabric_ext.runtime import isa
-    from fabric_ext.runtime.asm import assemble
+    from fabric_ext.runtime.machine import isa
+    from fabric_ext.runtime.machine.asm import assemble
     code = isa.encode(assemble("mov %r1, -1\nmov %r2, 5\ncall %r2\nmov %r0, 2\nexit")).hex()
     r = plugin(["--backend", backend], code)
     assert r.returncode == 0 and r.stdout.strip() == "2", r.stderr
@@ -85,7 +85,7 @@ def test_fabric_vm_run_asm(tmp_path, backend):
 def test_fabric_vm_run_object_prints_maps_and_ctx(tmp_path):
     from policy_helpers import compiled
     from fabric_ext.hooks import HOOKS
-    from fabric_ext.runtime.context import ContextCodec
+    from fabric_ext.runtime.simulation.context import ContextCodec
     ctx = ContextCodec(HOOKS["dpu", "tx"]).pack(movement=1, bytes=4096, queue_bytes=1 << 30)
     r = vm("run", compiled("nic_pacing") / "nic0.bpf.o", "--program", "nic0_tx", "--ctx", bytes(ctx).hex())
     assert r.returncode == 0, r.stderr

@@ -1,5 +1,5 @@
 // A DGX A100 (8 A100 SXM4 80 GB GPUs, NVLink 3 through NVSwitch, a host, no CXL).  Figures:
-// runtime/data/figures.json (gpu a100_sxm; NVLink 3: 600 GB/s bidirectional, PCIe Gen4 x16 ~32 GB/s).
+// runtime/simulation/data/figures.json (gpu a100_sxm; NVLink 3: 600 GB/s bidirectional, PCIe Gen4 x16 ~32 GB/s).
 fabric dgx_a100 {
   gpu gpu0, gpu1, gpu2, gpu3, gpu4, gpu5, gpu6, gpu7 { model: "a100_sxm"; hbm: 80GiB; hbm_bw: 2.039TB/s; bf16: 312TFLOPs }
   host cpu0 { dram: 2TiB }

@@ -1,5 +1,5 @@
 // A DGX-class node (8 GPUs) with a CXL memory pool behind a CXL switch and a DPU
-// that exports KV cache to a decode node.  Figures: runtime/data/figures.json.
+// that exports KV cache to a decode node.  Figures: runtime/simulation/data/figures.json.
 fabric dgx_cxl {
   gpu gpu0, gpu1, gpu2, gpu3, gpu4, gpu5, gpu6, gpu7 { hbm: 80GiB; hbm_bw: 3.35TB/s; bf16: 989TFLOPs }
   cxl_switch sw0             { ports: 16; hop: 100ns }

@@ -1,5 +1,5 @@
 // A DGX H100 (8 H100 SXM5 GPUs, NVLink 4 through NVSwitch, a host, no CXL).  Figures:
-// runtime/data/figures.json (gpu h100_sxm, links nvlink4 and pcie5_x16).
+// runtime/simulation/data/figures.json (gpu h100_sxm, links nvlink4 and pcie5_x16).
 fabric dgx_h100 {
   gpu gpu0, gpu1, gpu2, gpu3, gpu4, gpu5, gpu6, gpu7 { model: "h100_sxm"; hbm: 80GiB; hbm_bw: 3.35TB/s; bf16: 989TFLOPs }
   host cpu0 { dram: 2TiB }

@@ -23,13 +23,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fabric_ext.runtime import isa as I
-from fabric_ext.runtime.asm import assemble
-from fabric_ext.runtime.elf import MapSpec
-from fabric_ext.runtime.interp import Interpreter
-from fabric_ext.runtime.maps import ARRAY, HASH, RINGBUF
-from fabric_ext.runtime.program import Program, ProofViolation, VMFault
-from fabric_ext.runtime.verifier import VerifierError, verify
+from fabric_ext.runtime.machine import isa as I
+from fabric_ext.runtime.machine.asm import assemble
+from fabric_ext.runtime.machine.elf import MapSpec
+from fabric_ext.runtime.machine.interp import Interpreter
+from fabric_ext.runtime.machine.maps import ARRAY, HASH, RINGBUF
+from fabric_ext.runtime.machine.program import Program, ProofViolation, VMFault
+from fabric_ext.runtime.machine.verifier import VerifierError, verify
 
 MEM_SIZE = 64
 WORK = ("%r6", "%r7", "%r8")      # callee-saved: they survive helper calls
@@ -314,7 +314,7 @@ def check(case: Case, prog: Program, rng: random.Random, n_inputs: int) -> str |
 
 
 def kernel_rejects(case: Case) -> bool:
-    from fabric_ext.runtime import kernel
+    from fabric_ext.runtime.machine import kernel
     kb = kernel.KernelBackend()
     try:
         kb.load(case.program())
@@ -337,7 +337,7 @@ def fuzz(seed: int, seconds: float, max_programs: int | None = None, n_inputs: i
          use_kernel: bool | None = None) -> Report:
     """Generate and check programs for ``seconds`` (or ``max_programs``); deterministic per seed
     up to where time runs out."""
-    from fabric_ext.runtime import kernel
+    from fabric_ext.runtime.machine import kernel
     if use_kernel is None:
         use_kernel = kernel.permitted()[0]
     rng = random.Random(seed)

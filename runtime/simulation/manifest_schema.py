@@ -22,8 +22,8 @@ from fabric_ext.schema import (
     STRING,
 )
 
-from .elf import MapSpec
-from .maps import KIND_TYPE
+from ..machine.elf import MapSpec
+from ..machine.maps import KIND_TYPE
 
 MAX_ITEMS = 100_000          # no list or object in a manifest is longer
 MAX_NS = 10 ** 12            # any period or latency: 1000 s

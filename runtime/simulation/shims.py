@@ -20,8 +20,8 @@ from fabric_ext.hooks import HOOKS
 from .bundle import BundleError, load_runtime_json
 from .context import ContextCodec
 from .dispatch import Acting, Known, acting
-from .program import Program, SourceLine, VMFault
-from .verifier import VerifierError, verify
+from ..machine.program import Program, SourceLine, VMFault
+from ..machine.verifier import VerifierError, verify
 
 
 class Shim:

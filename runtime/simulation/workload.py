@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from fabric_ext.fsutil import read_bounded
+from fabric_ext.runtime.machine.fsutil import read_bounded
 
 from .figures import figures
 from .operators import Operator, attention_block, ffn_block

@@ -14,15 +14,15 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fabric_ext.fsutil import UnreadableFile, read_bounded
+from fabric_ext.runtime.machine.fsutil import UnreadableFile, read_bounded
 from fabric_ext.hooks import HOOKS
 
-from . import isa
-from .elf import MapSpec, ObjectError, load_object
+from ..machine import isa
+from ..machine.elf import MapSpec, ObjectError, load_object
 from .manifest_schema import SchemaError, validate
-from .maps import Map
-from .program import Program
-from .verifier import VerifierError, verify
+from ..machine.maps import Map
+from ..machine.program import Program
+from ..machine.verifier import VerifierError, verify
 
 MANIFEST_SCHEMA = "fabric-manifest/2"   # 2: programs list their handlers
 DPUTIME_SCHEMA = "dputime/1"
@@ -149,7 +149,7 @@ def load_bundle(folder: Path, shared_maps: bool = False, verify_programs: bool =
 
 def create_maps(manifest: dict, shared: bool = False, skip=()) -> dict[str, Map]:
     """One store per map of the manifest (but those in ``skip``): what every island using it sees."""
-    from .maps import KIND_TYPE
+    from ..machine.maps import KIND_TYPE
     return {m["name"]: MapSpec(m["name"], KIND_TYPE[m["kind"]], m["key_size"], m["value_size"],
                                m["max_entries"]).create(shared=shared)
             for m in manifest["maps"] if m["name"] not in skip}

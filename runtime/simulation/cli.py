@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 
 from fabric_ext import __version__
-from .program import JIT_CHECKS
+from ..machine.program import JIT_CHECKS
 
 EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -130,7 +130,7 @@ def _progress():
 def run(args) -> int:
     from .bundle import create_maps, load_manifest
     from .engine import Engine, RunOptions
-    from .program import get_backend
+    from ..machine.program import get_backend
     from . import stats
     policy = Path(args.policy) if args.policy else reference_policy()
     _reap_stale_scratch()
@@ -195,8 +195,8 @@ def main(argv=None) -> int:
         if signal.getsignal(sig) is signal.SIG_DFL:
             signal.signal(sig, _exit_on_signal)
     from .bundle import BundleError
-    from .elf import ObjectError
-    from .kernel import KernelError, KernelVerifierError
+    from ..machine.elf import ObjectError
+    from ..machine.kernel import KernelError, KernelVerifierError
     from .fabric_model import EventLimit, NoPath
     from .workload import WorkloadError
     if args.max_events is not None and args.max_events < 0:

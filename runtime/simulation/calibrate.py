@@ -1,13 +1,13 @@
 """Refit every coefficient of the model from the shared measurements, and validate it.
 
-    python -m fabric_ext.runtime.calibrate [DATA_DIR] [--check]   (default: ../shared/data)
+    fabric-calibrate [DATA_DIR] [--check]   (default: ../shared/data)
 
 From ``DATA_DIR/vidur`` (operator and NCCL profiles): the operator tables the compute model
-interpolates (runtime/data/operator_profiles.json), per GPU profile the GEMM efficiency
+interpolates (runtime/simulation/data/operator_profiles.json), per GPU profile the GEMM efficiency
 curve and each memory-bound operator's fixed cost and share of HBM bandwidth, the attention
 curve through its published points, the all-reduce's alpha-beta per TP degree, and NVLink's
 per-message cost.  From ``DATA_DIR/splitwise`` (measured prefills): the serving-stack
-profile (`validation.fit_stack`).  It writes them into runtime/data (``--check``: writes
+profile (`validation.fit_stack`).  It writes them into runtime/simulation/data (``--check``: writes
 nothing and exits 1 where a stored figure differs from the refit) and prints the validation
 table of the model against every measured configuration.
 """
@@ -162,7 +162,7 @@ def fit_message_cost(path: Path) -> dict:
     ns = np.array([float(r["time_stats.send_recv.median"]) for r in rows]) * 1e6
     setup, per_byte = np.linalg.lstsq(np.vstack([np.ones_like(size), size]).T, ns, rcond=None)[0]
     return {"setup": round(float(setup)), "fit_bw": round(1e9 / float(per_byte), -6), "fit_points": len(rows),
-            "setup_source": "fitted by 'python -m fabric_ext.runtime.calibrate' to Vidur's NCCL send/recv profile "
+            "setup_source": "fitted by 'fabric-calibrate' to Vidur's NCCL send/recv profile "
                             "within a DGX-H100 node (microsoft/vidur data/profiling/network/h100_dgx/send_recv.csv, "
                             "devices_per_node 2): the intercept of time against size, one message's fixed cost"}
 
@@ -181,7 +181,7 @@ def refit(data: Path) -> tuple[dict, dict]:
         c["gemm"] = fit_gemm(mine, gpu["bf16"], gpu["hbm_bw"])
         c["memory"] = fit_memory(mine, gpu["hbm_bw"])
         c["attention"] = attention_curve(doc["attention_published"][gpu_name])
-        c["source"] = (f"fitted by 'python -m fabric_ext.runtime.calibrate' to Vidur's {prefix.upper()} operator "
+        c["source"] = (f"fitted by 'fabric-calibrate' to Vidur's {prefix.upper()} operator "
                        f"profiles ({', '.join(f.name for f in mine)}: microsoft/vidur data/profiling/compute); "
                        "attention through attention_published")
         ar = vidur / f"{prefix}_dgx_all_reduce.csv"
@@ -190,7 +190,7 @@ def refit(data: Path) -> tuple[dict, dict]:
     if (vidur / SEND_RECV).is_file():
         doc["links"]["nvlink4"].update(fit_message_cost(vidur / SEND_RECV))
     profiles = {"source": "medians of microsoft/vidur data/profiling/compute/*/mlp.csv (ms), extracted by "
-                          "'python -m fabric_ext.runtime.calibrate'", "tables": tables(files)}
+                          "'fabric-calibrate'", "tables": tables(files)}
     doc["stacks"].setdefault("vllm", {})
     return doc, profiles
 

@@ -1,4 +1,4 @@
-"""The data file of published figures (runtime/data/figures.json), read once."""
+"""The data file of published figures (runtime/simulation/data/figures.json), read once."""
 from __future__ import annotations
 
 import json

@@ -2,8 +2,8 @@
 
 Where Vidur measured the operator at this shape (same model layer shape, same tensor-parallel
 degree, token count inside the profiled range) the time is interpolated from those medians
-(`runtime/data/operator_profiles.json`, extracted from ../shared/data/vidur by
-``python -m fabric_ext.runtime.calibrate``).  Elsewhere a mechanistic model, with
+(`runtime/simulation/data/operator_profiles.json`, extracted from ../shared/data/vidur by
+``fabric-calibrate``).  Elsewhere a mechanistic model, with
 coefficients fitted by the same command to the same profiles, one set per GPU profile:
 
 - GEMM: ``max(flops / (peak * eff(flops)), t0 + bytes / (hbm_bw * bw_frac))``,

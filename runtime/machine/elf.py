@@ -17,12 +17,11 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
-from fabric_ext.fsutil import UnreadableFile, read_bounded
-from fabric_ext.schema import MAX_MAP_BYTES
+from .fsutil import UnreadableFile, read_bounded
 
 from . import isa as I
 from .btf import BTFError, map_def, parse_btf, parse_btf_ext_lines
-from .maps import ARRAY, PERCPU_ARRAY, RINGBUF, Map, TYPE_KIND
+from .maps import ARRAY, MAX_MAP_BYTES, PERCPU_ARRAY, RINGBUF, TYPE_KIND, Map
 from .program import Program, SourceLine
 
 R_BPF_64_64, R_BPF_64_ABS64, R_BPF_64_ABS32, R_BPF_64_NODYLD32, R_BPF_64_32 = 1, 2, 3, 4, 10

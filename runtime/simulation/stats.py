@@ -230,6 +230,6 @@ def _save(plt, fig, path) -> str:
 
 
 def write_json(path, data) -> None:
-    from fabric_ext.fsutil import atomic_write_text
+    from fabric_ext.runtime.machine.fsutil import atomic_write_text
     from pathlib import Path
     atomic_write_text(Path(path), json.dumps(data, indent=1) + "\n")

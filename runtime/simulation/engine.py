@@ -56,7 +56,7 @@ def _fewer_collections():
         gc.set_threshold(*old)
 
 
-#: the figure (runtime/data/figures.json "links") each kind of link takes its fixed costs from
+#: the figure (runtime/simulation/data/figures.json "links") each kind of link takes its fixed costs from
 LINK_FIGURE = {"nvlink": "nvlink4", "pcie": "pcie5_x16", "cxl": "cxl2_x16"}
 
 # context fields that are the same for every chunk of a transfer (`Transfer.ctx`)

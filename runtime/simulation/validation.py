@@ -107,7 +107,7 @@ class _Runner:
     def run(self, p: Point, stack: str) -> dict:
         from .bundle import create_maps, load_manifest
         from .engine import Engine, RunOptions
-        from .interp import Interpreter
+        from ..machine.interp import Interpreter
         folder = self.folder(MACHINES[p.hardware], MODELS[p.model])
         man = load_manifest(folder)
         opts = RunOptions(prompt=p.prompt, batch=p.batch, tp=p.tp, stack=stack, attach=False, max_events=None)
