@@ -67,8 +67,9 @@ def display_path(path: Path) -> str:
         return str(path)
 
 
-def load(root: str | Path, diags: Diagnostics) -> Program:
-    """Parse ``root`` and everything it imports; errors go to ``diags``."""
+def load(root: str | Path, diags: Diagnostics, text: str | None = None) -> Program:
+    """Parse ``root`` and everything it imports; errors go to ``diags``.  With ``text``, that is
+    the root's source (no file is read for it; its imports are relative to ``root``'s folder)."""
     root = Path(root)
     prog = Program(root=display_path(root))
     done: set[Path] = set()
@@ -88,7 +89,7 @@ def load(root: str | Path, diags: Diagnostics) -> Program:
             prog.unread += 1
             return
         try:
-            text = read_source(path)
+            source = text if at is None and text is not None else read_source(path)
         except SourceError as e:
             where = Span(name, e.line, e.col, e.line, e.col + 1) if e.line else at or Span(name, 1, 1, 1, 2)
             diags.error(where, f"cannot read '{name}': {e}", "policy sources are UTF-8 text files of at most 1 MiB")
@@ -101,8 +102,13 @@ def load(root: str | Path, diags: Diagnostics) -> Program:
                         "import paths are relative to the importing file")
             prog.unread += 1
             return
-        module = parse(text, name, diags)
-        prog.sources[name] = text
+        if len(source.encode()) > MAX_SOURCE:
+            diags.error(at or Span(name, 1, 1, 1, 2), f"cannot read '{name}': larger than {MAX_SOURCE} bytes",
+                        "policy sources are UTF-8 text files of at most 1 MiB")
+            prog.unread += 1
+            return
+        module = parse(source, name, diags)
+        prog.sources[name] = source
         if module is None:
             done.add(real)
             return

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fabric_ext.runtime.simulation import dispatch
-from fabric_ext.runtime.simulation.bundle import create_maps, load_bundle, load_manifest
+from fabric_ext.runtime.simulation.bundle import Folder, create_maps, load_bundle, load_manifest
 from fabric_ext.runtime.simulation.context import ContextCodec
 from fabric_ext.runtime.machine.interp import Interpreter
 from policy_helpers import compiled
@@ -106,7 +106,7 @@ policy p { on kv.forward at sw0 { if util[ev.out_port] > 80% { rate = 16GB/s } }
     man = load_manifest(out)
     maps = create_maps(man)
     shim = DputimeShim("sw0", "cxl_switch", JitBackend())
-    shim.load(out, man, maps)
+    shim.load(Folder(out), man, maps)
     kv = man["ids"]["movements"]["kv"]
     decide = lambda port: (shim.decide("forward", {"movement": kv, "out_port": port}).decisions,
                            shim.invocations["forward"])

@@ -15,7 +15,7 @@ def blocks(path):
     """The fenced code blocks of a Markdown file that are .fx (no shell, no output, no template)."""
     out = []
     for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", path.read_text(), re.MULTILINE | re.DOTALL):
-        if lang in ("sh", "json") or "NAME" in body or "…" in body or re.match(r"^\S+\.fx:\d+", body):
+        if lang in ("sh", "json", "python") or "NAME" in body or "…" in body or re.match(r"^\S+\.fx:\d+", body):
             continue
         out.append(body)
     return out
@@ -58,3 +58,14 @@ def test_the_hook_tables_of_the_language_reference_are_the_catalogue():
     for h in hooks.HOOKS.values():
         for f in h.decisions:
             assert f"| `{f.name}` |" in generated and f.effect in generated
+
+
+def test_the_readme_api_example_runs(monkeypatch, capsys):
+    """The README's Python example, as written, from the repository's folder."""
+    found = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.MULTILINE | re.DOTALL)
+    assert len(found) == 1
+    monkeypatch.chdir(ROOT)
+    exec(compile(found[0], "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert re.search(r"^\d+\.\d ms, baseline \d+\.\d ms$", out, re.MULTILINE), out
+    assert "KV export at" in out

@@ -75,7 +75,10 @@ class Bundle:
 
 
 def _read_json(path: Path, what: str) -> dict:
-    data = read_artifact(path, what)
+    return _parse_json(read_artifact(path, what), path, what)
+
+
+def _parse_json(data: bytes, path: Path, what: str) -> dict:
     try:
         return json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -157,7 +160,13 @@ def create_maps(manifest: dict, shared: bool = False, skip=()) -> dict[str, Map]
 
 def load_runtime_json(path: Path) -> tuple[list[MapSpec], dict[str, list[isa.Insn]]]:
     """Maps and relocated instructions from a .bpftime.json or .dputime.json file."""
-    data = _read_json(Path(path), Path(path).name)
+    return parse_runtime_json(Path(path), read_artifact(Path(path), Path(path).name))
+
+
+def parse_runtime_json(path: Path, raw: bytes) -> tuple[list[MapSpec], dict[str, list[isa.Insn]]]:
+    """Maps and relocated instructions from the bytes of a .bpftime.json or .dputime.json file
+    (``path`` names it in messages)."""
+    data = _parse_json(raw, path, path.name)
     try:
         maps, progs = _runtime_json(path, data)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -169,6 +178,20 @@ def load_runtime_json(path: Path) -> tuple[list[MapSpec], dict[str, list[isa.Ins
         if why:
             raise BundleError(f"{path}: map '{spec.name}': {why}; recompile the policy")
     return maps, progs
+
+
+@dataclass(frozen=True)
+class Folder:
+    """The artifacts of a compiled policy folder, read as untrusted files (`read_artifact`);
+    what the engine's shims load programs from (as they do from an in-memory `api.Bundle`)."""
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return str(self.path)
+
+    def read(self, file: str) -> bytes:
+        return read_artifact(self.path / file, "artifact")
 
 
 def _runtime_json(path, data):

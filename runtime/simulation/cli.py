@@ -7,16 +7,13 @@
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import shutil
 import signal
 import sys
-import tempfile
 import traceback
 from pathlib import Path
 
 from fabric_ext import __version__
+
 from ..machine.program import JIT_CHECKS
 
 EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
@@ -69,47 +66,8 @@ def build_parser():
     return p
 
 
-SCRATCH_PREFIX = "fabric-run-"
-
-
-def _reap_stale_scratch() -> None:
-    """Remove scratch folders of earlier runs that died without cleaning up (SIGKILL, a crash):
-    ours (by owner), named after a process that no longer exists."""
-    base = Path(tempfile.gettempdir())
-    pattern = re.compile(re.escape(SCRATCH_PREFIX) + r"(\d+)-")
-    try:
-        entries = list(base.iterdir())
-    except OSError:
-        return
-    for entry in entries:
-        m = pattern.match(entry.name)
-        if not m or int(m[1]) == os.getpid():
-            continue
-        try:
-            if entry.is_symlink() or not entry.is_dir() or entry.stat().st_uid != os.getuid():
-                continue
-            os.kill(int(m[1]), 0)
-        except ProcessLookupError:
-            shutil.rmtree(entry, ignore_errors=True)
-        except OSError:
-            continue
-
-
 def _exit_on_signal(signum, frame):
-    raise SystemExit(128 + signum)      # unwinds the scratch folder's context manager
-
-
-def _compile(fx: Path, tmp: Path) -> Path | None:
-    from fabric_ext.codegen.driver import build, write_output
-    from fabric_ext.diagnostics import Diagnostics
-    d = Diagnostics()
-    res = build(fx, diags=d)
-    d.print(sys.stderr)
-    if res is None:
-        return None
-    out = tmp / "out"
-    write_output(res, out)
-    return out
+    raise SystemExit(128 + signum)      # unwinds what the run holds (backends, shared maps)
 
 
 def _progress():
@@ -128,63 +86,44 @@ def _progress():
 
 
 def run(args) -> int:
-    from .bundle import create_maps, load_manifest
-    from .engine import Engine, RunOptions
-    from ..machine.program import get_backend
+    from fabric_ext import api
+
     from . import stats
     policy = Path(args.policy) if args.policy else reference_policy()
-    _reap_stale_scratch()
-    with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-") as tmp:
-        if policy.suffix == ".fx" or policy.is_file():
-            if not policy.is_file():
-                print(f"fabric-run: no such file: {policy}", file=sys.stderr)
-                return EXIT_USAGE
-            folder = _compile(policy, Path(tmp))
-            if folder is None:
-                return EXIT_INPUT
-        else:
-            folder = policy
-        man = load_manifest(folder)
-        from .fabric_model import DEFAULT_MAX_EVENTS
-        max_events = DEFAULT_MAX_EVENTS if args.max_events is None else (args.max_events or None)
-        backend = get_backend(args.backend or "auto", jit_checks=args.jit_checks)
+    if policy.suffix == ".fx" or policy.is_file():
+        if not policy.is_file():
+            print(f"fabric-run: no such file: {policy}", file=sys.stderr)
+            return EXIT_USAGE
         try:
-            reports = {}
-            for attach in ([True, False] if args.baseline else [True]):
-                maps = create_maps(man)
-                show = _progress() if attach else None
-                opts = RunOptions(args.model, args.prompt, args.batch, args.tp, args.chunk, stack=args.stack,
-                                  attach=attach, progress=show, trace=bool(args.trace) and attach,
-                                  max_events=max_events)
-                eng = Engine(folder, man, maps, backend, opts)
-                report = eng.run()
-                if hasattr(backend, "sync"):
-                    backend.sync()
-                    report = eng._collect()
-                if show:
-                    sys.stderr.write("\r" + " " * 40 + "\r")
-                reports[attach] = (report, eng)
-        finally:
-            backend.close()
-        report, eng = reports[True]
-        if args.baseline:
-            report["baseline"] = reports[False][0]
-            report["baseline"].pop("baseline", None)
-            report["policy_speedup"] = round(report["baseline"]["ttft_ms"] / report["ttft_ms"], 4)
-        report["policy"] = str(policy)
-        if not args.quiet:
-            print(stats.render(report, report.get("baseline")))
-        if args.json:
-            stats.write_json(args.json, report)
-        if args.trace:
-            stats.write_json(args.trace, stats.trace(report, eng))
-        if args.plot:
-            try:
-                for p in stats.plots(report, args.plot):
-                    print(f"wrote {p}", file=sys.stderr)
-            except ImportError:
-                print("fabric-run: --plot needs matplotlib: pip install 'fabric-ext[plot]'", file=sys.stderr)
-                return EXIT_INPUT
+            bundle = api.compile(policy)        # in memory: nothing is written for the run
+        except api.PolicyError as e:
+            e.diagnostics.print(sys.stderr)
+            return EXIT_INPUT
+        bundle.diagnostics.print(sys.stderr)      # its warnings
+    else:
+        bundle = api.Bundle.read_folder(policy)
+    show = _progress()
+    report = api.run(bundle, model=args.model, prompt=args.prompt, batch=args.batch, tp=args.tp,
+                     chunk=args.chunk, stack=args.stack, backend=args.backend or "auto",
+                     jit_checks=args.jit_checks, baseline=args.baseline, trace=bool(args.trace),
+                     max_events=args.max_events, progress=show)
+    if show:
+        sys.stderr.write("\r" + " " * 40 + "\r")
+    data = report.to_dict()
+    data["policy"] = str(policy)
+    if not args.quiet:
+        print(stats.render(data, data.get("baseline")))
+    if args.json:
+        stats.write_json(args.json, data)
+    if args.trace:
+        stats.write_json(args.trace, report.trace())
+    if args.plot:
+        try:
+            for p in stats.plots(data, args.plot):
+                print(f"wrote {p}", file=sys.stderr)
+        except ImportError:
+            print("fabric-run: --plot needs matplotlib: pip install 'fabric-ext[plot]'", file=sys.stderr)
+            return EXIT_INPUT
     return EXIT_OK
 
 
@@ -194,9 +133,9 @@ def main(argv=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) is signal.SIG_DFL:
             signal.signal(sig, _exit_on_signal)
-    from .bundle import BundleError
     from ..machine.elf import ObjectError
     from ..machine.kernel import KernelError, KernelVerifierError
+    from .bundle import BundleError
     from .fabric_model import EventLimit, NoPath
     from .workload import WorkloadError
     if args.max_events is not None and args.max_events < 0:

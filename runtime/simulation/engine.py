@@ -15,6 +15,7 @@ import gc
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import networkx as nx
 
@@ -22,6 +23,7 @@ from fabric_ext.flows import MovementTable
 from fabric_ext.hooks import firing
 from fabric_ext.schema import PROP_RANGES
 
+from .bundle import Folder
 from .compute import GpuProfile, Stack, Timer
 from .dispatch import Known
 from .fabric_model import (
@@ -79,8 +81,12 @@ class RunOptions:
 
 
 class Engine(HookSite):
-    def __init__(self, folder, manifest: dict, maps: dict, backend, opts: RunOptions):
-        self.folder, self.man, self.maps, self.backend, self.opts = folder, manifest, maps, backend, opts
+    def __init__(self, artifacts, manifest: dict, maps: dict, backend, opts: RunOptions):
+        """``artifacts``: the compiled policy, a folder (a path) or an in-memory `api.Bundle`."""
+        if isinstance(artifacts, (str, Path)):
+            artifacts = Folder(Path(artifacts))
+        self.man, self.maps, self.backend, self.opts = manifest, maps, backend, opts
+        self.folder = artifacts.name
         self.ids = manifest["ids"]
         self.dev_by_id = {v: k for k, v in self.ids["devices"].items()}
         self.devices = {d["name"]: d for d in manifest["fabric"]["devices"]}
@@ -94,7 +100,7 @@ class Engine(HookSite):
             for name, isl in self.islands.items():
                 shim = SHIMS[isl["runtime"]](name, isl["kind"], backend)
                 if any(p["island"] == name for p in manifest["programs"]):
-                    shim.load(folder, manifest, maps)
+                    shim.load(artifacts, manifest, maps)
                 self.shims[name] = shim
         self.movements = MovementTable(manifest["movements"])
         self.gpus = self._gpus()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fabric_ext.hooks import HOOKS
 
-from .bundle import BundleError, load_runtime_json
+from .bundle import BundleError, parse_runtime_json
 from .context import ContextCodec
 from .dispatch import Acting, Known, acting
 from ..machine.program import Program, SourceLine, VMFault
@@ -44,10 +44,12 @@ class Shim:
         self.on_detach = None       # called with the island after a program is detached
 
     # -- loading ------------------------------------------------------------------------
-    def load(self, folder: Path, manifest: dict, maps: dict) -> None:
-        """Load this island's programs from its runtime artifact, bound to the shared maps."""
-        path = Path(folder) / f"{self.island}.{self.suffix}.json"
-        map_specs, insns = load_runtime_json(path)
+    def load(self, artifacts, manifest: dict, maps: dict) -> None:
+        """Load this island's programs from its runtime artifact (``artifacts``: a `bundle.Folder`
+        or an in-memory `api.Bundle`), bound to the shared maps."""
+        name = f"{self.island}.{self.suffix}.json"
+        path = Path(artifacts.name) / name
+        map_specs, insns = parse_runtime_json(path, artifacts.read(name))
         bound = []
         for spec in map_specs:
             if spec.name not in maps:
