@@ -35,9 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 from fabric_ext.codegen.driver import build, write_output  # noqa: E402
+from fabric_ext.runtime.machine.program import get_backend  # noqa: E402
 from fabric_ext.runtime.simulation.bundle import create_maps, load_manifest  # noqa: E402
 from fabric_ext.runtime.simulation.engine import Engine, RunOptions  # noqa: E402
-from fabric_ext.runtime.machine.program import get_backend  # noqa: E402
 
 CONFIGS = [("llama3-8b", 8192, 8), ("llama3-70b", 32768, 8)]
 

@@ -104,10 +104,10 @@ def timeit(fn, n):
 
 def recorded_streams(quick):
     """(label, program, [ctx bytes]) for each program of each example, from a short fabric-run."""
-    from policy_helpers import compiled
+    from fabric_ext.runtime.simulation import dispatch, shims
     from fabric_ext.runtime.simulation.bundle import create_maps, load_manifest
     from fabric_ext.runtime.simulation.engine import Engine, RunOptions
-    from fabric_ext.runtime.simulation import dispatch, shims
+    from policy_helpers import compiled
     out = []
     memo_limit, dispatch.MEMO_LIMIT = dispatch.MEMO_LIMIT, 0    # every event reaches `decide`
     for policy in ("prefill_qos", "kv_tiering", "nic_pacing", "telemetry"):
@@ -116,15 +116,15 @@ def recorded_streams(quick):
         streams = {}
         orig = shims.Shim.decide
 
-        def record(self, hook, fields, now=0.0, _orig=orig):
+        def record(self, hook, fields, now=0.0, _orig=orig, _streams=streams):
             key = (self.island, hook)
-            if len(streams.setdefault(key, [])) < 2000:
-                streams[key].append(bytes(self.codecs[hook].fill(fields))) if hook in self.codecs else None
+            if len(_streams.setdefault(key, [])) < 2000 and hook in self.codecs:
+                _streams[key].append(bytes(self.codecs[hook].fill(fields)))
             return _orig(self, hook, fields, now)
         orig_batch = shims.Shim.deliver_batch
 
-        def record_batch(self, hook, ctxs, now=0.0, _orig=orig_batch):
-            rows = streams.setdefault((self.island, hook), [])
+        def record_batch(self, hook, ctxs, now=0.0, _orig=orig_batch, _streams=streams):
+            rows = _streams.setdefault((self.island, hook), [])
             rows.extend(bytes(r.tobytes()) for r in ctxs[: max(0, 2000 - len(rows))])
             return _orig(self, hook, ctxs, now)
         shims.Shim.decide = record

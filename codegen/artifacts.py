@@ -8,11 +8,11 @@ import hashlib
 from pathlib import Path
 
 from fabric_ext import __version__
-from fabric_ext.graph import has_flag, prop_value
+from fabric_ext.graph import prop_value
 from fabric_ext.graph_export import to_json as graph_json
-
 from fabric_ext.runtime.machine import isa as I
 from fabric_ext.runtime.simulation.bundle import DPUTIME_SCHEMA, MANIFEST_SCHEMA
+
 PROG_TYPE_SYSCALL = 31
 
 
@@ -73,8 +73,8 @@ def manifest(analysis, ids, compiled, opt: int, mcpu: str, files: dict[str, byte
         decl = sym.movements[m["name"]]
         movements.append(dict(m, id=ids.movements[m["name"]], chunk=prop_value(decl.props, "chunk")))
     line_map = {}
-    for island, progs in compiled:
-        for pir, spec in progs:
+    for _, progs in compiled:
+        for _, spec in progs:
             line_map[spec.name] = [{"insn": slot, "file": sl.file, "line": sl.line, "col": sl.col}
                                    for slot, sl in sorted(spec.line_info.items())]
     hooks = {pir.hook for _, progs in compiled for pir, _ in progs}

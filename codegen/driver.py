@@ -13,10 +13,10 @@ from pathlib import Path
 
 from fabric_ext.diagnostics import Diagnostics, Span
 from fabric_ext.frontend import analyze
-from fabric_ext.runtime.machine.fsutil import OutputError, check_replaceable, replace_dir
 from fabric_ext.loader import display_path
 from fabric_ext.runtime.machine import isa
 from fabric_ext.runtime.machine.elf import load_object
+from fabric_ext.runtime.machine.fsutil import OutputError, check_replaceable, replace_dir
 from fabric_ext.runtime.machine.verifier import VerifierError, verify
 
 from . import artifacts

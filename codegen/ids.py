@@ -20,7 +20,7 @@ class IdTables:
         return {k: dict(v) for k, v in vars(self).items()}
 
     @classmethod
-    def from_json(cls, d: dict) -> "IdTables":
+    def from_json(cls, d: dict) -> IdTables:
         return cls(**{k: dict(v) for k, v in d.items()})
 
 

@@ -103,7 +103,7 @@ class _Debug:
 class _FnEmitter:
     """Emits one program's function."""
 
-    def __init__(self, mod: "_ModuleEmitter", prog: ir.ProgramIR):
+    def __init__(self, mod: _ModuleEmitter, prog: ir.ProgramIR):
         self.mod, self.p = mod, prog
         self.fn = L.Function(mod.m, L.FunctionType(I32, [PTR]), name=prog.name)
         self.fn.section = "syscall"

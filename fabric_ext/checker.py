@@ -17,8 +17,7 @@ from . import schema as S
 from .diagnostics import Diagnostics, closest, did_you_mean
 from .hooks import CLASSES, DEVICE_ISLAND_KIND, OPERATORS, Hook
 from .loader import Program
-from .units import BANDWIDTH, BASE_UNIT, BOOL, COUNT, DEVICE, DIM_ARITH, DIM_NAMES, PERCENT, SIZE, TIME, \
-    format_quantity
+from .units import BANDWIDTH, BASE_UNIT, BOOL, COUNT, DEVICE, DIM_ARITH, DIM_NAMES, PERCENT, SIZE, TIME, format_quantity
 
 _SCALAR = (None, COUNT)
 
@@ -235,7 +234,7 @@ def _check_movements(prog: Program, sym: Symbols, diags: Diagnostics) -> None:
                         did_you_mean(m.operator.name, OPERATORS) or "operators: " + ", ".join(OPERATORS))
         for p in (m.src, m.dst, *m.via):
             ok &= _check_pattern(p, sym, diags)
-        props = _check_props(m.props, S.MOVEMENT_PROPS, "a movement", diags)
+        _check_props(m.props, S.MOVEMENT_PROPS, "a movement", diags)
         if ok:
             sym.movements[name] = m
 

@@ -7,8 +7,8 @@ from pathlib import Path
 from .checker import Symbols, check_declarations
 from .diagnostics import Diagnostics
 from .graph import MovementGraph, build_graph
-from .loader import Program, load
 from .lint import warn
+from .loader import Program, load
 from .placement import Placement, place
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fabric_ext.runtime.machine.fsutil import UnreadableFile, read_bounded
+
 from . import ast as A
 from .diagnostics import Diagnostics, Span
-from fabric_ext.runtime.machine.fsutil import UnreadableFile, read_bounded
 from .parser import parse
 
 MAX_SOURCE = 1 << 20       # bytes in one .fx file

@@ -10,9 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from .machine import isa
 from fabric_ext.runtime.machine.fsutil import UnreadableFile, read_bounded
 
+from .machine import isa
 from .machine.asm import AsmError, assemble
 from .machine.elf import MAX_OBJECT, ObjectError, load_object
 from .machine.program import JIT_CHECKS, Program, VMFault, get_backend

@@ -6,14 +6,14 @@ from pathlib import Path
 from conftest import POLICIES
 from fabric_ext.codegen.driver import build, write_output
 from fabric_ext.diagnostics import Diagnostics
+from fabric_ext.runtime.machine.interp import Interpreter
 from fabric_ext.runtime.simulation.bundle import load_bundle
 from fabric_ext.runtime.simulation.context import ContextCodec
-from fabric_ext.runtime.machine.interp import Interpreter
 
 _TMP = Path(tempfile.mkdtemp(prefix="fx-test-"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled(name: str) -> Path:
     """The output folder of policies/NAME.fx, compiled once."""
     d = Diagnostics()

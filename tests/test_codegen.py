@@ -14,8 +14,8 @@ from conftest import EXAMPLES, FABRIC, POLICIES
 from fabric_ext.codegen.driver import build
 from fabric_ext.diagnostics import Diagnostics
 from fabric_ext.runtime.machine import kernel
-from fabric_ext.runtime.simulation.bundle import load_bundle, load_runtime_json
 from fabric_ext.runtime.machine.elf import load_object
+from fabric_ext.runtime.simulation.bundle import load_bundle, load_runtime_json
 from policy_helpers import Runner, compiled
 
 GB, KiB, MiB = 10**9, 1024, 2**20
@@ -126,7 +126,7 @@ def _contexts(policy):
     out = []
     mids = list(b.ids["movements"].values())
     for island, ip in b.islands.items():
-        for hook, prog in ip.programs.items():
+        for hook, _prog in ip.programs.items():
             for mid, val in itertools.product(mids, (0, 5, 90, 4 * MiB)):
                 out.append((island, hook, dict(movement=mid, bytes=val, out_port=val % 16, util_pct=val % 101,
                                                port=val % 16, period=10_000, queue_bytes=val, layer=val % 8)))
@@ -186,8 +186,8 @@ def test_bpftool_loadall(tmp_path):
 @pytest.mark.skipif(shutil.which("clang") is None, reason="clang is not installed")
 @pytest.mark.parametrize("policy", [p.stem for p in EXAMPLES])
 def test_c_listing_compiles_and_behaves_the_same(policy, tmp_path):
-    from fabric_ext.runtime.simulation.context import ContextCodec
     from fabric_ext.runtime.machine.interp import Interpreter
+    from fabric_ext.runtime.simulation.context import ContextCodec
     out = compiled(policy)
     b = load_bundle(out)
     inc = f"/usr/include/{platform.machine()}-linux-gnu"
@@ -285,9 +285,9 @@ def test_compile_summary_and_emit(tmp_path):
 def test_every_opt_level_and_cpu_gives_the_same_decisions(opt, mcpu):
     res = build(POLICIES / "nic_pacing.fx", opt=opt, mcpu=mcpu, diags=Diagnostics())
     assert res is not None
-    from fabric_ext.runtime.simulation.context import ContextCodec
-    from fabric_ext.runtime.machine.interp import Interpreter
     from fabric_ext.hooks import HOOKS
+    from fabric_ext.runtime.machine.interp import Interpreter
+    from fabric_ext.runtime.simulation.context import ContextCodec
     obj = load_object(res.files["nic0.bpf.o"], "nic0.bpf.o")
     hook = HOOKS["dpu", "tx"]
     prog = obj.instantiate(hooks={"nic0_tx": hook})[0]

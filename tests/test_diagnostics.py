@@ -1,8 +1,8 @@
 """Diagnostics that point at the cause (issue 13, item 10): one error for a missing import,
 units written apart or as GBps, '=' in a condition, a brace never closed, a comment never ended."""
 import pytest
-from conftest import FABRIC, FABRIC_LINES
 
+from conftest import FABRIC, FABRIC_LINES
 from fabric_ext.frontend import analyze
 
 LINE = FABRIC_LINES + 1

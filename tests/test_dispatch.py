@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fabric_ext.runtime.machine.interp import Interpreter
 from fabric_ext.runtime.simulation import dispatch
 from fabric_ext.runtime.simulation.bundle import Folder, create_maps, load_bundle, load_manifest
 from fabric_ext.runtime.simulation.context import ContextCodec
-from fabric_ext.runtime.machine.interp import Interpreter
 from policy_helpers import compiled
 from test_runtime import compile_text, run_engine
 
@@ -95,8 +95,8 @@ def test_decisions_remembered_per_map_entry_follow_the_entry(tmp_path):
     """A handler that reads an array entry at a context field's key: its decisions are
     remembered per field value and entry value, so a changed entry runs the program again;
     without the maps in this process (the kernel's) nothing is remembered."""
-    from fabric_ext.runtime.simulation.dispatch import acting
     from fabric_ext.runtime.machine.jit import JitBackend
+    from fabric_ext.runtime.simulation.dispatch import acting
     from fabric_ext.runtime.simulation.shims import DputimeShim
     out = compile_text(tmp_path, """
 import "fabrics/dgx_cxl.fx"

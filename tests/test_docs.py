@@ -5,7 +5,6 @@ import re
 import shutil
 
 from conftest import POLICIES, ROOT
-
 from fabric_ext.frontend import analyze
 
 DECLARATION = re.compile(r"^(fabric|workload|movement|map|import)\b")

@@ -177,6 +177,7 @@ def test_jit_drops_only_the_checks_the_verifier_proved():
 
 def test_jit_batch_runs_many_contexts_in_one_call():
     import numpy as np
+
     from fabric_ext.hooks import HOOKS
     from fabric_ext.runtime.machine.jit import JitBackend
     hook = HOOKS["cxl_switch", "forward"]

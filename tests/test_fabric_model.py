@@ -146,6 +146,7 @@ def test_a_route_back_through_a_crossed_device_is_refused_and_counted():
     """A switch program that sends every chunk to a neighbour whose shortest way on comes
     back through the switch would loop forever: the fabric refuses it and counts it."""
     import networkx as nx
+
     from fabric_ext.runtime.simulation.fabric_model import Fabric, HookSite, Sim, Transfer
 
     class SendToCpu(HookSite):
@@ -168,6 +169,7 @@ def test_a_route_back_through_a_crossed_device_is_refused_and_counted():
 def test_a_transfer_between_unlinked_devices_is_a_clear_error():
     import networkx as nx
     import pytest
+
     from fabric_ext.runtime.simulation.fabric_model import Fabric, NoPath, Sim, Transfer
     g = nx.DiGraph()
     g.add_edge("a", "b", bw=1e9, latency=1.0)
@@ -181,6 +183,7 @@ def test_a_link_pays_its_fixed_cost_per_chunk():
     """bytes / bandwidth plus the fixed cost, once per chunk: 4 chunks of 1000 B at 1 B/ns with
     a 500 ns cost take 6000 ns; as one chunk, 4500 ns."""
     import networkx as nx
+
     from fabric_ext.runtime.simulation.fabric_model import Fabric, Sim, Transfer
     for chunk, ends in ((1000, 6000.0), (4000, 4500.0)):     # one chunk: 4000 + 500
         g = nx.DiGraph()

@@ -7,18 +7,18 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import POLICIES, ROOT
 from fabric_ext.codegen.driver import build, write_output
+from fabric_ext.diagnostics import Diagnostics
+from fabric_ext.runtime.machine.interp import Interpreter
 from fabric_ext.runtime.simulation import validation
 from fabric_ext.runtime.simulation.bundle import create_maps, load_manifest
 from fabric_ext.runtime.simulation.compute import GpuProfile, Stack, Timer, profile_tables
 from fabric_ext.runtime.simulation.engine import Engine, RunOptions
 from fabric_ext.runtime.simulation.figures import figures
-from fabric_ext.runtime.machine.interp import Interpreter
 from fabric_ext.runtime.simulation.operators import attention_block, ffn_block
 from fabric_ext.runtime.simulation.workload import WorkloadError, load_model
-
-from fabric_ext.diagnostics import Diagnostics
 
 DATA = ROOT.parent / "shared" / "data"
 needs_data = pytest.mark.skipif(not (DATA / "vidur").is_dir(), reason=f"no shared calibration data at {DATA}")

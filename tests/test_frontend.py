@@ -1,12 +1,11 @@
 """Grammar, checker rules, imports, units, graph routing and placement."""
 import pytest
 
+from conftest import FABRIC_LINES
 from fabric_ext import ast as A
 from fabric_ext.diagnostics import Diagnostics
 from fabric_ext.parser import parse
-from fabric_ext.units import parse_quantity, UnitError
-
-from conftest import FABRIC_LINES
+from fabric_ext.units import UnitError, parse_quantity
 
 L = FABRIC_LINES  # line numbers below count from the end of the test fabric
 

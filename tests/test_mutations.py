@@ -46,6 +46,7 @@ def check_many(files):
     """fabricc check in this process (its error handling is the same as the command's)."""
     import contextlib
     import io
+
     from fabric_ext import cli
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):

@@ -9,9 +9,9 @@ import pytest
 from conftest import POLICIES
 from fabric_ext.codegen.driver import build, write_output
 from fabric_ext.diagnostics import Diagnostics
+from fabric_ext.runtime.machine.interp import Interpreter
 from fabric_ext.runtime.simulation.bundle import BundleError, create_maps, load_manifest
 from fabric_ext.runtime.simulation.engine import Engine, RunOptions
-from fabric_ext.runtime.machine.interp import Interpreter
 from policy_helpers import compiled
 
 SMALL = dict(model="llama3-8b", prompt=512, tp=2)
@@ -267,8 +267,8 @@ def test_plots(tmp_path):
 def test_ringbuf_drops_are_counted_and_reported(tmp_path, vm):
     """Nothing consumes a ringbuf during a run: once it is full, records are dropped, and the
     report says how many (they were lost in silence)."""
-    from fabric_ext.runtime.simulation import stats
     from fabric_ext.runtime.machine.program import get_backend
+    from fabric_ext.runtime.simulation import stats
     out = compile_text(tmp_path, """
 import "fabrics/dgx_cxl.fx"
 workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0 }

@@ -3,6 +3,7 @@
 Every one must be rejected by our verifier (with a message that says why) and, where bpf(2)
 is permitted, by the kernel's; run without a proof, every backend must stop it with a fault."""
 import pytest
+
 from fabric_ext.runtime.machine import isa as I
 from fabric_ext.runtime.machine import kernel
 from fabric_ext.runtime.machine.asm import assemble

@@ -5,8 +5,9 @@ import random
 from pathlib import Path
 
 import pytest
-from fabric_ext.runtime.machine.program import Program
 from fuzz.soundness import Case, accepts, check, fuzz
+
+from fabric_ext.runtime.machine.program import Program
 
 CASES = sorted((Path(__file__).parent / "soundness_cases").glob("*.json"))
 SEED = int(os.environ.get("FABRIC_EXT_FUZZ_SEED", "20261201"))

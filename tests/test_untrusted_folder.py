@@ -5,6 +5,7 @@ import random
 import shutil
 
 import pytest
+
 from fabric_ext.runtime.simulation import cli
 from policy_helpers import compiled
 

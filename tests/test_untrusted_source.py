@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import FABRIC, FABRIC_LINES
 
 LINE = FABRIC_LINES + 1
@@ -90,9 +91,10 @@ def test_damaged_policies_never_give_an_internal_error(tmp_path, capsys):
     """Random damage to every bundled policy (seeded): each checks and compiles clean or is an
     error at a position; no internal error, no traceback.  In process, through fabricc's entry."""
     import random
+    import shutil
+
     from conftest import EXAMPLES
     from fabric_ext import cli
-    import shutil
     shutil.copytree(EXAMPLES[0].parent / "fabrics", tmp_path / "fabrics")
     rng = random.Random(2026)
     tried = errors = 0

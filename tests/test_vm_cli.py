@@ -83,9 +83,9 @@ def test_fabric_vm_run_asm(tmp_path, backend):
 
 
 def test_fabric_vm_run_object_prints_maps_and_ctx(tmp_path):
-    from policy_helpers import compiled
     from fabric_ext.hooks import HOOKS
     from fabric_ext.runtime.simulation.context import ContextCodec
+    from policy_helpers import compiled
     ctx = ContextCodec(HOOKS["dpu", "tx"]).pack(movement=1, bytes=4096, queue_bytes=1 << 30)
     r = vm("run", compiled("nic_pacing") / "nic0.bpf.o", "--program", "nic0_tx", "--ctx", bytes(ctx).hex())
     assert r.returncode == 0, r.stderr

@@ -17,10 +17,9 @@ from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
-from .fsutil import UnreadableFile, read_bounded
-
 from . import isa as I
 from .btf import BTFError, map_def, parse_btf, parse_btf_ext_lines
+from .fsutil import UnreadableFile, read_bounded
 from .maps import ARRAY, MAX_MAP_BYTES, PERCPU_ARRAY, RINGBUF, TYPE_KIND, Map
 from .program import Program, SourceLine
 

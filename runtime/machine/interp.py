@@ -63,7 +63,7 @@ class Region:
 class Machine:
     """Per-run state: registers, frames and the memory regions of one run."""
 
-    def __init__(self, vm: "Interpreter", prog: Program, ctx, mem):
+    def __init__(self, vm: Interpreter, prog: Program, ctx, mem):
         self.vm, self.prog = vm, prog
         self.regions: list[Region] = []
         self.frames: list[bytearray] = []

@@ -18,10 +18,22 @@ import numpy as np
 
 from . import helpers as Hl
 from . import isa as I
-from .interp import ctx_write_mask
 from .codecache import CodeCache, default_dir
-from .lift import (FAULT_BUDGET, FAULT_HELPER, FAULT_OOB, FAULTS, MAP_HANDLE, MAX_FRAMES, STACK_SIZE, Env, Lifter,
-                   acyclic, address_table, map_slot)
+from .interp import ctx_write_mask
+from .lift import (
+    FAULT_BUDGET,
+    FAULT_HELPER,
+    FAULT_OOB,
+    FAULTS,
+    MAP_HANDLE,
+    MAX_FRAMES,
+    STACK_SIZE,
+    Env,
+    Lifter,
+    acyclic,
+    address_table,
+    map_slot,
+)
 from .maps import RINGBUF
 from .program import JIT_CHECKS, Backend, Program, VMFault
 
@@ -121,7 +133,7 @@ class _NativeMemory:
     checked against the run's regions, one reserved ringbuf record at a time (the compiled
     bounds checks know one)."""
 
-    def __init__(self, backend: "JitBackend", c: "_Compiled"):
+    def __init__(self, backend: JitBackend, c: _Compiled):
         self.backend, self.c, self.e = backend, c, c.env
 
     def _ok(self, addr, n):

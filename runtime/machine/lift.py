@@ -27,7 +27,7 @@ import llvmlite.ir as L
 
 from . import isa as I
 from .interp import ctx_write_mask
-from .maps import ARRAY, HASH, LRU_HASH, PERCPU_ARRAY, PERCPU_HASH, RINGBUF, USED, EMPTY
+from .maps import ARRAY, EMPTY, HASH, LRU_HASH, PERCPU_ARRAY, PERCPU_HASH, RINGBUF, USED
 from .program import Program
 
 I1, I8, I32, I64 = L.IntType(1), L.IntType(8), L.IntType(32), L.IntType(64)

@@ -44,7 +44,7 @@ class _Buffers:
         else:
             raw = np.zeros(total, dtype=np.uint8)
         self.arrays, off = {}, 0
-        for k, (t, n) in layout.items():
+        for k, (t, _n) in layout.items():
             self.arrays[k] = raw[off:off + sizes[k]].view(t)
             off += (sizes[k] + 7) // 8 * 8
 

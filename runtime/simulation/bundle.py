@@ -14,15 +14,15 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fabric_ext.runtime.machine.fsutil import UnreadableFile, read_bounded
 from fabric_ext.hooks import HOOKS
+from fabric_ext.runtime.machine.fsutil import UnreadableFile, read_bounded
 
 from ..machine import isa
 from ..machine.elf import MapSpec, ObjectError, load_object
-from .manifest_schema import SchemaError, validate
 from ..machine.maps import Map
 from ..machine.program import Program
 from ..machine.verifier import VerifierError, verify
+from .manifest_schema import SchemaError, validate
 
 MANIFEST_SCHEMA = "fabric-manifest/2"   # 2: programs list their handlers
 DPUTIME_SCHEMA = "dputime/1"

@@ -32,7 +32,7 @@ class ContextCodec:
         self._decisions = [(n, off, struct.Struct(_FMT[f.ctype]), f.default)
                            for n, (off, f) in hook.layout.items() if f.decision]
         self._template = bytearray(self.size)
-        for n, off, st, default in self._decisions:
+        for _n, off, st, default in self._decisions:
             st.pack_into(self._template, off, default)
         self.buffer = ctypes.create_string_buffer(self.size)   # reused by `fill`
         self._template_bytes = bytes(self._template)
@@ -49,7 +49,7 @@ class ContextCodec:
         if self._decisions:
             start = self._decisions[0][1]
             fmt, pos = "<", start
-            for n, off, st, _ in self._decisions:
+            for _n, off, st, _ in self._decisions:
                 fmt += "x" * (off - pos) + st.format[-1]
                 pos = off + st.size
             self._dec_struct, self._dec_start = struct.Struct(fmt), start

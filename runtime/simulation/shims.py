@@ -17,11 +17,11 @@ from pathlib import Path
 
 from fabric_ext.hooks import HOOKS
 
+from ..machine.program import Program, SourceLine, VMFault
+from ..machine.verifier import VerifierError, verify
 from .bundle import BundleError, parse_runtime_json
 from .context import ContextCodec
 from .dispatch import Acting, Known, acting
-from ..machine.program import Program, SourceLine, VMFault
-from ..machine.verifier import VerifierError, verify
 
 
 class Shim:

@@ -47,7 +47,7 @@ def collect(e) -> dict:
         seen.add(id(srv))
         timeline = np.zeros(TIMELINE_BINS)
         width = horizon / TIMELINE_BINS
-        for start, stop, nbytes in srv.intervals:
+        for start, stop, _ in srv.intervals:
             a, b = int(start // width), int(min(stop, horizon - 1e-9) // width)
             if a == b:
                 timeline[min(a, TIMELINE_BINS - 1)] += stop - start
@@ -190,8 +190,9 @@ def plots(report: dict, folder) -> list[str]:
     """PNG plots: link utilisation over time and per-layer compute vs stall (needs matplotlib)."""
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from pathlib import Path
+
+    import matplotlib.pyplot as plt
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     out = []
@@ -230,6 +231,7 @@ def _save(plt, fig, path) -> str:
 
 
 def write_json(path, data) -> None:
-    from fabric_ext.runtime.machine.fsutil import atomic_write_text
     from pathlib import Path
+
+    from fabric_ext.runtime.machine.fsutil import atomic_write_text
     atomic_write_text(Path(path), json.dumps(data, indent=1) + "\n")

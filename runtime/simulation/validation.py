@@ -89,7 +89,6 @@ class _Runner:
     def folder(self, fabric: str, model: str) -> Path:
         import fabric_ext.policies as pkg
         from fabric_ext.codegen.driver import build, write_output
-
         from fabric_ext.diagnostics import Diagnostics
         key = (fabric, model)
         if key not in self.folders:
@@ -105,9 +104,9 @@ class _Runner:
         return self.folders[key]
 
     def run(self, p: Point, stack: str) -> dict:
+        from ..machine.interp import Interpreter
         from .bundle import create_maps, load_manifest
         from .engine import Engine, RunOptions
-        from ..machine.interp import Interpreter
         folder = self.folder(MACHINES[p.hardware], MODELS[p.model])
         man = load_manifest(folder)
         opts = RunOptions(prompt=p.prompt, batch=p.batch, tp=p.tp, stack=stack, attach=False, max_events=None)
