@@ -11,9 +11,8 @@ from fabric_ext import __version__
 from fabric_ext.graph import prop_value
 from fabric_ext.graph_export import to_json as graph_json
 from fabric_ext.runtime.machine import isa as I
+from fabric_ext.runtime.machine.kernel import PROG_TYPE_SYSCALL
 from fabric_ext.runtime.simulation.bundle import DPUTIME_SCHEMA, MANIFEST_SCHEMA
-
-PROG_TYPE_SYSCALL = 31
 
 
 def sha256(data: bytes) -> str:

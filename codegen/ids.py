@@ -19,10 +19,6 @@ class IdTables:
     def to_json(self) -> dict:
         return {k: dict(v) for k, v in vars(self).items()}
 
-    @classmethod
-    def from_json(cls, d: dict) -> IdTables:
-        return cls(**{k: dict(v) for k, v in d.items()})
-
 
 def assign_ids(analysis) -> IdTables:
     sym, mg = analysis.symbols, analysis.graph

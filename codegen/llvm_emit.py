@@ -1,4 +1,4 @@
-"""Pass 7: the policy IR to LLVM IR with llvmlite.ir, then to a BPF object (`emit_object`).
+"""Pass 7: the policy IR to LLVM IR with llvmlite.ir, then to a BPF object (`build_module`, `compile_module`).
 
 Maps are globals in ``.maps`` described with DWARF so that LLVM emits
 ``.BTF``; every global has debug info, functions are ``nounwind`` and sit in

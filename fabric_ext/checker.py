@@ -1,4 +1,4 @@
-"""Pass 3: check declarations and handler bodies (`check`).
+"""Pass 3: check declarations (`check_declarations`) and handler bodies (`check_handler`).
 
 Reports undefined and duplicate names (with "did you mean"), wrong kinds,
 dimension errors, map type mismatches, writes to read-only context fields and

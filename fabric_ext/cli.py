@@ -12,9 +12,9 @@ import sys
 import traceback
 from pathlib import Path
 
-from . import __version__
+from fabric_ext.exits import EXIT_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, stdout_closed
 
-EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+from . import __version__
 
 
 class UsageError(Exception):
@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(e, file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        return stdout_closed()
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - the one place that turns bugs into a message

@@ -89,14 +89,6 @@ class Diagnostics:
             print(self.render(d), file=stream)
 
 
-class CompileError(Exception):
-    """Raised to stop a pipeline when its diagnostics contain errors."""
-
-    def __init__(self, diags: Diagnostics):
-        self.diags = diags
-        super().__init__("; ".join(f"{d.span}: {d.message}" for d in diags.errors))
-
-
 def closest(name: str, candidates) -> str | None:
     """The candidate nearest to a misspelt name, or None."""
     found = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)

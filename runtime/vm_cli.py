@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from fabric_ext.exits import EXIT_USAGE, stdout_closed
 from fabric_ext.runtime.machine.fsutil import UnreadableFile, read_bounded
 
 from .machine import isa
@@ -132,9 +133,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.cmd is None:
         ap.print_help(sys.stderr)
-        return 2
+        return EXIT_USAGE
     try:
         return args.func(args)
+    except BrokenPipeError:
+        return stdout_closed()
     except (ObjectError, AsmError, VerifierError, VMFault, KeyError, ValueError) as e:
         return _fail(f"fabric-vm: {e}")
     except OSError as e:

@@ -101,3 +101,20 @@ def test_compile_replaces_only_empty_folders_and_its_own_output(tmp_path):
 def test_unwritable_output_is_an_input_error(out):
     r = fabricc("compile", REFERENCE, "-o", out)
     assert r.returncode == 1 and "cannot write" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_closed_stdout_loses_no_file_and_is_no_internal_error(tmp_path):
+    """`fabric-run ... | head` where the reader is gone before the summary is printed: the JSON
+    and trace files are complete, nothing says "internal error", and the exit is 0 (issue 15)."""
+    import json
+    import subprocess
+    import sys
+    out, trace = tmp_path / "r.json", tmp_path / "t.json"
+    cmd = [sys.executable, "-m", "fabric_ext.runtime.simulation.cli", "--prompt", "512", "--json", str(out),
+           "--trace", str(trace)]
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    run.stdout.close()                  # the reader went away before a line was written
+    err = run.stderr.read().decode()
+    assert run.wait(timeout=120) == 0, err
+    assert "internal error" not in err and "Traceback" not in err, err
+    assert json.loads(out.read_text())["ttft_ms"] > 0 and json.loads(trace.read_text())["traceEvents"]

@@ -279,7 +279,3 @@ class Map:
             return -errno.EAGAIN
         self.records.append(bytes(data))
         return 0
-
-    def drain(self) -> list[bytes]:
-        out, self.records = self.records, []
-        return out

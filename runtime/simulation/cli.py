@@ -13,10 +13,9 @@ import traceback
 from pathlib import Path
 
 from fabric_ext import __version__
+from fabric_ext.exits import EXIT_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, stdout_closed
 
 from ..machine.program import JIT_CHECKS
-
-EXIT_OK, EXIT_INPUT, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
 
 class _Parser(argparse.ArgumentParser):
@@ -111,9 +110,7 @@ def run(args) -> int:
         sys.stderr.write("\r" + " " * 40 + "\r")
     data = report.to_dict()
     data["policy"] = str(policy)
-    if not args.quiet:
-        print(stats.render(data, data.get("baseline")))
-    if args.json:
+    if args.json:                # the files first: a reader that stops early (| head) loses none
         stats.write_json(args.json, data)
     if args.trace:
         stats.write_json(args.trace, report.trace())
@@ -124,6 +121,8 @@ def run(args) -> int:
         except ImportError:
             print("fabric-run: --plot needs matplotlib: pip install 'fabric-ext[plot]'", file=sys.stderr)
             return EXIT_INPUT
+    if not args.quiet:
+        print(stats.render(data, data.get("baseline")))
     return EXIT_OK
 
 
@@ -158,6 +157,8 @@ def main(argv=None) -> int:
     except KernelError as e:
         print(f"fabric-run: --backend kernel: {e.strerror or e}", file=sys.stderr)
         return EXIT_INPUT
+    except BrokenPipeError:
+        return stdout_closed()
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - the one place that turns bugs into a message

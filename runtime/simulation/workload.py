@@ -41,11 +41,6 @@ class ModelConfig:
         """The layer's shape as Vidur's profiles name it: hidden, heads, KV heads, FFN, gated."""
         return (self.hidden, self.heads, self.kv_heads, self.ffn, self.gated)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one token."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
-
     def attn_weight_bytes(self) -> int:
         h, d = self.hidden, self.head_dim
         return (h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h) * self.dtype_bytes
