@@ -173,7 +173,7 @@ def unsound_map_bounds(monkeypatch):
     real = verifier.Verifier._check_access
 
     def no_map_bounds(self, pc, ptr, off, size, write):
-        if ptr[0] != "map_value":
+        if ptr.kind != "map_value":
             real(self, pc, ptr, off, size, write)
     monkeypatch.setattr(verifier.Verifier, "_check_access", no_map_bounds)
 

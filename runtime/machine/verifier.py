@@ -21,6 +21,22 @@ from . import isa as I
 from .insn_rules import ATOMIC_IMMS, VALID_OPCODES, reserved_fields
 from .interp import Interpreter, ctx_write_mask
 from .program import Program
+from .values import (
+    OFFSET_POINTERS,
+    UNINIT,
+    Ctx,
+    MapPtr,
+    MapValue,
+    MapValueOrNull,
+    Mem,
+    Record,
+    RecordOrNull,
+    Released,
+    Scalar,
+    StackPtr,
+    const,
+    is_ptr,
+)
 
 M64, M32 = I.MASK64, I.MASK32
 FULL = (0, M64)
@@ -36,26 +52,11 @@ class VerifierError(ValueError):
         super().__init__(f"{program.where(pc)}: {msg}")
 
 
-# ---- abstract values: tuples so states hash and compare --------------------------
-UNINIT = ("uninit",)
-
-
-def scalar(lo=0, hi=M64):
-    return ("scalar", lo, hi)
-
-
-def const(v):
-    return ("scalar", v & M64, v & M64)
-
-
-def is_ptr(r):
-    return r[0] not in ("scalar", "uninit")
-
-
-def signed_range(v):
+# ---- abstract values (values.py) ---------------------------------------------------
+def signed_range(v: Scalar):
     """A scalar's unsigned range [lo, hi] as a signed one, or None where it spans 2^63 (then its
     values read as signed are not one interval: it is unbounded below)."""
-    lo, hi = v[1], v[2]
+    lo, hi = v.lo, v.hi
     if hi < 1 << 63:
         return lo, hi
     if lo >= 1 << 63:
@@ -180,11 +181,11 @@ class Verifier:
     # -- path pass -----------------------------------------------------------------
     def initial(self) -> State:
         regs = [UNINIT] * 11
-        regs[10] = ("stack", 0, STACK, STACK)
+        regs[10] = StackPtr(0, STACK, STACK)
         if self.ctx_size:
-            regs[1] = ("ctx", 0, 0)
+            regs[1] = Ctx(0, 0)
         elif self.bare:
-            regs[1], regs[2] = ("mem", 0, 0), scalar()
+            regs[1], regs[2] = Mem(0, 0), Scalar()
         return State([Frame(regs, bytearray(STACK), {})])
 
     def run(self):
@@ -251,12 +252,12 @@ class Verifier:
             return pc + 1
         if ins.is_lddw:
             if ins.src == I.PSEUDO_MAP_FD:
-                regs[ins.dst] = ("map_ptr", ins.imm)
+                regs[ins.dst] = MapPtr(ins.imm)
             elif ins.src == I.PSEUDO_MAP_VALUE:
                 m = self.p.maps[ins.imm]
                 if m.kind != "array" or ins.next_imm >= m.value_size:
                     self.fail(pc, f"map value reference into '{m.name}' at offset {ins.next_imm} is invalid")
-                regs[ins.dst] = ("map_value", ins.imm, ins.next_imm, ins.next_imm)
+                regs[ins.dst] = MapValue(ins.imm, ins.next_imm, ins.next_imm)
             else:
                 regs[ins.dst] = const(ins.imm)
             return pc + 2
@@ -288,7 +289,7 @@ class Verifier:
                     self.fail(pc, f"reference leak: the ringbuf record reserved at pc {ref_pc} is neither "
                               "submitted nor discarded on this path")
                 return None
-            if r0[0] == "stack" and r0[1] == len(st.frames) - 1:
+            if isinstance(r0, StackPtr) and r0.frame == len(st.frames) - 1:
                 self.fail(pc, "cannot return a stack pointer to the caller: the callee's frame ends here")
             ret = st.frames.pop()
             caller = st.top
@@ -303,16 +304,16 @@ class Verifier:
                 regs_new = [UNINIT] * 11
                 for r in range(1, 6):
                     regs_new[r] = regs[r]
-                regs_new[10] = ("stack", len(st.frames), STACK, STACK)
+                regs_new[10] = StackPtr(len(st.frames), STACK, STACK)
                 st.frames.append(Frame(regs_new, bytearray(STACK), {}, pc + 1))
                 return pc + 1 + ins.imm
             hid = ins.imm
             if ins.opcode & I.X:
                 v = self.read(pc, regs, ins.dst)
-                if v[0] != "scalar" or v[1] != v[2] or v[1] not in Hl.HELPERS:
+                if not isinstance(v, Scalar) or not v.constant or v.lo not in Hl.HELPERS:
                     self.fail(pc, f"callx: r{ins.dst} must hold a known helper id, not "
-                              f"{v[0] if v[0] != 'scalar' else f'{v[1]}..{v[2]}'}")
-                hid = v[1]
+                              f"{v.kind if not isinstance(v, Scalar) else f'{v.lo}..{v.hi}'}")
+                hid = v.lo
             self.helper(pc, hid, st)
             return pc + 1
         if op == I.JA:
@@ -361,8 +362,8 @@ class Verifier:
         if not is64:
             self.fail(pc, "32-bit arithmetic on a pointer")
         for v in (d, s):
-            if v[0] in ("map_ptr", "map_value_or_null", "record_or_null", "released"):
-                self.fail(pc, f"arithmetic on {POINTER_WORDS[v[0]]}")
+            if is_ptr(v) and not isinstance(v, OFFSET_POINTERS):
+                self.fail(pc, f"arithmetic on {POINTER_WORDS[v.kind]}")
         if op == I.ADD:
             ptr, sc = (d, s) if is_ptr(d) else (s, d)
             if is_ptr(sc):
@@ -372,39 +373,39 @@ class Verifier:
             if is_ptr(d) and not is_ptr(s):
                 delta = signed_range(s)
                 return self._shift_ptr(pc, d, delta and (-delta[1], -delta[0]))
-            if is_ptr(d) and is_ptr(s) and d[0] == s[0]:
-                return scalar()
+            if is_ptr(d) and is_ptr(s) and d.kind == s.kind:
+                return Scalar()
         self.fail(pc, f"pointer arithmetic with '{I.ALU_NAMES.get(op, op)}' is not allowed")
 
     def _shift_ptr(self, pc, ptr, delta):
         """``ptr`` moved by a signed offset range; the offsets stay within ±MAX_VAR_OFF."""
         if delta is None:
-            self.fail(pc, f"math between a {ptr[0]} pointer and a register with an unbounded range is not "
+            self.fail(pc, f"math between a {ptr.kind} pointer and a register with an unbounded range is not "
                       "allowed; bound the value with a comparison first")
-        lo, hi = ptr[-2] + delta[0], ptr[-1] + delta[1]
+        lo, hi = ptr.lo + delta[0], ptr.hi + delta[1]
         if max(-lo, hi) >= MAX_VAR_OFF:
-            self.fail(pc, f"pointer offset range {lo}..{hi} makes the {ptr[0]} pointer go out of bounds "
+            self.fail(pc, f"pointer offset range {lo}..{hi} makes the {ptr.kind} pointer go out of bounds "
                       f"(offsets must stay within ±{MAX_VAR_OFF})")
-        return ptr[:-2] + (lo, hi)
+        return ptr._replace(lo=lo, hi=hi)
 
     def scalar_op(self, ins, d, s, is64):
         """The result range of a scalar operation (exact when both are constants)."""
         mask = M64 if is64 else M32
         op = ins.op
-        if d[1] == d[2] and s[1] == s[2]:
+        if d.constant and s.constant:
             regs = [0] * 11
-            regs[1], regs[2] = d[1], s[1]
+            regs[1], regs[2] = d.lo, s.lo
             fake = I.Insn((ins.opcode | I.X), dst=1, src=2, off=ins.off, imm=ins.imm)
             if op == I.END:
                 fake = I.Insn(ins.opcode, dst=1, imm=ins.imm)
             return const(Interpreter._alu(fake, ins.cls, regs))
-        lo, hi = d[1], d[2]
+        lo, hi = d.lo, d.hi
         if not is64:
             if hi > M32:
                 lo, hi = 0, M32
-            slo, shi = (s[1], s[2]) if s[2] <= M32 else (0, M32)
+            slo, shi = (s.lo, s.hi) if s.hi <= M32 else (0, M32)
         else:
-            slo, shi = s[1], s[2]
+            slo, shi = s.lo, s.hi
         r = None
         if op == I.ADD and hi + shi <= mask:
             r = (lo + slo, hi + shi)
@@ -435,23 +436,22 @@ class Verifier:
             r = (0, mask)
         if r is None:
             r = (0, mask)
-        return scalar(*r)
+        return Scalar(*r)
 
     # -- memory --------------------------------------------------------------------------------
-    def _stack_frame(self, st, ptr):
-        return st.frames[ptr[1]]
+    def _stack_frame(self, st, ptr: StackPtr):
+        return st.frames[ptr.frame]
 
     def check_access(self, pc, st, ptr, off, size, write):
-        kind = ptr[0]
         self._check_access(pc, ptr, off, size, write)
-        self.kinds.setdefault(pc, set()).add(kind)
+        self.kinds.setdefault(pc, set()).add(ptr.kind)
 
     def _check_access(self, pc, ptr, off, size, write):
-        kind = ptr[0]
-        if kind == "scalar":
+        if isinstance(ptr, Scalar):
             self.fail(pc, f"{'write to' if write else 'read from'} a number, not a pointer")
-        if kind == "ctx":
-            lo, hi = ptr[1] + off, ptr[2] + off
+        if isinstance(ptr, OFFSET_POINTERS):
+            lo, hi = ptr.lo + off, ptr.hi + off
+        if isinstance(ptr, Ctx):
             if lo < 0 or hi + size > self.ctx_size:
                 self.fail(pc, f"context access at offset {lo} of {size} bytes is outside the "
                           f"{self.ctx_size}-byte context of {self._hook_name()}")
@@ -461,34 +461,31 @@ class Verifier:
                 fld = self._field_at(lo)
                 self.fail(pc, f"write to read-only context field '{fld}' of {self._hook_name()}")
             return
-        if kind == "stack":
-            lo, hi = ptr[2] + off, ptr[3] + off
+        if isinstance(ptr, StackPtr):
             if lo < 0 or hi + size > STACK:
                 self.fail(pc, f"stack access at r10{lo - STACK:+d} of {size} bytes is outside the {STACK}-byte stack")
             if lo != hi:
                 self.fail(pc, "stack access with a variable offset")
             return
-        if kind == "map_value":
-            m = self.p.maps[ptr[1]]
-            lo, hi = ptr[2] + off, ptr[3] + off
+        if isinstance(ptr, MapValue):
+            m = self.p.maps[ptr.map]
             if lo < 0 or hi + size > m.value_size:
                 self.fail(pc, f"access to map '{m.name}' value at offset {lo}..{hi} of {size} bytes is outside "
                           f"its {m.value_size}-byte value")
             return
-        if kind == "record":
-            lo, hi = ptr[3] + off, ptr[4] + off
-            if lo < 0 or hi + size > ptr[1]:
-                self.fail(pc, f"access to a {ptr[1]}-byte ringbuf record at offset {lo} is out of bounds")
+        if isinstance(ptr, Record):
+            if lo < 0 or hi + size > ptr.size:
+                self.fail(pc, f"access to a {ptr.size}-byte ringbuf record at offset {lo} is out of bounds")
             return
-        if kind == "mem":
+        if isinstance(ptr, Mem):
             return  # memory given to a bare program: size known only at run time; checked there
-        if kind in ("map_value_or_null", "record_or_null"):
+        if isinstance(ptr, (MapValueOrNull, RecordOrNull)):
             self.fail(pc, "access through a pointer that may be null; compare it with 0 first")
-        if kind == "released":
-            self.fail(pc, f"access to a ringbuf record after it was submitted or discarded at pc {ptr[1]}")
-        if kind == "map_ptr":
+        if isinstance(ptr, Released):
+            self.fail(pc, f"access to a ringbuf record after it was submitted or discarded at pc {ptr.pc}")
+        if isinstance(ptr, MapPtr):
             self.fail(pc, "a map reference cannot be dereferenced; use bpf_map_lookup_elem")
-        self.fail(pc, f"invalid memory access through {kind}")
+        self.fail(pc, f"invalid memory access through {ptr.kind}")
 
     def _hook_name(self):
         return f"{self.hook.island_kind}.{self.hook.name}" if self.hook else "the program"
@@ -501,62 +498,63 @@ class Verifier:
 
     def load(self, pc, st, ptr, off, size, signed):
         self.check_access(pc, st, ptr, off, size, False)
-        if ptr[0] == "stack":
+        if isinstance(ptr, StackPtr):
             fr = self._stack_frame(st, ptr)
-            at = ptr[2] + off
+            at = ptr.lo + off
             if not all(fr.init[at:at + size]):
                 self.fail(pc, f"read of uninitialised stack at r10{at - STACK:+d}")
             if size == 8 and at in fr.spills:
                 return fr.spills[at]
         if signed:
-            return scalar()
-        return scalar(0, (1 << (8 * size)) - 1)
+            return Scalar()
+        return Scalar(0, (1 << (8 * size)) - 1)
 
     def store(self, pc, st, ptr, off, size, val):
         self.check_access(pc, st, ptr, off, size, True)
-        if ptr[0] == "stack":
+        if isinstance(ptr, StackPtr):
             fr = self._stack_frame(st, ptr)
-            at = ptr[2] + off
+            at = ptr.lo + off
             for a in list(fr.spills):
                 if a < at + size and at < a + 8:
                     del fr.spills[a]
             fr.init[at:at + size] = b"\x01" * size
-            if val[0] == "stack" and val[1] > ptr[1]:
+            if isinstance(val, StackPtr) and val.frame > ptr.frame:
                 self.fail(pc, "cannot spill a pointer to a callee's stack into a caller's frame: "
                           "it would outlive the callee")
             if size == 8 and at % 8 == 0:
                 fr.spills[at] = val
             elif is_ptr(val):
                 self.fail(pc, "partial spill of a pointer to the stack")
-        elif is_ptr(val) and ptr[0] != "stack":
-            self.fail(pc, f"storing a pointer into {ptr[0]} would leak it")
+        elif is_ptr(val):
+            self.fail(pc, f"storing a pointer into {ptr.kind} would leak it")
 
     def atomic(self, pc, st, ins, base, val, size):
-        if base[0] == "ctx":
+        if isinstance(base, Ctx):
             self.fail(pc, "atomic operation on the context")
         if is_ptr(val):
             self.fail(pc, "atomic operation with a pointer operand")
         self.load(pc, st, base, ins.off, size, False)
-        self.store(pc, st, base, ins.off, size, scalar())
+        self.store(pc, st, base, ins.off, size, Scalar())
         regs = st.top.regs
         if ins.imm == I.CMPXCHG:
             self.read(pc, regs, 0)
-            regs[0] = scalar()
+            regs[0] = Scalar()
         elif ins.imm & I.FETCH:
-            regs[ins.src] = scalar(0, M32 if size == 4 else M64)
+            regs[ins.src] = Scalar(0, M32 if size == 4 else M64)
 
     # -- helpers -----------------------------------------------------------------------------------
     def _mem_arg(self, pc, st, r, ptr, size):
-        if ptr[0] == "stack":
+        if isinstance(ptr, StackPtr):
             fr = self._stack_frame(st, ptr)
             self.check_access(pc, st, ptr, 0, size, False)
-            at = ptr[2]
+            at = ptr.lo
             if not all(fr.init[at:at + size]):
                 self.fail(pc, f"r{r} points to {size} bytes of stack that are not all initialised")
-        elif ptr[0] in ("map_value", "mem", "ctx", "record"):
-            self.check_access(pc, st, ptr, 0, size, False) if size else None
+        elif isinstance(ptr, OFFSET_POINTERS):
+            if size:
+                self.check_access(pc, st, ptr, 0, size, False)
         else:
-            self.fail(pc, f"r{r} must point to memory, not {ptr[0]}")
+            self.fail(pc, f"r{r} must point to memory, not {ptr.kind}")
 
     def helper(self, pc, hid, st):
         spec = Hl.HELPERS[hid]
@@ -565,48 +563,48 @@ class Verifier:
         reserve_size = 0
         if spec.ret == Hl.RET_RECORD_OR_NULL:
             size = regs[2]
-            if size == UNINIT or is_ptr(size) or size[1] != size[2]:
+            if not isinstance(size, Scalar) or not size.constant:
                 self.fail(pc, f"{spec.name} needs a constant size in r2")
-            reserve_size = size[1]
+            reserve_size = size.lo
         for i, kind in enumerate(spec.args, start=1):
             v = regs[i]
             if v == UNINIT:
                 self.fail(pc, f"{spec.name}: argument r{i} is not set")
             if kind == Hl.MAP:
-                if v[0] != "map_ptr":
+                if not isinstance(v, MapPtr):
                     self.fail(pc, f"{spec.name}: r{i} must be a map reference")
-                mp = self.p.maps[v[1]]
+                mp = self.p.maps[v.map]
                 if (mp.kind == "ringbuf") != spec.name.startswith("ringbuf"):
                     self.fail(pc, f"{spec.name} cannot be used on the {mp.kind} map '{mp.name}'")
             elif kind in (Hl.KEY, Hl.VALUE):
                 self._mem_arg(pc, st, i, v, mp.key_size if kind == Hl.KEY else mp.value_size)
             elif kind == Hl.MEM:
                 size = regs[i + 1]
-                if size == UNINIT or is_ptr(size):
+                if not isinstance(size, Scalar):
                     self.fail(pc, f"{spec.name}: r{i + 1} must be a size")
-                if size[2] > 1 << 16:
+                if size.hi > 1 << 16:
                     self.fail(pc, f"{spec.name}: size in r{i + 1} is unbounded")
-                self._mem_arg(pc, st, i, v, size[2])
+                self._mem_arg(pc, st, i, v, size.hi)
             elif kind in (Hl.SCALAR, Hl.SIZE):
                 if is_ptr(v):
                     self.fail(pc, f"{spec.name}: r{i} must be a number, not a pointer")
             elif kind == Hl.RECORD:
-                if v[0] == "released":
-                    self.fail(pc, f"{spec.name}: the record in r{i} was already submitted or discarded at pc {v[1]}")
-                if v[0] != "record" or v[3:] != (0, 0):
+                if isinstance(v, Released):
+                    self.fail(pc, f"{spec.name}: the record in r{i} was already submitted or discarded at pc {v.pc}")
+                if not isinstance(v, Record) or (v.lo, v.hi) != (0, 0):
                     self.fail(pc, f"{spec.name}: r{i} must be a record from bpf_ringbuf_reserve, at its start")
-                self._release(st, v[2], pc)
+                self._release(st, v.id, pc)
         for r in range(1, 6):
             regs[r] = UNINIT
         if spec.ret == Hl.RET_MAP_VALUE_OR_NULL:
-            regs[0] = ("map_value_or_null", self.p.maps.index(mp), st.next_id)
+            regs[0] = MapValueOrNull(self.p.maps.index(mp), st.next_id)
             st.next_id += 1
         elif spec.ret == Hl.RET_RECORD_OR_NULL:
-            regs[0] = ("record_or_null", reserve_size, st.next_id)
+            regs[0] = RecordOrNull(reserve_size, st.next_id)
             st.refs[st.next_id] = pc
             st.next_id += 1
         else:
-            regs[0] = scalar()
+            regs[0] = Scalar()
 
     # -- branches ---------------------------------------------------------------------------------
     def branch(self, pc, ins, st, work, depth):
@@ -615,7 +613,7 @@ class Verifier:
         b = self.read(pc, regs, ins.src) if ins.opcode & I.X else const(ins.imm)
         taken_pc, fall_pc = pc + 1 + ins.off, pc + 1
         op = ins.op
-        if a[0] in ("map_value_or_null", "record_or_null") and b == const(0) and op in (I.JEQ, I.JNE):
+        if isinstance(a, (MapValueOrNull, RecordOrNull)) and b == const(0) and op in (I.JEQ, I.JNE):
             null_st, ok_st = st.copy(), st
             self._resolve_null(null_st, a, True)
             self._resolve_null(ok_st, a, False)
@@ -642,30 +640,32 @@ class Verifier:
 
     @staticmethod
     def _resolve_null(st, ptr, is_null):
-        nid = ptr[2]
+        """After a comparison with 0: every copy of a maybe-null pointer is 0, or a pointer
+        to the start of its map value or record."""
+        nid = ptr.id
 
         def fix(v):
-            if v[0] == ptr[0] and v[2] == nid:
+            if type(v) is type(ptr) and v.id == nid:
                 if is_null:
                     return const(0)
-                return ("map_value", v[1], 0, 0) if v[0] == "map_value_or_null" else ("record", v[1], nid, 0, 0)
+                return MapValue(v.map, 0, 0) if isinstance(v, MapValueOrNull) else Record(v.size, nid, 0, 0)
             return v
         st.replace_values(fix)
-        if is_null and ptr[0] == "record_or_null":
+        if is_null and isinstance(ptr, RecordOrNull):
             st.refs.pop(nid, None)     # a failed reserve holds nothing
 
     @staticmethod
     def _release(st, ref, pc):
         """Submit or discard: the record is gone, and so is every copy of its pointer."""
         st.refs.pop(ref, None)
-        st.replace_values(lambda v: ("released", pc) if v[0] == "record" and v[2] == ref else v)
+        st.replace_values(lambda v: Released(pc) if isinstance(v, Record) and v.id == ref else v)
 
     @staticmethod
     def _ranges(ins, a, b):
         if ins.cls == I.JMP32:
-            if a[2] > M32 or b[2] > M32:
+            if a.hi > M32 or b.hi > M32:
                 return None
-        return (a[1], a[2]), (b[1], b[2])
+        return (a.lo, a.hi), (b.lo, b.hi)
 
     def _decide(self, ins, a, b):
         rr = self._ranges(ins, a, b)
@@ -702,7 +702,7 @@ class Verifier:
 
     def _refine(self, ins, st, a, b, taken):
         """Narrow the compared register's range on one side of a branch (against a constant)."""
-        if b[1] != b[2]:
+        if not b.constant:
             return
         rr = self._ranges(ins, a, b)
         if rr is None:
@@ -735,7 +735,7 @@ class Verifier:
             return
         if lo > hi:
             return
-        st.top.regs[ins.dst] = scalar(lo, hi)
+        st.top.regs[ins.dst] = Scalar(lo, hi)
 
 
 
