@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 from fabric_ext.codegen.driver import build, write_output  # noqa: E402
-from fabric_ext.runtime.machine.program import get_backend  # noqa: E402
+from fabric_ext.runtime.machine.backends import get_backend  # noqa: E402
 from fabric_ext.runtime.simulation.bundle import create_maps, load_manifest  # noqa: E402
 from fabric_ext.runtime.simulation.engine import Engine, RunOptions  # noqa: E402
 

@@ -159,7 +159,7 @@ def run(bundle: Bundle | str | Path, *, model: str | None = None, prompt: int | 
     """Run a compiled policy (a `Bundle`, or the path of a policy folder) on its fabric's
     prefill; the workload's properties unless given here.  ``baseline`` also runs the same
     prefill with no programs attached (``Report.baseline``)."""
-    from fabric_ext.runtime.machine.program import get_backend
+    from fabric_ext.runtime.machine.backends import get_backend
     from fabric_ext.runtime.simulation.bundle import create_maps
     from fabric_ext.runtime.simulation.engine import Engine, RunOptions
     from fabric_ext.runtime.simulation.fabric_model import DEFAULT_MAX_EVENTS

@@ -15,8 +15,9 @@ from fabric_ext.runtime.machine.fsutil import UnreadableFile, read_bounded
 
 from .machine import isa
 from .machine.asm import AsmError, assemble
+from .machine.backends import get_backend
 from .machine.elf import MAX_OBJECT, ObjectError, load_object
-from .machine.program import JIT_CHECKS, Program, VMFault, get_backend
+from .machine.program import JIT_CHECKS, Program, VMFault
 from .machine.verifier import VerifierError, verify
 
 BACKENDS = ("interp", "jit", "kernel")

@@ -45,3 +45,26 @@ def test_the_walk_sees_a_forbidden_import(tmp_path):
     p = tmp_path / "x.py"
     p.write_text("from ..simulation.engine import Engine\nfrom .isa import Insn\n")
     assert list(imports(p)) == [(1, "..simulation.engine"), (2, "fabric_ext.runtime.machine.isa")]
+
+
+def test_the_machine_imports_point_one_way():
+    """No import cycle among the machine's modules (nested imports included): shared pieces
+    (faults, ALU semantics, context masks) live in `semantics`, backends are chosen in
+    `backends`, and the interfaces in `program` import no backend."""
+    import networkx as nx
+    g = nx.DiGraph()
+    prefix = "fabric_ext.runtime.machine."
+    for path in MACHINE.glob("*.py"):
+        g.add_node(path.stem)
+        for _, module in imports(path):
+            if module.startswith(prefix):
+                g.add_edge(path.stem, module[len(prefix):].split(".")[0])
+            elif module == "fabric_ext.runtime.machine":
+                pass                # `from . import isa`: the edge is by name below
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module is None:
+                for alias in node.names:
+                    g.add_edge(path.stem, alias.name)
+    cycles = list(nx.simple_cycles(g))
+    assert not cycles, cycles

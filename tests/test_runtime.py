@@ -267,7 +267,7 @@ def test_plots(tmp_path):
 def test_ringbuf_drops_are_counted_and_reported(tmp_path, vm):
     """Nothing consumes a ringbuf during a run: once it is full, records are dropped, and the
     report says how many (they were lost in silence)."""
-    from fabric_ext.runtime.machine.program import get_backend
+    from fabric_ext.runtime.machine.backends import get_backend
     from fabric_ext.runtime.simulation import stats
     out = compile_text(tmp_path, """
 import "fabrics/dgx_cxl.fx"

@@ -20,6 +20,7 @@ from . import helpers as Hl
 from . import isa as I
 from .maps import RINGBUF
 from .program import Backend, Program, ProofViolation, VMFault
+from .semantics import Fault, alu, ctx_write_mask, s32, s64
 
 M64, M32 = I.MASK64, I.MASK32
 STACK_SIZE, MAX_FRAMES, MAP_HANDLE = I.STACK_SIZE, I.MAX_FRAMES, I.MAP_HANDLE
@@ -30,25 +31,6 @@ MAP_BASE = 0x5000_0000_0000        # + map index << 32
 RECORD_BASE = 0x6000_0000_0000     # ringbuf records, + n << 24
 _PACK = {1: struct.Struct("<B"), 2: struct.Struct("<H"), 4: struct.Struct("<I"), 8: struct.Struct("<Q")}
 _SPACK = {1: struct.Struct("<b"), 2: struct.Struct("<h"), 4: struct.Struct("<i"), 8: struct.Struct("<q")}
-
-
-def s64(v: int) -> int:
-    return v - (1 << 64) if v & (1 << 63) else v
-
-
-def s32(v: int) -> int:
-    v &= M32
-    return v - (1 << 32) if v & (1 << 31) else v
-
-
-def ctx_write_mask(hook, size: int) -> bytes:
-    """Per byte of the context: 1 where a program may write (decisions and padding)."""
-    mask = bytearray(b"\x01" * size)
-    if hook is not None:
-        for off, f in hook.layout.values():
-            if not f.decision:
-                mask[off:off + f.size] = b"\x00" * f.size
-    return bytes(mask)
 
 
 class Region:
@@ -85,7 +67,7 @@ class Machine:
 
     def push_frame(self) -> int:
         if len(self.frames) >= MAX_FRAMES:
-            raise _Fault(f"call depth exceeds {MAX_FRAMES} frames")
+            raise Fault(f"call depth exceeds {MAX_FRAMES} frames")
         buf = bytearray(STACK_SIZE)
         base = STACK_BASE + len(self.frames) * 0x10000
         self.frames.append(buf)
@@ -118,7 +100,7 @@ class Machine:
         if kinds and "mem" not in kinds:
             raise _ProofViolation(f"verifier bug: the access was proven to stay in {'/'.join(sorted(kinds))}, "
                                   f"but {why}")
-        raise _Fault(why)
+        raise Fault(why)
 
     def load(self, addr, size, signed=False):
         r, off = self.region(addr, size, False)
@@ -136,7 +118,7 @@ class Machine:
 
     def map_of(self, handle: int):
         if handle & MAP_HANDLE != MAP_HANDLE or (handle & M32) >= len(self.prog.maps):
-            raise _Fault(f"{handle:#x} is not a map")
+            raise Fault(f"{handle:#x} is not a map")
         return self.prog.maps[handle & M32]
 
     def map_value_addr(self, index: int, m, slot: int) -> int:
@@ -152,18 +134,14 @@ class Machine:
 
     def end_record(self, addr, submit: bool):
         if addr not in self.records:
-            raise _Fault(f"{addr:#x} is not a reserved ringbuf record")
+            raise Fault(f"{addr:#x} is not a reserved ringbuf record")
         m, buf = self.records.pop(addr)
         self.regions = [r for r in self.regions if r.lo != addr]
         if submit:
             m.ringbuf_output(bytes(buf))
 
 
-class _Fault(Exception):
-    pass
-
-
-class _ProofViolation(_Fault):
+class _ProofViolation(Fault):
     pass
 
 
@@ -196,7 +174,7 @@ class Interpreter(Backend):
             return self._loop(prog, m, regs)
         except _ProofViolation as e:
             raise ProofViolation(prog, m.pc, str(e)) from None
-        except _Fault as e:
+        except Fault as e:
             raise VMFault(prog, m.pc, str(e)) from None
 
     def _loop(self, prog: Program, m: Machine, regs: list[int]) -> int:
@@ -206,17 +184,17 @@ class Interpreter(Backend):
         while True:
             if pc < 0 or pc >= n or slots[pc] is None:
                 m.pc = max(0, min(pc, n - 1))
-                raise _Fault(f"jump out of the program to pc {pc}")
+                raise Fault(f"jump out of the program to pc {pc}")
             steps += 1
             if steps > budget:
                 m.pc = pc
                 self.executed = steps
-                raise _Fault(f"instruction budget of {budget} exhausted")
+                raise Fault(f"instruction budget of {budget} exhausted")
             ins = slots[pc]
             m.pc = pc
             op, cls = ins.opcode, ins.opcode & 7
             if cls == I.ALU64 or cls == I.ALU:
-                regs[ins.dst] = self._alu(ins, cls, regs)
+                regs[ins.dst] = alu(ins, cls, regs)
             elif cls == I.JMP or cls == I.JMP32:
                 code = op & 0xF0
                 if code == I.EXIT:
@@ -275,67 +253,8 @@ class Interpreter(Backend):
                 pc += 2
                 continue
             else:
-                raise _Fault(f"unsupported opcode {op:#04x}")
+                raise Fault(f"unsupported opcode {op:#04x}")
             pc += 1
-
-    @staticmethod
-    def _alu(ins, cls, regs) -> int:
-        op = ins.opcode & 0xF0
-        is64 = cls == I.ALU64
-        mask = M64 if is64 else M32
-        bits = 64 if is64 else 32
-        d = regs[ins.dst] & mask
-        s = (regs[ins.src] if ins.opcode & I.X else ins.imm & M64) & mask
-        if op == I.ADD:
-            r = d + s
-        elif op == I.SUB:
-            r = d - s
-        elif op == I.MUL:
-            r = d * s
-        elif op == I.DIV:
-            if ins.off == 1:
-                sd, ss = (s64(d), s64(s)) if is64 else (s32(d), s32(s))
-                r = 0 if ss == 0 else abs(sd) // abs(ss) * (1 if (sd < 0) == (ss < 0) else -1)
-            else:
-                r = d // s if s else 0
-        elif op == I.MOD:
-            if ins.off == 1:
-                sd, ss = (s64(d), s64(s)) if is64 else (s32(d), s32(s))
-                r = sd if ss == 0 else (abs(sd) % abs(ss)) * (1 if sd >= 0 else -1)
-            else:
-                r = d % s if s else d
-        elif op == I.OR:
-            r = d | s
-        elif op == I.AND:
-            r = d & s
-        elif op == I.XOR:
-            r = d ^ s
-        elif op == I.LSH:
-            r = d << (s & (bits - 1))
-        elif op == I.RSH:
-            r = d >> (s & (bits - 1))
-        elif op == I.ARSH:
-            sd = s64(d) if is64 else s32(d)
-            r = sd >> (s & (bits - 1))
-        elif op == I.NEG:
-            r = -d
-        elif op == I.MOV:
-            if ins.off and ins.opcode & I.X:
-                v = regs[ins.src] & ((1 << ins.off) - 1)
-                r = v - (1 << ins.off) if v >> (ins.off - 1) else v
-            else:
-                r = s
-        elif op == I.END:
-            width = ins.imm
-            if width not in (16, 32, 64):
-                raise _Fault(f"byte swap of width {width}")
-            v = regs[ins.dst] & ((1 << width) - 1)
-            if cls == I.ALU64 or ins.opcode & I.X:  # bswap / to big endian: swap
-                v = int.from_bytes(v.to_bytes(width // 8, "little"), "big")
-            return v
-        else:
-            raise _Fault(f"unsupported ALU operation {op:#x}")
-        return r & mask
 
     @staticmethod
     def _atomic(m, ins, addr, size, regs):
@@ -355,7 +274,7 @@ class Interpreter(Backend):
         base = op & ~I.FETCH
         new = {I.ADD: old + src, I.OR: old | src, I.AND: old & src, I.XOR: old ^ src}.get(base)
         if new is None:
-            raise _Fault(f"unsupported atomic operation {op:#x}")
+            raise Fault(f"unsupported atomic operation {op:#x}")
         m.store(addr, size, new)
         if op & I.FETCH:
             regs[ins.src] = old
@@ -375,5 +294,5 @@ _TAKEN = {
 def _taken(code, a, b, sa, sb) -> bool:
     test = _TAKEN.get(code)
     if test is None:
-        raise _Fault(f"unsupported jump operation {code:#x}")
+        raise Fault(f"unsupported jump operation {code:#x}")
     return test(a, b, sa, sb)

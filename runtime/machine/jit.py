@@ -19,7 +19,6 @@ import numpy as np
 from . import helpers as Hl
 from . import isa as I
 from .codecache import CodeCache, default_dir
-from .interp import ctx_write_mask
 from .lift import (
     FAULT_BUDGET,
     FAULT_HELPER,
@@ -36,6 +35,7 @@ from .lift import (
 )
 from .maps import RINGBUF
 from .program import JIT_CHECKS, Backend, Program, VMFault
+from .semantics import ctx_write_mask
 
 CALLBACK = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
                             ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64)

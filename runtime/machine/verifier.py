@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from . import helpers as Hl
 from . import isa as I
 from .insn_rules import ATOMIC_IMMS, VALID_OPCODES, reserved_fields
-from .interp import Interpreter, ctx_write_mask
 from .program import Program
+from .semantics import alu, ctx_write_mask
 from .values import (
     OFFSET_POINTERS,
     UNINIT,
@@ -398,7 +398,7 @@ class Verifier:
             fake = I.Insn((ins.opcode | I.X), dst=1, src=2, off=ins.off, imm=ins.imm)
             if op == I.END:
                 fake = I.Insn(ins.opcode, dst=1, imm=ins.imm)
-            return const(Interpreter._alu(fake, ins.cls, regs))
+            return const(alu(fake, ins.cls, regs))
         lo, hi = d.lo, d.hi
         if not is64:
             if hi > M32:
