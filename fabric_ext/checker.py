@@ -15,7 +15,7 @@ from fractions import Fraction
 from . import ast as A
 from . import schema as S
 from .diagnostics import Diagnostics, closest, did_you_mean
-from .hooks import CLASSES, DEVICE_ISLAND_KIND, OPERATORS, Hook
+from .hooks import CLASSES, DEVICE_ISLAND_KIND, MAX_PRIORITY, OPERATORS, Hook
 from .loader import Program
 from .units import BANDWIDTH, BASE_UNIT, BOOL, COUNT, DEVICE, DIM_ARITH, DIM_NAMES, PERCENT, SIZE, TIME, format_quantity
 
@@ -552,8 +552,9 @@ class BodyChecker:
             self.diags.error(s.value.span, f"'{name}' = {float(exact):.3g} {BASE_UNIT[f.dim]} rounds down to 0, "
                              f"which sets no {name}", f"values are whole {BASE_UNIT[f.dim]}")
         v = const_value(s.value)
-        if name == "priority" and v is not None and v > 7:
-            self.diags.error(s.value.span, f"priority {v} is out of range", "priorities are 0 (last) to 7 (first)")
+        if name == "priority" and v is not None and v > MAX_PRIORITY:
+            self.diags.error(s.value.span, f"priority {v} is out of range",
+                             f"priorities are 0 (last) to {MAX_PRIORITY} (first)")
 
     def _bad_target(self, s, name):
         for h in self.hooks:

@@ -99,8 +99,10 @@ TICK_INPUTS = (
     _f("period", "u64", TIME, "period of this tick (ns)"),
 )
 
-PRIORITY = _d("priority", "u32", COUNT, 3, "strict-priority class 0-7 on every egress queue it meets from here "
-               "on (7 first; flows of one class share a link round robin)", "queueing")
+#: strict-priority classes on every queue: 0 (last) to MAX_PRIORITY (first)
+MAX_PRIORITY = 7
+PRIORITY = _d("priority", "u32", COUNT, 3, f"strict-priority class 0-{MAX_PRIORITY} on every egress queue it "
+               f"meets from here on ({MAX_PRIORITY} first; flows of one class share a link round robin)", "queueing")
 RATE = _d("rate", "u64", BANDWIDTH, 0, "token-bucket rate limit of the flow at this island: its chunks leave "
            "no faster than this (0: unlimited)", "throughput")
 DEFER = _d("defer", "u64", TIME, 0, "hold the chunk this long before it moves on (at issue: before a copy "

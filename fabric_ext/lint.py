@@ -142,8 +142,8 @@ def _decisions_without_effect(analysis, sym, diags) -> None:
 def _chunk_size(sym, movement: str | None) -> int:
     """The largest chunk a handler on ``movement`` (None: every movement) can be given: the
     movement's `chunk`, or the workload's, which transfers no movement sets keep."""
-    from fabric_ext.runtime.simulation.workload import Workload
-    size = _workload(sym).get("chunk", Workload.transfer_chunk)
+    from fabric_ext.runtime.simulation.figures import figures
+    size = _workload(sym).get("chunk", figures()["defaults"]["transfer_chunk"])
     decls = [sym.movements[movement]] if movement else list(sym.movements.values())
     sizes = [prop_value(d.props, "chunk", size) for d in decls]
     return min(sizes + ([size] if movement is None else []))

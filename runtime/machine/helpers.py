@@ -9,6 +9,7 @@ import errno
 from dataclasses import dataclass
 
 from .maps import RINGBUF
+from .semantics import Fault
 
 # argument kinds
 MAP, KEY, VALUE, SCALAR, MEM, SIZE, RECORD, ANY = "map", "key", "value", "scalar", "mem", "size", "record", "any"
@@ -24,18 +25,23 @@ class HelperSpec:
     ret: str
 
 
+# helper ids (include/uapi/linux/bpf.h, enum bpf_func_id)
+MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM = 1, 2, 3
+KTIME_GET_NS, TRACE_PRINTK, GET_PRANDOM_U32, GET_SMP_PROCESSOR_ID = 5, 6, 7, 8
+RINGBUF_OUTPUT, RINGBUF_RESERVE, RINGBUF_SUBMIT, RINGBUF_DISCARD = 130, 131, 132, 133
+
 HELPERS = {h.id: h for h in (
-    HelperSpec(1, "map_lookup_elem", (MAP, KEY), RET_MAP_VALUE_OR_NULL),
-    HelperSpec(2, "map_update_elem", (MAP, KEY, VALUE, SCALAR), RET_SCALAR),
-    HelperSpec(3, "map_delete_elem", (MAP, KEY), RET_SCALAR),
-    HelperSpec(5, "ktime_get_ns", (), RET_SCALAR),
-    HelperSpec(6, "trace_printk", (MEM, SIZE), RET_SCALAR),
-    HelperSpec(7, "get_prandom_u32", (), RET_SCALAR),
-    HelperSpec(8, "get_smp_processor_id", (), RET_SCALAR),
-    HelperSpec(130, "ringbuf_output", (MAP, MEM, SIZE, SCALAR), RET_SCALAR),
-    HelperSpec(131, "ringbuf_reserve", (MAP, SCALAR, SCALAR), RET_RECORD_OR_NULL),
-    HelperSpec(132, "ringbuf_submit", (RECORD, SCALAR), RET_VOID),
-    HelperSpec(133, "ringbuf_discard", (RECORD, SCALAR), RET_VOID),
+    HelperSpec(MAP_LOOKUP_ELEM, "map_lookup_elem", (MAP, KEY), RET_MAP_VALUE_OR_NULL),
+    HelperSpec(MAP_UPDATE_ELEM, "map_update_elem", (MAP, KEY, VALUE, SCALAR), RET_SCALAR),
+    HelperSpec(MAP_DELETE_ELEM, "map_delete_elem", (MAP, KEY), RET_SCALAR),
+    HelperSpec(KTIME_GET_NS, "ktime_get_ns", (), RET_SCALAR),
+    HelperSpec(TRACE_PRINTK, "trace_printk", (MEM, SIZE), RET_SCALAR),
+    HelperSpec(GET_PRANDOM_U32, "get_prandom_u32", (), RET_SCALAR),
+    HelperSpec(GET_SMP_PROCESSOR_ID, "get_smp_processor_id", (), RET_SCALAR),
+    HelperSpec(RINGBUF_OUTPUT, "ringbuf_output", (MAP, MEM, SIZE, SCALAR), RET_SCALAR),
+    HelperSpec(RINGBUF_RESERVE, "ringbuf_reserve", (MAP, SCALAR, SCALAR), RET_RECORD_OR_NULL),
+    HelperSpec(RINGBUF_SUBMIT, "ringbuf_submit", (RECORD, SCALAR), RET_VOID),
+    HelperSpec(RINGBUF_DISCARD, "ringbuf_discard", (RECORD, SCALAR), RET_VOID),
 )}
 
 
@@ -57,39 +63,38 @@ class Prandom:
 def call(vm, m, helper_id: int, regs: list[int]) -> int:
     """Run helper ``helper_id`` with r1..r5; returns r0.  Clobbers nothing else here;
     the verifier treats r1-r5 as unreadable after a call."""
-    from .interp import _Fault
     r1, r2, r3, r4 = regs[1], regs[2], regs[3], regs[4]
-    if helper_id in (1, 2, 3):
+    if helper_id in (MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM):
         mp = m.map_of(r1)
         key = m.read_bytes(r2, mp.key_size)
-        if helper_id == 1:
+        if helper_id == MAP_LOOKUP_ELEM:
             slot = mp.lookup_slot(key)
             return 0 if slot is None else m.map_value_addr(r1 & 0xFFFFFFFF, mp, slot)
-        if helper_id == 2:
+        if helper_id == MAP_UPDATE_ELEM:
             return mp.update(key, m.read_bytes(r3, mp.value_size), r4)
         return mp.delete(key)
-    if helper_id == 5:
+    if helper_id == KTIME_GET_NS:
         return int(vm.clock())
-    if helper_id == 6:
+    if helper_id == TRACE_PRINTK:
         text = m.read_bytes(r1, r2).split(b"\0", 1)[0].decode(errors="replace")
         vm.printk.append(text)
         return len(text)
-    if helper_id == 7:
+    if helper_id == GET_PRANDOM_U32:
         return vm.rng.next()
-    if helper_id == 8:
+    if helper_id == GET_SMP_PROCESSOR_ID:
         return vm.cpu
-    if helper_id == 130:
+    if helper_id == RINGBUF_OUTPUT:
         mp = m.map_of(r1)
         return mp.ringbuf_output(m.read_bytes(r2, r3))
-    if helper_id == 131:
+    if helper_id == RINGBUF_RESERVE:
         mp = m.map_of(r1)
         if mp.type != RINGBUF:
             return 0
         return m.new_record(mp, r2) if mp.ringbuf_room(r2) else 0
-    if helper_id in (132, 133):
-        m.end_record(r1, submit=helper_id == 132)
+    if helper_id in (RINGBUF_SUBMIT, RINGBUF_DISCARD):
+        m.end_record(r1, submit=helper_id == RINGBUF_SUBMIT)
         return 0
-    raise _Fault(f"unknown helper {helper_id}")
+    raise Fault(f"unknown helper {helper_id}")
 
 
 __all__ = ["HELPERS", "HelperSpec", "call", "Prandom", "errno"]

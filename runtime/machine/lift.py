@@ -25,10 +25,11 @@ import ctypes
 import llvmlite.binding as llvm
 import llvmlite.ir as L
 
+from . import helpers as Hl
 from . import isa as I
-from .interp import ctx_write_mask
 from .maps import ARRAY, EMPTY, HASH, LRU_HASH, PERCPU_ARRAY, PERCPU_HASH, RINGBUF, USED
 from .program import Program
+from .semantics import ctx_write_mask
 
 I1, I8, I32, I64 = L.IntType(1), L.IntType(8), L.IntType(32), L.IntType(64)
 PTR = L.PointerType()
@@ -445,7 +446,7 @@ class Lifter:
 
     def _helper(self, pc, hid):
         b = self.b
-        if isinstance(hid, int) and hid in (1, 2):
+        if isinstance(hid, int) and hid in (Hl.MAP_LOOKUP_ELEM, Hl.MAP_UPDATE_ELEM):
             out = self._native_map_op(pc, hid)
             if out is not None:
                 return out
@@ -469,7 +470,8 @@ class Lifter:
         sw = b.switch(idx, dflt)
         incoming = []
         for i, m in enumerate(maps):
-            native = m.type in (ARRAY, PERCPU_ARRAY) or (hid == 1 and m.type in (HASH, PERCPU_HASH, LRU_HASH))
+            native = m.type in (ARRAY, PERCPU_ARRAY) or \
+                (hid == Hl.MAP_LOOKUP_ELEM and m.type in (HASH, PERCPU_HASH, LRU_HASH))
             if not native:
                 continue
             bb = self.fn.append_basic_block(f"map{pc}_{i}")
@@ -480,7 +482,7 @@ class Lifter:
                 key = b.zext(b.load(key_ptr, typ=I32), I64)
                 inb = b.icmp_unsigned("<", key, I64(m.max_entries))
                 addr = b.add(self.map_addr(i, "values"), b.mul(key, I64(m.value_size)))
-                if hid == 1:
+                if hid == Hl.MAP_LOOKUP_ELEM:
                     v = b.select(inb, addr, I64(0))
                 else:
                     v = self._array_update(pc, m, inb, addr)

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from fabric_ext import topology
-from fabric_ext.hooks import firing
+from fabric_ext.hooks import PRIORITY, firing
 
-DEFAULT_PRIORITY = 3
+DEFAULT_PRIORITY = PRIORITY.default      # the catalogue's: a chunk no program ranked
 #: the decisions the fabric acts on (`Fabric._apply`, and at issue `stream` and `coalesce`)
 APPLIED = frozenset({"priority", "defer", "rate", "route", "tier", "queue", "stream", "coalesce"})
 

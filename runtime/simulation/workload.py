@@ -9,7 +9,7 @@ tensor parallelism.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fabric_ext.runtime.machine.fsutil import read_bounded
@@ -171,8 +171,9 @@ class Workload:
     weights: str = "hbm"           # device holding the weights, or "hbm"
     kv: str = "hbm"                # where KV goes, or "hbm"
     kv_export: str | None = None   # DPU/NIC that exports KV to a decode node
-    transfer_chunk: int = 2 << 20  # bytes per chunk of every transfer
-    prefetch: int = 1              # layers of weights issued ahead
+    # bytes per chunk of every transfer, layers of weights issued ahead (figures.json "defaults")
+    transfer_chunk: int = field(default_factory=lambda: figures()["defaults"]["transfer_chunk"])
+    prefetch: int = field(default_factory=lambda: figures()["defaults"]["prefetch"])
 
     def passes(self) -> list[tuple[int, int]]:
         """(first token, token count) of each prefill pass."""
