@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fabric_ext.diagnostics import Diagnostics
+from fabric_ext.runtime.machine.errors import InputError
 
 
-class PolicyError(ValueError):
+class PolicyError(InputError):
     """A policy that does not compile; ``diagnostics`` holds every error and warning."""
 
     def __init__(self, diagnostics: Diagnostics):

@@ -13,12 +13,9 @@ import traceback
 from pathlib import Path
 
 from fabric_ext.exits import EXIT_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, stdout_closed
+from fabric_ext.runtime.machine.errors import UsageError
 
 from . import __version__
-
-
-class UsageError(Exception):
-    """A bad command line: printed as one line, exit 2."""
 
 
 class _Parser(argparse.ArgumentParser):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fabric_ext.runtime.machine.errors import InputError
 from fabric_ext.runtime.machine.fsutil import UnreadableFile, read_bounded
 
 from . import ast as A
@@ -20,7 +21,7 @@ from .parser import parse
 MAX_SOURCE = 1 << 20       # bytes in one .fx file
 
 
-class SourceError(ValueError):
+class SourceError(InputError):
     """A file that cannot be a policy source; ``line``/``col`` where it is text that is not UTF-8."""
 
     def __init__(self, msg: str, line: int = 0, col: int = 0):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from fabric_ext.runtime.machine.errors import InputError
+
 SIZE, BANDWIDTH, TIME, FLOPS, PERCENT = "size", "bandwidth", "time", "flops", "percent"
 COUNT, DEVICE, BOOL = "count", "device", "bool"
 
@@ -48,7 +50,7 @@ BASE_UNIT = {SIZE: "B", BANDWIDTH: "B/s", TIME: "ns", FLOPS: "FLOPs", PERCENT: "
 _QUANTITY = re.compile(r"^(?P<num>\d+(?:\.\d+)?)(?P<unit>.*)$")
 
 
-class UnitError(ValueError):
+class UnitError(InputError):
     """An unknown unit suffix; carries a suggestion when one is close."""
 
     def __init__(self, unit: str, suggestion: str | None):

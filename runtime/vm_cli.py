@@ -10,15 +10,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from fabric_ext.exits import EXIT_USAGE, stdout_closed
+from fabric_ext.exits import EXIT_INPUT, EXIT_OK, EXIT_USAGE, stdout_closed
 from fabric_ext.runtime.machine.fsutil import UnreadableFile, read_bounded
 
 from .machine import isa
-from .machine.asm import AsmError, assemble
+from .machine.asm import assemble
 from .machine.backends import get_backend
-from .machine.elf import MAX_OBJECT, ObjectError, load_object
-from .machine.program import JIT_CHECKS, Program, VMFault
-from .machine.verifier import VerifierError, verify
+from .machine.elf import MAX_OBJECT, load_object
+from .machine.errors import FabricError
+from .machine.program import JIT_CHECKS, Program
+from .machine.verifier import verify
 
 BACKENDS = ("interp", "jit", "kernel")
 
@@ -139,9 +140,7 @@ def main(argv=None) -> int:
         return args.func(args)
     except BrokenPipeError:
         return stdout_closed()
-    except (ObjectError, AsmError, VerifierError, VMFault, KeyError, ValueError) as e:
-        return _fail(f"fabric-vm: {e}")
-    except OSError as e:
+    except (FabricError, KeyError, ValueError, OSError) as e:    # an input: the message says what
         return _fail(f"fabric-vm: {e}")
 
 
@@ -177,12 +176,12 @@ def plugin_main(argv=None) -> int:
             r0 = backend.run(backend.load(prog), None, mem)
         finally:
             backend.close()
-    except (ValueError, IndexError, isa.DecodeError, ObjectError, VerifierError, VMFault, OSError) as e:
+    except (FabricError, ValueError, IndexError, OSError) as e:
         print(f"fabric-vm-plugin: {e}" if args.debug or not isinstance(e, IndexError)
               else "fabric-vm-plugin: the object has no program", file=sys.stderr)
-        return 1
+        return EXIT_INPUT
     print(f"{r0:x}")
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

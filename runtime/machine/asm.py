@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 
 from . import isa as I
+from .errors import InputError
 from .isa import Insn
 
 ALU_OPS = {"add": I.ADD, "sub": I.SUB, "mul": I.MUL, "div": I.DIV, "or": I.OR, "and": I.AND,
@@ -25,7 +26,7 @@ MOVSX = {"movsx864": (8, I.ALU64), "movsx832": (8, I.ALU), "movsx1664": (16, I.A
          "movsx1632": (16, I.ALU), "movsx3264": (32, I.ALU64)}
 
 
-class AsmError(ValueError):
+class AsmError(InputError):
     def __init__(self, line: int, msg: str):
         self.line = line
         super().__init__(f"line {line}: {msg}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
+from .errors import ArtifactError
+
 BTF_MAGIC = 0xEB9F
 INT, PTR, ARRAY, STRUCT, UNION, ENUM, FWD, TYPEDEF, VOLATILE, CONST, RESTRICT, FUNC, FUNC_PROTO, \
     VAR, DATASEC, FLOAT, DECL_TAG, TYPE_TAG, ENUM64 = range(1, 20)
@@ -11,7 +13,7 @@ _VLEN_SIZE = {STRUCT: 12, UNION: 12, ENUM: 8, FUNC_PROTO: 8, DATASEC: 12, ENUM64
 _EXTRA = {INT: 4, ARRAY: 12, VAR: 4, DECL_TAG: 4}
 
 
-class BTFError(ValueError):
+class BTFError(ArtifactError):
     pass
 
 

@@ -19,6 +19,7 @@ from elftools.elf.sections import SymbolTableSection
 
 from . import isa as I
 from .btf import BTFError, map_def, parse_btf, parse_btf_ext_lines
+from .errors import ArtifactError
 from .fsutil import UnreadableFile, read_bounded
 from .maps import ARRAY, MAX_MAP_BYTES, PERCPU_ARRAY, RINGBUF, TYPE_KIND, Map
 from .program import Program, SourceLine
@@ -29,7 +30,7 @@ DATA_SECTIONS = (".data", ".rodata", ".bss")
 MAX_OBJECT = 64 << 20           # an object file is read up to this size
 
 
-class ObjectError(ValueError):
+class ObjectError(ArtifactError):
     """A corrupt, truncated or unsupported object; names the file and section or relocation."""
 
 

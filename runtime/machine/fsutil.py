@@ -8,6 +8,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+from .errors import FabricError, InputError
+
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
@@ -25,7 +27,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-class UnreadableFile(ValueError):
+class UnreadableFile(InputError):
     """A file an input may not be read from: not a regular file, or too large."""
 
 
@@ -50,7 +52,7 @@ def _size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n} bytes"
 
 
-class OutputError(OSError):
+class OutputError(FabricError, OSError):
     """An output folder we must not (or cannot) replace; the message says why and what to do."""
 
 

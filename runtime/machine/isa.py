@@ -9,6 +9,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from .errors import InputError
+
 # classes
 LD, LDX, ST, STX, ALU, JMP, JMP32, ALU64 = range(8)
 # alu operations (high nibble)
@@ -48,7 +50,7 @@ MASK64 = (1 << 64) - 1
 MASK32 = (1 << 32) - 1
 
 
-class DecodeError(ValueError):
+class DecodeError(InputError):
     """A byte string that is not a valid eBPF program; names the slot."""
 
 

@@ -19,6 +19,7 @@ import re
 import struct
 
 from . import isa as I
+from .errors import FabricError
 from .maps import PERCPU_ARRAY, PERCPU_HASH, RINGBUF
 from .program import Backend, Program, VMFault
 
@@ -30,7 +31,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 
-class KernelError(OSError):
+class KernelError(FabricError, OSError):
     pass
 
 

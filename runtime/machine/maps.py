@@ -14,6 +14,8 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from .errors import InputError
+
 # kernel map type numbers (include/uapi/linux/bpf.h)
 HASH, ARRAY, PERCPU_HASH, PERCPU_ARRAY, LRU_HASH, QUEUE, STACK, RINGBUF = 1, 2, 5, 6, 9, 22, 23, 27
 KIND_TYPE = {"hash": HASH, "array": ARRAY, "percpu_hash": PERCPU_HASH, "percpu_array": PERCPU_ARRAY,
@@ -25,7 +27,7 @@ MAX_MAP_BYTES = 64 * 2**20     # the largest map (keys and values) the machine c
 EMPTY, USED, TOMB = 0, 1, 2
 
 
-class MapError(ValueError):
+class MapError(InputError):
     pass
 
 

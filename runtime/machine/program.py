@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import isa
+from .errors import FabricError
 from .isa import Insn
 
 
@@ -59,7 +60,7 @@ class Program:
         return best
 
 
-class VMFault(RuntimeError):
+class VMFault(FabricError, RuntimeError):
     """A run-time fault: names the program, pc, instruction and source line."""
 
     def __init__(self, program: Program, pc: int, reason: str):

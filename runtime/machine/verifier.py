@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from . import helpers as Hl
 from . import isa as I
+from .errors import InputError
 from .insn_rules import ATOMIC_IMMS, VALID_OPCODES, reserved_fields
 from .program import Program
 from .semantics import alu, ctx_write_mask
@@ -44,7 +45,7 @@ STACK = I.STACK_SIZE
 # how far a pointer's offset may range, as the kernel's BPF_MAX_VAR_OFF: offsets stay far
 # from 2^63, so sums of them never wrap and every bounds test below is on exact integers
 MAX_VAR_OFF = 1 << 29
-class VerifierError(ValueError):
+class VerifierError(InputError):
     """A rejected program; the message names the pc, instruction and source line."""
 
     def __init__(self, program: Program, pc: int, msg: str):

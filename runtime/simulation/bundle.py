@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fabric_ext.hooks import HOOKS
+from fabric_ext.runtime.machine.errors import ArtifactError
 from fabric_ext.runtime.machine.fsutil import UnreadableFile, read_bounded
 
 from ..machine import isa
@@ -31,7 +32,7 @@ DPUTIME_SCHEMA = "dputime/1"
 MAX_ARTIFACT = 64 << 20     # no file of a policy folder is read if it is larger
 
 
-class BundleError(ValueError):
+class BundleError(ArtifactError):
     """A missing, corrupt or mismatched artifact; the message names the file and what to do."""
 
 

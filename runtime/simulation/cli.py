@@ -132,19 +132,14 @@ def main(argv=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) is signal.SIG_DFL:
             signal.signal(sig, _exit_on_signal)
-    from ..machine.elf import ObjectError
+    from ..machine.errors import InputError
     from ..machine.kernel import KernelError, KernelVerifierError
-    from .bundle import BundleError
-    from .fabric_model import EventLimit, NoPath
-    from .workload import WorkloadError
+    from .fabric_model import EventLimit
     if args.max_events is not None and args.max_events < 0:
         print("fabric-run: --max-events must be 0 (no limit) or more", file=sys.stderr)
         return EXIT_USAGE
     try:
         return run(args)
-    except (BundleError, ObjectError, WorkloadError, NoPath) as e:
-        print(f"fabric-run: {e}", file=sys.stderr)
-        return EXIT_INPUT
     except EventLimit as e:
         print(f"fabric-run: {e}; the workload makes more events than the limit allows (small transfer "
               "chunks, a long prompt): use larger chunks, or raise --max-events (0: no limit)", file=sys.stderr)
@@ -156,6 +151,9 @@ def main(argv=None) -> int:
         return EXIT_INPUT
     except KernelError as e:
         print(f"fabric-run: --backend kernel: {e.strerror or e}", file=sys.stderr)
+        return EXIT_INPUT
+    except InputError as e:           # a folder, an object, a workload, a path: its message says what to do
+        print(f"fabric-run: {e}", file=sys.stderr)
         return EXIT_INPUT
     except BrokenPipeError:
         return stdout_closed()

@@ -29,6 +29,7 @@ import networkx as nx
 
 from fabric_ext import topology
 from fabric_ext.hooks import PRIORITY, firing
+from fabric_ext.runtime.machine.errors import InputError
 
 DEFAULT_PRIORITY = PRIORITY.default      # the catalogue's: a chunk no program ranked
 #: the decisions the fabric acts on (`Fabric._apply`, and at issue `stream` and `coalesce`)
@@ -39,11 +40,11 @@ APPLIED = frozenset({"priority", "defer", "rate", "route", "tier", "queue", "str
 DEFAULT_MAX_EVENTS = 20_000_000
 
 
-class EventLimit(RuntimeError):
+class EventLimit(InputError):
     """A run that passed its limit on events (``Sim.max_events``)."""
 
 
-class NoPath(ValueError):
+class NoPath(InputError):
     """A transfer between devices the fabric does not connect."""
 
 

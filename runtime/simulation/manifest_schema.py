@@ -13,6 +13,7 @@ import math
 import re
 
 from fabric_ext.hooks import DEVICE_ISLAND_KIND, HOOKS, ISLAND_RUNTIME
+from fabric_ext.runtime.machine.errors import ArtifactError
 from fabric_ext.schema import (
     DEVICE_PROPS,
     LINK_KINDS,
@@ -32,7 +33,7 @@ NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]{0,127}")
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-class SchemaError(ValueError):
+class SchemaError(ArtifactError):
     def __init__(self, key: str, msg: str):
         self.key, self.msg = key, msg
         super().__init__(f"key {key}: {msg}")

@@ -12,13 +12,14 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fabric_ext.runtime.machine.errors import InputError
 from fabric_ext.runtime.machine.fsutil import read_bounded
 
 from .figures import figures
 from .operators import Operator, attention_block, ffn_block
 
 
-class WorkloadError(ValueError):
+class WorkloadError(InputError):
     pass
 
 

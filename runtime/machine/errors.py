@@ -1,0 +1,30 @@
+"""The project's errors, one hierarchy from the machine up: every error a user can meet is a
+`FabricError` whose message names the file, line or instruction and what to do.
+
+- `InputError` (exit 1): something given to a tool is wrong: a policy, an object, a program,
+  a compiled folder (`ArtifactError`), a workload;
+- `UsageError` (exit 2): the command line itself;
+- `VMFault`-style run-time faults and `KernelError`s are `FabricError`s of their own kinds.
+
+Each class keeps the built-in base it had (``ValueError``, ``OSError``, ``RuntimeError``) so
+that code catching those still does.  The command lines turn them into exit codes
+(`fabric_ext.exits`); anything else is a bug, reported as one.
+"""
+from __future__ import annotations
+
+
+class FabricError(Exception):
+    """An error a user can act on."""
+
+
+class InputError(FabricError, ValueError):
+    """An input that is wrong: its message says where and what to do."""
+
+
+class ArtifactError(InputError):
+    """A compiled artifact (an object, a manifest, a policy folder) that is malformed,
+    missing or changed."""
+
+
+class UsageError(FabricError):
+    """A command line that asks for something that cannot be done."""
