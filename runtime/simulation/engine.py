@@ -24,7 +24,6 @@ from fabric_ext.hooks import firing
 from fabric_ext.schema import PROP_RANGES
 
 from .bundle import Folder
-from .compute import GpuProfile, Stack, Timer
 from .dispatch import Known
 from .fabric_model import (
     APPLIED,
@@ -36,9 +35,9 @@ from .fabric_model import (
     Transfer,
 )
 from .figures import default, figures
-from .operators import embedding, lm_head
 from .shims import SHIMS
 from .ticks import BLOCK, TickSource, catch_up_together
+from .timing import Timing, profile_of
 from .workload import Workload, WorkloadError, load_model, tp_problem
 
 # Allocations between young-generation collections while a prefill runs (CPython's default
@@ -105,13 +104,10 @@ class Engine(HookSite):
         self.movements = MovementTable(manifest["movements"])
         self.gpus = self._gpus()
         self.prefetch = {g: self.workload.prefetch for g in self.gpus}
-        self.stack = self._stack()
-        self.timers = {g: self._timer(g) for g in self.gpus}
-        self.kernel_factor = {g: self.stack.kernels(self.timers[g].gpu.name) for g in self.gpus}
-        self.beyond_profile_ms = 0.0     # bandwidth time of all-reduces at or beyond the profiled sizes
+        stack = opts.stack or manifest.get("workload", {}).get("stack") or figures()["defaults"]["stack"]
+        self.timing = Timing(self.workload, self.gpus, {g: self.devices[g].get("props", {}) for g in self.gpus},
+                             stack)
         self.pass_start = 0.0
-        self.durations: dict[tuple, float] = {}      # (gpu, pass, block) -> ns of its operators
-        self.operator_ms = defaultdict(float)        # operator -> ms on the first GPU, the whole prefill
         self.layer_stats = defaultdict(lambda: defaultdict(float))
         self.stall_by_movement = defaultdict(float)
         self.finished = None
@@ -186,59 +182,12 @@ class Engine(HookSite):
             return 0.0
         return float(figures()["links"][LINK_FIGURE.get(kind, figures()["defaults"]["link"])]["setup"])
 
-    def _stack(self) -> Stack:
-        name = self.opts.stack or self.man.get("workload", {}).get("stack") or figures()["defaults"]["stack"]
-        try:
-            return Stack.named(name)
-        except KeyError:
-            raise WorkloadError(f"unknown serving stack '{name}': stacks are {', '.join(figures()['stacks'])}") \
-                from None
-
-    def _gpu_profile(self, g) -> str:
-        """The GPU profile (figures.json "gpu") GPU g's `model` property names, else the default."""
-        name = self._prop(g, "model") or figures()["defaults"]["gpu"]
-        if name not in figures()["gpu"]:
-            raise WorkloadError(f"GPU {g}: unknown model '{name}'; GPU profiles: {', '.join(figures()['gpu'])}")
-        return name
-
-    def _timer(self, g) -> Timer:
-        """The compute model of GPU g: its profile, with its own `bf16` and `hbm_bw` where the
-        fabric gives them."""
-        return Timer(GpuProfile.named(self._gpu_profile(g), self._prop(g, "bf16"), self._prop(g, "hbm_bw")),
-                     self.workload.model, self.workload.tp)
-
-    def _block_time(self, g, p: int, block: str) -> float:
-        """ns GPU g computes one layer's block in pass p (the same in every layer); the
-        operators of GPU g's first run of it are added to `operator_ms` per layer."""
-        key = (g, p, block)
-        if key not in self.durations:
-            start, n = self.workload.passes()[p]
-            ops = self.workload.blocks(start, n)[block]
-            times = [self.timers[g].time(op) * 1e9 * self.kernel_factor[g] for op in ops]
-            self.durations[key] = sum(times)
-            if g == self.gpus[0]:
-                for op, t in zip(ops, times):
-                    self.operator_ms[op.name] += t / 1e6 * self.workload.model.layers
-        return self.durations[key]
-
-    def _pass_edges_ns(self, g, p: int, first: bool, last: bool) -> float:
-        """The embedding before pass p and the LM head after the last pass, on GPU g."""
-        w = self.workload
-        ops = ([embedding(w.model, w.batch, w.passes()[p][1])] if first else []) + \
-            ([lm_head(w.model, w.batch, w.tp)] if last else [])
-        ns = 0.0
-        for op in ops:
-            t = self.timers[g].time(op) * 1e9 * self.kernel_factor[g]
-            ns += t
-            if g == self.gpus[0]:
-                self.operator_ms[op.name] += t / 1e6
-        return ns
-
     def _prop(self, device, name):
         return self.devices[device].get("props", {}).get(name)
 
     def _gpu_figure(self, device, name):
-        return float(self._prop(device, name) or figures()["gpu"][self._gpu_profile(device)][name])
+        props = self.devices[device].get("props", {})
+        return float(props.get(name) or figures()["gpu"][profile_of(device, props)][name])
 
     def _movement(self, cls, operator, src, dst) -> dict | None:
         hit = self.movements.match(cls, operator, src, dst)
@@ -552,9 +501,9 @@ class Engine(HookSite):
         if known is not None and known.decisions.get("prefetch"):
             self.prefetch[g] = known.decisions["prefetch"]
         self._issue_inputs(g, u + 1)
-        dur = self._block_time(g, p, op)
+        dur = self.timing.block_ns(g, p, op)
         if layer == 0 and op == "attention":
-            dur += self._pass_edges_ns(g, p, True, False)
+            dur += self.timing.pass_edges_ns(g, p, True, False)
         if self.opts.trace:
             self.spans.append((g, f"{op} L{layer}", self.sim.now, dur))
         s = self.layer_stats[layer]
@@ -584,27 +533,16 @@ class Engine(HookSite):
         self.ar_start = self.sim.now
         for i, g in enumerate(self.gpus):
             nxt = self.gpus[(i + 1) % t]
-            alpha, busbw, largest = self._collective(g, t)
-            if busbw and w.activation_bytes(n) >= largest:
-                if i == 0:
-                    self.beyond_profile_ms += nbytes / busbw * 1e3
-                busbw *= self.stack.busbw(t)
+            ar = self.timing.all_reduce(g, w.activation_bytes(n))
+            if ar.beyond_profile and i == 0:     # what the profiled bus bandwidth would have taken
+                self.timing.beyond_profile_ms += nbytes / ar.profiled_busbw * 1e3
             hop = self.fabric.g.edges[g, nxt].get("latency") or 0.0 if self.fabric.g.has_edge(g, nxt) else 0.0
-            self.sim.at(self.sim.now + max(0.0, alpha - hop), self._ring_send, g, nxt, nbytes, layer, u, busbw)
+            self.sim.at(self.sim.now + max(0.0, ar.alpha_ns - hop), self._ring_send, g, nxt, nbytes, layer, u,
+                        ar.busbw)
 
     def _ring_send(self, g, nxt, nbytes, layer, u, busbw):
         self.transfer("activations", "collective", g, nxt, nbytes, layer, lambda tr, u=u: self._ar_done(u),
                       pace=busbw)
-
-    def _collective(self, g, t: int) -> tuple[float, float, float]:
-        """(alpha ns, bus bandwidth B/s, largest profiled size B) of an all-reduce over t GPUs
-        of g's profile: the fit for that TP degree, or the nearest fitted one; none (the links
-        alone) when the profile has no fit."""
-        fits = self.timers[g].gpu.coeffs.get("all_reduce")
-        if not fits:
-            return 0.0, 0.0, float("inf")
-        fit = fits[min(fits, key=lambda k: abs(int(k) - t))]
-        return float(fit["alpha"]), float(fit["busbw"]), float(fit["max_size"])
 
     def _ar_done(self, u):
         self.ar_pending -= 1
@@ -627,13 +565,13 @@ class Engine(HookSite):
             self._begin(u + 1)
             return
         # the pass ends: the stack's CPU work per prompt, then its floor (a pass takes that at least)
-        g0, stack = self.gpus[0], self.stack
-        floor_end = self.pass_start + stack.floor(self.timers[g0].gpu.name) * 1e6
-        cpu = stack.per_prompt_ms * w.batch * 1e6
+        timing = self.timing
+        floor_end = self.pass_start + timing.pass_floor_ns()
+        cpu = timing.pass_cpu_ns()
         if u + 1 < len(self.units):
             self.sim.at(max(self.sim.now + cpu, floor_end), self._begin, u + 1)
         else:
-            end = self.sim.now + self._pass_edges_ns(g0, p, False, True) + cpu + stack.tail_ms * 1e6
+            end = self.sim.now + timing.pass_edges_ns(self.gpus[0], p, False, True) + cpu + timing.stack.tail_ms * 1e6
             self.sim.at(max(end, floor_end), self._finish)
 
     def _kv_done(self, t):
