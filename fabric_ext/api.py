@@ -177,7 +177,7 @@ def run(bundle: Bundle | str | Path, *, model: str | None = None, prompt: int | 
             data = eng.run()
             if hasattr(vm, "sync"):          # a backend whose maps live elsewhere: read them back
                 vm.sync()
-                data = eng._collect()
+                data = eng.report()
             data["policy"] = bundle.name
             reports.append(Report(data, _engine=eng))
     finally:

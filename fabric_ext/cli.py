@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import traceback
 from pathlib import Path
 
-from fabric_ext.exits import EXIT_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, stdout_closed
+from fabric_ext.exits import EXIT_INPUT, EXIT_OK, EXIT_USAGE, internal_error, stdout_closed
 from fabric_ext.runtime.machine.errors import UsageError
 
 from . import __version__
@@ -121,11 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - the one place that turns bugs into a message
-        if debug:
-            traceback.print_exc()
-        print(f"fabricc: internal error: {type(e).__name__}: {e} -- please report this bug "
-              f"(rerun with --debug for the traceback)", file=sys.stderr)
-        return EXIT_INTERNAL
+        return internal_error("fabricc", e, debug)
 
 
 if __name__ == "__main__":

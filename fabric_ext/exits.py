@@ -21,3 +21,13 @@ def stdout_closed() -> int:
     except (OSError, ValueError):
         pass
     return EXIT_OK
+
+
+def internal_error(prog: str, e: BaseException, debug: bool) -> int:
+    """A bug, not an input error: one line saying so (the traceback with ``--debug``)."""
+    if debug:
+        import traceback
+        traceback.print_exc()
+    print(f"{prog}: internal error: {type(e).__name__}: {e} -- please report this bug "
+          "(rerun with --debug for the traceback)", file=sys.stderr)
+    return EXIT_INTERNAL

@@ -9,8 +9,6 @@ import sys
 import pytest
 
 from conftest import POLICIES, ROOT
-from fabric_ext.codegen.driver import build, write_output
-from fabric_ext.diagnostics import Diagnostics
 from fabric_ext.runtime.machine.interp import Interpreter
 from fabric_ext.runtime.simulation import validation
 from fabric_ext.runtime.simulation.bundle import create_maps, load_manifest
@@ -19,21 +17,10 @@ from fabric_ext.runtime.simulation.engine import Engine, RunOptions
 from fabric_ext.runtime.simulation.figures import figures
 from fabric_ext.runtime.simulation.operators import attention_block, ffn_block
 from fabric_ext.runtime.simulation.workload import WorkloadError, load_model
+from test_runtime import compile_text
 
 DATA = ROOT.parent / "shared" / "data"
 needs_data = pytest.mark.skipif(not (DATA / "vidur").is_dir(), reason=f"no shared calibration data at {DATA}")
-
-
-def folder_for(tmp_path, text, name="p"):
-    shutil.copytree(POLICIES / "fabrics", tmp_path / "fabrics", dirs_exist_ok=True)
-    src = tmp_path / f"{name}.fx"
-    src.write_text(text)
-    d = Diagnostics()
-    res = build(src, diags=d)
-    assert res is not None, [x.message for x in d.items]
-    out = tmp_path / f"{name}_out"
-    write_output(res, out)
-    return out
 
 
 def run(folder, **opts):
@@ -102,7 +89,7 @@ def test_bloom_and_llama_configs_from_hugging_face(tmp_path):
 
 
 def test_batch_multiplies_the_work_and_the_report_names_every_operator(tmp_path):
-    folder = folder_for(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"))
+    folder = compile_text(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"))
     one, _ = run(folder, prompt=512, batch=1, tp=8, stack="none")
     four, _ = run(folder, prompt=512, batch=4, tp=8, stack="none")
     assert set(one["operators"]) == {"emb", "input_layernorm", "attn_pre_proj", "attn_rope", "attn",
@@ -114,9 +101,9 @@ def test_batch_multiplies_the_work_and_the_report_names_every_operator(tmp_path)
 
 # ---- machines and collectives -----------------------------------------------------------------
 def test_the_gpu_model_property_picks_the_profile(tmp_path):
-    a100, _ = run(folder_for(tmp_path, MACHINE.format(fabric="dgx_a100.fx", model="llama2-70b"), "a"),
+    a100, _ = run(compile_text(tmp_path, MACHINE.format(fabric="dgx_a100.fx", model="llama2-70b"), "a"),
                   prompt=1024, tp=8, stack="none")
-    h100, _ = run(folder_for(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"), "h"),
+    h100, _ = run(compile_text(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"), "h"),
                   prompt=1024, tp=8, stack="none")
     assert (a100["gpu"], h100["gpu"]) == ("a100_sxm", "h100_sxm")
     assert a100["compute_ms"] > 1.8 * h100["compute_ms"]       # 312 vs 989 TFLOP/s, 2.0 vs 3.35 TB/s
@@ -131,7 +118,7 @@ def test_an_unknown_gpu_profile_or_stack_is_an_error_at_its_line(tmp_path):
     assert r.returncode == 1
     assert "u.fx:1:" in r.stderr and "unknown GPU profile 'h100_sx'" in r.stderr and "'h100_sxm'" in r.stderr
     assert "u.fx:3:" in r.stderr and "unknown serving stack 'vlm'" in r.stderr and "'vllm'" in r.stderr
-    folder = folder_for(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"), "s")
+    folder = compile_text(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"), "s")
     with pytest.raises(WorkloadError, match="unknown serving stack 'fast'"):
         run(folder, stack="fast")
 
@@ -139,7 +126,7 @@ def test_an_unknown_gpu_profile_or_stack_is_an_error_at_its_line(tmp_path):
 def test_an_allreduce_takes_the_fitted_alpha_beta(tmp_path):
     """One all-reduce per block: alpha + 2 (t-1)/t * size / busbw of the H100 fit at TP 4,
     carried over the NVLink ring by the fabric (its chunks pay no per-message cost twice)."""
-    folder = folder_for(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"))
+    folder = compile_text(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"))
     report, _ = run(folder, prompt=256, tp=4, stack="none")
     fit = figures()["compute"]["h100_sxm"]["all_reduce"]["4"]
     size = 256 * 8192 * 2
@@ -150,7 +137,7 @@ def test_an_allreduce_takes_the_fitted_alpha_beta(tmp_path):
 
 # ---- the serving stack -------------------------------------------------------------------------
 def test_the_stack_adds_its_floor_tail_and_factors(tmp_path):
-    folder = folder_for(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"))
+    folder = compile_text(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"))
     stack = Stack.named("vllm")
     none, _ = run(folder, prompt=16, tp=8, stack="none")
     vllm, _ = run(folder, prompt=16, tp=8, stack="vllm")
@@ -162,7 +149,7 @@ def test_the_stack_adds_its_floor_tail_and_factors(tmp_path):
 
 
 def test_the_stack_is_chosen_by_the_workload_or_the_command_line(tmp_path):
-    folder = folder_for(tmp_path, 'import "fabrics/dgx_h100.fx"\n'
+    folder = compile_text(tmp_path, 'import "fabrics/dgx_h100.fx"\n'
                         'workload w { model: "llama2-70b"; tp: 8; prompt: 64; stack: "none" }\n')
     report, _ = run(folder)
     assert report["stack"] == "none"

@@ -6,7 +6,9 @@ return kind); `call` runs one in the reference interpreter.
 from __future__ import annotations
 
 import errno
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from .maps import RINGBUF
 from .semantics import Fault
@@ -45,6 +47,31 @@ HELPERS = {h.id: h for h in (
 )}
 
 
+class HelperMemory(Protocol):
+    """What a helper may do with a run's memory, as each backend provides it (the interpreter's
+    `Machine`, the JIT's native memory): reads checked against the run's regions, maps by the
+    handle a program holds, ringbuf records."""
+
+    def read_bytes(self, addr: int, n: int) -> bytes: ...
+    def map_of(self, handle: int): ...
+    def map_value_addr(self, handle: int, mp, slot: int) -> int: ...
+    def new_record(self, mp, size: int) -> int: ...
+    def end_record(self, addr: int, submit: bool) -> None: ...
+
+
+@dataclass
+class HelperState:
+    """What helpers keep across runs of one backend: the clock ktime_get_ns reads, the seeded
+    prandom, the CPU number and what trace_printk printed."""
+    clock: Callable[[], float] = lambda: 0
+    seed: int = 1
+    cpu: int = 0
+    printk: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.rng = Prandom(self.seed)
+
+
 class Prandom:
     """A seeded xorshift32, so runs are reproducible."""
 
@@ -60,9 +87,9 @@ class Prandom:
         return x
 
 
-def call(vm, m, helper_id: int, regs: list[int]) -> int:
-    """Run helper ``helper_id`` with r1..r5; returns r0.  Clobbers nothing else here;
-    the verifier treats r1-r5 as unreadable after a call."""
+def call(vm: HelperState, m: HelperMemory, helper_id: int, regs: list[int]) -> int:
+    """Run helper ``helper_id`` with r1..r5 on a run's memory ``m``; returns r0.  Clobbers
+    nothing else here; the verifier treats r1-r5 as unreadable after a call."""
     r1, r2, r3, r4 = regs[1], regs[2], regs[3], regs[4]
     if helper_id in (MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM):
         mp = m.map_of(r1)
@@ -97,4 +124,4 @@ def call(vm, m, helper_id: int, regs: list[int]) -> int:
     raise Fault(f"unknown helper {helper_id}")
 
 
-__all__ = ["HELPERS", "HelperSpec", "call", "Prandom", "errno"]
+__all__ = ["HELPERS", "HelperMemory", "HelperSpec", "HelperState", "Prandom", "call", "errno"]

@@ -156,10 +156,7 @@ class Interpreter(Backend):
         if check_proofs is None:
             check_proofs = os.environ.get("FABRIC_EXT_CHECK_PROOFS", "") not in ("", "0")
         self.check_proofs = check_proofs
-        self.clock = clock or (lambda: 0)
-        self.rng = Hl.Prandom(seed)
-        self.cpu = cpu
-        self.printk = printk if printk is not None else []
+        self.helpers = Hl.HelperState(clock or (lambda: 0), seed, cpu, printk if printk is not None else [])
         self.executed = 0  # instructions executed by the last run
 
     def run(self, prog: Program, ctx=None, mem=None) -> int:
@@ -213,7 +210,7 @@ class Interpreter(Backend):
                         pc = pc + 1 + ins.imm
                         continue
                     hid = regs[ins.dst] if op & I.X else ins.imm      # callx: the id in a register
-                    regs[0] = Hl.call(self, m, hid, regs) & M64
+                    regs[0] = Hl.call(self.helpers, m, hid, regs) & M64
                     continue_pc = pc + 1
                     pc = continue_pc
                     continue

@@ -129,7 +129,7 @@ def _native_code(prog: Program, proof: dict | None, budget: int, stats: dict) ->
 
 
 class _NativeMemory:
-    """A native run's memory as `helpers.call` sees an interpreter's: maps by handle, reads
+    """A native run's memory as `helpers.call` uses it (`helpers.HelperMemory`): maps by handle, reads
     checked against the run's regions, one reserved ringbuf record at a time (the compiled
     bounds checks know one)."""
 
@@ -210,13 +210,12 @@ class JitBackend(Backend):
 
     def __init__(self, budget: int = 1_000_000, clock=None, seed: int = 1, cpu: int = 0,
                  checks: str | None = None):
-        from .interp import Interpreter
         checks = checks or os.environ.get("FABRIC_EXT_JIT_CHECKS") or "unproven"
         if checks not in JIT_CHECKS:
             raise ValueError(f"JIT checks must be one of {', '.join(JIT_CHECKS)}, not '{checks}'")
         self.checks = checks
         self.budget = budget
-        self.helper_vm = Interpreter(budget, clock, seed, cpu)   # clock, prandom and printk state
+        self.helpers = Hl.HelperState(clock or (lambda: 0), seed, cpu)
         self.current = None
         self.records: dict[int, tuple] = {}
         self.compiled: dict[tuple, _Compiled] = {}   # per backend: helper callbacks are bound to it
@@ -227,7 +226,7 @@ class JitBackend(Backend):
         """Helpers not done natively run the interpreter's implementations (`helpers.call`)
         on the native run's memory."""
         try:
-            return Hl.call(self.helper_vm, _NativeMemory(self, self.current), hid, [0, r1, r2, r3, r4, r5]) \
+            return Hl.call(self.helpers, _NativeMemory(self, self.current), hid, [0, r1, r2, r3, r4, r5]) \
                 & I.MASK64
         except Exception as e:  # noqa: BLE001 - reported as a fault of the program
             self.current.env.fault = FAULT_HELPER

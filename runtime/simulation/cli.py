@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import traceback
 from pathlib import Path
 
 from fabric_ext import __version__
-from fabric_ext.exits import EXIT_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, stdout_closed
+from fabric_ext.exits import EXIT_INPUT, EXIT_OK, EXIT_USAGE, internal_error, stdout_closed
 
 from ..machine.program import JIT_CHECKS
 
@@ -160,11 +159,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - the one place that turns bugs into a message
-        if args.debug:
-            traceback.print_exc()
-        print(f"fabric-run: internal error: {type(e).__name__}: {e} -- please report this bug "
-              "(rerun with --debug for the traceback)", file=sys.stderr)
-        return EXIT_INTERNAL
+        return internal_error("fabric-run", e, args.debug)
 
 
 if __name__ == "__main__":

@@ -435,7 +435,7 @@ class Engine(HookSite):
         if self.finished is None:
             raise RuntimeError("the prefill did not finish: a transfer never completed")
         self._catch_up(self.ticks, self.finished)
-        return self._collect()
+        return self.report()
 
     def _issue_inputs(self, g, current):
         """Issue what the units up to the prefetch depth ahead need on GPU g: their weights
@@ -583,7 +583,9 @@ class Engine(HookSite):
             t.end = self.finished        # no ticks after the prefill's end
 
     # -- figures ------------------------------------------------------------------------------------
-    def _collect(self) -> dict:
+    def report(self) -> dict:
+        """The run's report (`stats.collect`), as it stands: after a backend whose maps live
+        elsewhere synced them, asking again gives their final contents."""
         from .stats import collect
         for standing, knowns in self._standing:      # the chunks standing decisions served
             for known in knowns:
