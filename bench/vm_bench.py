@@ -13,22 +13,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+from fabric_ext.runtime.machine import kernel
+from fabric_ext.runtime.machine.asm import assemble
+from fabric_ext.runtime.machine.interp import Interpreter
+from fabric_ext.runtime.machine.jit import JitBackend
+from fabric_ext.runtime.machine.maps import ARRAY, Map
+from fabric_ext.runtime.machine.program import Program
+from fabric_ext.runtime.machine.verifier import verify
 
-from fabric_ext.runtime.machine import kernel  # noqa: E402
-from fabric_ext.runtime.machine.asm import assemble  # noqa: E402
-from fabric_ext.runtime.machine.interp import Interpreter  # noqa: E402
-from fabric_ext.runtime.machine.jit import JitBackend  # noqa: E402
-from fabric_ext.runtime.machine.maps import ARRAY, Map  # noqa: E402
-from fabric_ext.runtime.machine.program import Program  # noqa: E402
-from fabric_ext.runtime.machine.verifier import verify  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PRIME = """
     mov %r0, 0          # primes found
@@ -103,44 +101,27 @@ def timeit(fn, n):
 
 
 def recorded_streams(quick):
-    """(label, program, [ctx bytes]) for each program of each example, from a short fabric-run."""
-    from fabric_ext.runtime.simulation import dispatch, shims
-    from fabric_ext.runtime.simulation.bundle import create_maps, load_manifest
+    """(label, program, [ctx bytes]) for each program of each example, from a short run that
+    records every context a program is given (the engine's context tracer)."""
+    import fabric_ext
+    from fabric_ext.runtime.simulation.bundle import create_maps
     from fabric_ext.runtime.simulation.engine import Engine, RunOptions
-    from policy_helpers import compiled
     out = []
-    memo_limit, dispatch.MEMO_LIMIT = dispatch.MEMO_LIMIT, 0    # every event reaches `decide`
     for policy in ("prefill_qos", "kv_tiering", "nic_pacing", "telemetry"):
-        folder = compiled(policy)
-        man = load_manifest(folder)
+        bundle = fabric_ext.compile(ROOT / "policies" / f"{policy}.fx")
         streams = {}
-        orig = shims.Shim.decide
 
-        def record(self, hook, fields, now=0.0, _orig=orig, _streams=streams):
-            key = (self.island, hook)
-            if len(_streams.setdefault(key, [])) < 2000 and hook in self.codecs:
-                _streams[key].append(bytes(self.codecs[hook].fill(fields)))
-            return _orig(self, hook, fields, now)
-        orig_batch = shims.Shim.deliver_batch
-
-        def record_batch(self, hook, ctxs, now=0.0, _orig=orig_batch, _streams=streams):
-            rows = _streams.setdefault((self.island, hook), [])
-            rows.extend(bytes(r.tobytes()) for r in ctxs[: max(0, 2000 - len(rows))])
-            return _orig(self, hook, ctxs, now)
-        shims.Shim.decide = record
-        shims.Shim.deliver_batch = record_batch
-        try:
-            eng = Engine(folder, man, create_maps(man), Interpreter(),
-                         RunOptions(prompt=512 if quick else 2048, tp=4))
-            eng.run()
-        finally:
-            shims.Shim.decide = orig
-            shims.Shim.deliver_batch = orig_batch
+        def record(island, hook, ctx, _streams=streams):
+            rows = _streams.setdefault((island, hook), [])
+            if len(rows) < 2000:
+                rows.append(ctx)
+        eng = Engine(bundle, bundle.manifest, create_maps(bundle.manifest), Interpreter(),
+                     RunOptions(prompt=512 if quick else 2048, tp=4, context_tracer=record))
+        eng.run()
         for (island, hook), ctxs in sorted(streams.items()):
             if ctxs and island in ("sw0", "gpu0", "nic0"):
                 prog = eng.shims[island].programs[hook]
                 out.append((f"{policy} {island}.{hook}", prog, ctxs))
-    dispatch.MEMO_LIMIT = memo_limit
     return out
 
 

@@ -120,3 +120,24 @@ policy p { on kv.forward at sw0 { if util[ev.out_port] > 80% { rate = 16GB/s } }
     assert decide(1) == ({}, 5)
     handlers = shim.handlers["forward"]
     assert acting("forward", shim.programs["forward"], handlers, kv, host_maps=False).key_fields is None
+
+
+def test_the_context_tracer_sees_what_the_programs_are_given():
+    """`RunOptions.context_tracer` (what bench/vm_bench.py records streams with): every event
+    that reaches a shim's program, recalled decisions included, as its packed context."""
+    from fabric_ext.runtime.simulation.engine import Engine, RunOptions
+    folder = compiled("prefill_qos")
+    man = load_manifest(folder)
+    seen = {}
+
+    def tracer(island, hook, ctx):
+        seen.setdefault((island, hook), []).append(ctx)
+    eng = Engine(folder, man, create_maps(man), Interpreter(), RunOptions(prompt=512, tp=2, context_tracer=tracer))
+    report = eng.run()
+    per_hook = {i["name"]: i["per_hook"] for i in report["islands"]}
+    invocations = {i["name"]: i["invocations"] for i in report["islands"]}
+    forward = seen[("sw0", "forward")]
+    assert invocations["sw0"] <= sum(len(v) for (isl, _), v in seen.items() if isl == "sw0") \
+        <= sum(per_hook["sw0"].values())
+    size = eng.shims["sw0"].codecs["forward"].size
+    assert all(len(c) == size for c in forward) and len(set(forward)) > 1

@@ -77,6 +77,7 @@ class RunOptions:
     eager_ticks: bool = False        # run each tick at its time instead of lazily (tests compare the two)
     max_events: int | None = DEFAULT_MAX_EVENTS   # a run that passes this many events stops (None: no limit)
     stack: str | None = None         # serving-stack profile (figures.json "stacks"), else the workload's
+    context_tracer: object = None    # callable(island, hook, ctx bytes) for every event a program acts on
 
 
 class Engine(HookSite):
@@ -98,6 +99,7 @@ class Engine(HookSite):
         if opts.attach:
             for name, isl in self.islands.items():
                 shim = SHIMS[isl["runtime"]](name, isl["kind"], backend)
+                shim.tracer = opts.context_tracer
                 if any(p["island"] == name for p in manifest["programs"]):
                     shim.load(artifacts, manifest, maps)
                 self.shims[name] = shim

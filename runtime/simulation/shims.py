@@ -42,6 +42,9 @@ class Shim:
         self.handlers: dict[str, list[dict]] = {}     # hook -> the manifest's handler list
         self._acting: dict[tuple, Acting | None] = {}
         self.on_detach = None       # called with the island after a program is detached
+        # called with (island, hook, context bytes) for every event a program acts on, before a
+        # remembered decision may serve it (a benchmark records what the programs see)
+        self.tracer = None
 
     # -- loading ------------------------------------------------------------------------
     def load(self, artifacts, manifest: dict, maps: dict) -> None:
@@ -119,6 +122,8 @@ class Shim:
         act = self.acting(hook, fields.get("movement")) if handle is not None else None
         if act is None:
             return None
+        if self.tracer is not None:
+            self.tracer(self.island, hook, bytes(self.codecs[hook].fill(fields)))
         key = act.key(fields)
         known = act.recall(key)
         if known is not None:
@@ -154,6 +159,9 @@ class Shim:
         handle = self.handles.get(hook)
         if handle is None:
             return 0
+        if self.tracer is not None:
+            for row in ctxs:
+                self.tracer(self.island, hook, row.tobytes())
         t0 = time.perf_counter_ns()
         n = ran = len(ctxs)
         try:
