@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jinja2
 
-from fabric_ext.hooks import HOOKS, ctx_struct_c
+from fabric_ext.contract.hooks import HOOKS, ctx_struct_c
 
 from . import ir
 

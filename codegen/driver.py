@@ -11,6 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fabric_ext.contract.ids import assign_ids
 from fabric_ext.diagnostics import Diagnostics, Span
 from fabric_ext.frontend import analyze
 from fabric_ext.loader import display_path
@@ -21,7 +22,6 @@ from fabric_ext.runtime.machine.verifier import VerifierError, verify
 
 from . import artifacts
 from .c_listing import render_fabric_h, render_listing
-from .ids import assign_ids
 from .llvm_emit import build_module, compile_module
 from .lower import lower
 

@@ -139,7 +139,7 @@ class HandlerIR:
 class ProgramIR:
     island: str
     island_kind: str
-    hook: object                # fabric_ext.hooks.Hook
+    hook: object                # fabric_ext.contract.hooks.Hook
     handlers: list[HandlerIR]
     maps: list[str]             # maps the program uses, sorted
     vars: list[Var] = field(default_factory=list)

@@ -11,11 +11,11 @@ from collections import defaultdict
 
 from fabric_ext import ast as A
 from fabric_ext.checker import CONST_OPS, M64, const_value, exact_value
+from fabric_ext.contract.ids import IdTables
 from fabric_ext.diagnostics import Diagnostics
 from fabric_ext.runtime.machine.isa import STACK_SIZE as STACK_LIMIT
 
 from . import ir
-from .ids import IdTables
 
 
 def fold(e):

@@ -14,8 +14,8 @@ from fractions import Fraction
 
 from . import ast as A
 from . import schema as S
+from .contract.hooks import CLASSES, DEVICE_ISLAND_KIND, MAX_PRIORITY, OPERATORS, Hook
 from .diagnostics import Diagnostics, closest, did_you_mean
-from .hooks import CLASSES, DEVICE_ISLAND_KIND, MAX_PRIORITY, OPERATORS, Hook
 from .loader import Program
 from .units import BANDWIDTH, BASE_UNIT, BOOL, COUNT, DEVICE, DIM_ARITH, DIM_NAMES, PERCENT, SIZE, TIME, format_quantity
 

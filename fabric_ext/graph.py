@@ -14,9 +14,9 @@ import networkx as nx
 
 from . import ast as A
 from .checker import Symbols
+from .contract.hooks import DEVICE_ISLAND_KIND, ISLAND_RUNTIME
+from .contract.topology import island_roles, route
 from .diagnostics import Diagnostics
-from .hooks import DEVICE_ISLAND_KIND, ISLAND_RUNTIME
-from .topology import island_roles, route
 
 
 def prop_value(props: list[A.Prop], name: str, default=None):

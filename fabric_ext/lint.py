@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from . import ast as A
 from .checker import const_value
+from .contract.flows import MovementTable
+from .contract.hooks import TIER_KINDS
 from .diagnostics import Diagnostics
-from .flows import MovementTable
 from .graph import prop_value
 from .graph_export import to_json
-from .hooks import TIER_KINDS
 from .units import SIZE, format_quantity
 
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from . import ast as A
 from .checker import Symbols, check_handler, const_value
+from .contract.hooks import HOOK_NAMES, HOOKS, Hook, hook, hooks_of
 from .diagnostics import Diagnostics, did_you_mean
 from .graph import MovementGraph
-from .hooks import HOOK_NAMES, HOOKS, Hook, hook, hooks_of
 from .units import TIME
 
 

@@ -64,7 +64,7 @@ def _load(path: str, program: str | None) -> Program:
 def cmd_run(args) -> int:
     prog = _load(args.file, args.program)
     if args.hook:
-        from fabric_ext.hooks import HOOKS
+        from fabric_ext.contract.hooks import HOOKS
         kind, _, name = args.hook.partition(".")
         if (kind, name) not in HOOKS:
             raise SystemExit(_fail(f"fabric-vm: unknown hook '{args.hook}' (e.g. cxl_switch.forward)", 2))
@@ -78,7 +78,7 @@ def cmd_run(args) -> int:
             raise SystemExit(_fail(f"fabric-vm: --ctx has {len(ctx)} bytes; {args.hook} needs {prog.hook.ctx_size}", 2))
         prog.ctx_size = len(ctx)
     elif prog.hook is not None:
-        from .simulation.context import ContextCodec
+        from fabric_ext.contract.context import ContextCodec
         ctx = ContextCodec(prog.hook).pack()
     mem = bytearray(_hex(args.mem, "--mem")) if args.mem is not None else None
     verify(prog)
@@ -91,7 +91,7 @@ def cmd_run(args) -> int:
         backend.close()
     print(f"r0 = {r0:#x} ({r0})")
     if prog.hook is not None:
-        from .simulation.context import ContextCodec
+        from fabric_ext.contract.context import ContextCodec
         for name, value in ContextCodec(prog.hook).decisions(ctx).items():
             print(f"decision {name} = {value}")
     elif ctx is not None:

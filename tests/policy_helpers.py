@@ -5,10 +5,10 @@ from pathlib import Path
 
 from conftest import POLICIES
 from fabric_ext.codegen.driver import build, write_output
+from fabric_ext.contract.context import ContextCodec
 from fabric_ext.diagnostics import Diagnostics
 from fabric_ext.runtime.machine.interp import Interpreter
 from fabric_ext.runtime.simulation.bundle import load_bundle
-from fabric_ext.runtime.simulation.context import ContextCodec
 
 _TMP = Path(tempfile.mkdtemp(prefix="fx-test-"))
 

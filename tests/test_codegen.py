@@ -186,8 +186,8 @@ def test_bpftool_loadall(tmp_path):
 @pytest.mark.skipif(shutil.which("clang") is None, reason="clang is not installed")
 @pytest.mark.parametrize("policy", [p.stem for p in EXAMPLES])
 def test_c_listing_compiles_and_behaves_the_same(policy, tmp_path):
+    from fabric_ext.contract.context import ContextCodec
     from fabric_ext.runtime.machine.interp import Interpreter
-    from fabric_ext.runtime.simulation.context import ContextCodec
     out = compiled(policy)
     b = load_bundle(out)
     inc = f"/usr/include/{platform.machine()}-linux-gnu"
@@ -285,9 +285,9 @@ def test_compile_summary_and_emit(tmp_path):
 def test_every_opt_level_and_cpu_gives_the_same_decisions(opt, mcpu):
     res = build(POLICIES / "nic_pacing.fx", opt=opt, mcpu=mcpu, diags=Diagnostics())
     assert res is not None
-    from fabric_ext.hooks import HOOKS
+    from fabric_ext.contract.context import ContextCodec
+    from fabric_ext.contract.hooks import HOOKS
     from fabric_ext.runtime.machine.interp import Interpreter
-    from fabric_ext.runtime.simulation.context import ContextCodec
     obj = load_object(res.files["nic0.bpf.o"], "nic0.bpf.o")
     hook = HOOKS["dpu", "tx"]
     prog = obj.instantiate(hooks={"nic0_tx": hook})[0]

@@ -2,8 +2,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabric_ext.hooks import HOOKS
-from fabric_ext.runtime.simulation.context import ContextCodec
+from fabric_ext.contract.context import ContextCodec
+from fabric_ext.contract.hooks import HOOKS
 
 HOOK_LIST = sorted(HOOKS.values(), key=lambda h: (h.island_kind, h.name))
 value = st.one_of(st.integers(0, 2**64 - 1), st.integers(-5, -1), st.floats(0, 1e12))

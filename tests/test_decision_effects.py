@@ -1,6 +1,6 @@
 """Every decision of every hook in the catalogue changes a run, where the catalogue says.
 
-For each (hook, decision) pair of `fabric_ext.hooks`, a policy is generated that sets the
+For each (hook, decision) pair of `fabric_ext.contract.hooks`, a policy is generated that sets the
 decision at that hook, compiled and run on a small fabric and model beside the same policy
 without the decision; the report must differ in what the decision's `shows` names.  A
 decision added to the catalogue without a scenario here, or without an effect, fails.
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from fabric_ext.hooks import HOOKS, SHOWS
+from fabric_ext.contract.hooks import HOOKS, SHOWS
 from test_runtime import compile_text, run_engine
 
 FABRIC = """

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fabric_ext.contract.context import ContextCodec
 from fabric_ext.runtime.machine.interp import Interpreter
 from fabric_ext.runtime.simulation import dispatch
 from fabric_ext.runtime.simulation.bundle import Folder, create_maps, load_bundle, load_manifest
-from fabric_ext.runtime.simulation.context import ContextCodec
 from policy_helpers import compiled
 from test_runtime import compile_text, run_engine
 

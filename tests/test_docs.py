@@ -50,10 +50,10 @@ def test_the_hook_tables_of_the_language_reference_are_the_catalogue():
     """docs/language.md shows the hooks, when they fire and what each decision does as
     `hooks.markdown()` renders them from the catalogue: a decision whose effect changes in
     hooks.py and not in the docs fails here."""
-    from fabric_ext import hooks
+    from fabric_ext.contract import hooks
     text = (ROOT / "docs" / "language.md").read_text()
     generated = text.split(hooks.DOCS_BEGIN, 1)[1].split(hooks.DOCS_END, 1)[0].strip()
-    assert generated == hooks.markdown(), "run: python -m fabric_ext.hooks docs/language.md"
+    assert generated == hooks.markdown(), "run: python -m fabric_ext.contract.hooks docs/language.md"
     for h in hooks.HOOKS.values():
         for f in h.decisions:
             assert f"| `{f.name}` |" in generated and f.effect in generated

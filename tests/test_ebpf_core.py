@@ -155,7 +155,7 @@ def test_jit_bounds_checks_what_the_verifier_cannot_prove():
 def test_jit_drops_only_the_checks_the_verifier_proved():
     """The verifier records where each access was proven; the JIT's code for a proven context
     access has no check, so a context shorter than the hook's runs the checked code instead."""
-    from fabric_ext.hooks import HOOKS
+    from fabric_ext.contract.hooks import HOOKS
     from fabric_ext.runtime.machine.jit import JitBackend
     hook = HOOKS["cxl_switch", "forward"]
     off = hook.offset("bytes")
@@ -178,7 +178,7 @@ def test_jit_drops_only_the_checks_the_verifier_proved():
 def test_jit_batch_runs_many_contexts_in_one_call():
     import numpy as np
 
-    from fabric_ext.hooks import HOOKS
+    from fabric_ext.contract.hooks import HOOKS
     from fabric_ext.runtime.machine.jit import JitBackend
     hook = HOOKS["cxl_switch", "forward"]
     src = (f"ldxdw %r2, [%r1+{hook.offset('bytes')}]\nrsh %r2, 20\nstxw [%r1+{hook.offset('priority')}], %r2\n"
@@ -207,7 +207,7 @@ def test_fault_then_continue():
 
 
 def test_context_write_rules_from_the_hook_catalogue():
-    from fabric_ext.hooks import HOOKS
+    from fabric_ext.contract.hooks import HOOKS
     hook = HOOKS["cxl_switch", "forward"]
     write_input = f"mov %r2, 1\nstxw [%r1+{hook.offset('bytes')}], %r2\nmov %r0, 0\nexit"
     with pytest.raises(VerifierError) as e:

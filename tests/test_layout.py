@@ -68,3 +68,25 @@ def test_the_machine_imports_point_one_way():
                     g.add_edge(path.stem, alias.name)
     cycles = list(nx.simple_cycles(g))
     assert not cycles, cycles
+
+
+def test_the_contract_sits_below_both_sides():
+    """fabric_ext/contract (catalogue, ids, routing, movement matching, context codec) is what
+    the compiler and the runtime import; it imports neither (only units and the machine)."""
+    contract = ROOT / "fabric_ext" / "contract"
+    bad = []
+    for path in sorted(contract.glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                module = {1: "fabric_ext.contract", 2: "fabric_ext"}[node.level] + (f".{node.module}" if node.module else "")
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module
+            elif isinstance(node, ast.Import):
+                module = node.names[0].name
+            else:
+                continue
+            if module.split(".")[0] in PROJECT and not module.startswith(
+                    ("fabric_ext.contract", "fabric_ext.units", "fabric_ext.runtime.machine")):
+                bad.append(f"{path.name}:{node.lineno}: imports {module}")
+    assert len(list(contract.glob("*.py"))) >= 6 and not bad, bad

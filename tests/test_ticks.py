@@ -4,8 +4,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabric_ext.hooks import HOOKS
-from fabric_ext.runtime.simulation.context import ContextCodec
+from fabric_ext.contract.context import ContextCodec
+from fabric_ext.contract.hooks import HOOKS
 from fabric_ext.runtime.simulation.fabric_model import Chunk, Server, Sim, Transfer
 from fabric_ext.runtime.simulation.ticks import TickSource
 from policy_helpers import compiled

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from conftest import FABRIC, FABRIC_LINES
 from fabric_ext.codegen.driver import build, write_output
+from fabric_ext.contract.context import ContextCodec
 from fabric_ext.diagnostics import Diagnostics
 from fabric_ext.runtime.machine.interp import Interpreter
 from fabric_ext.runtime.simulation.bundle import load_bundle
-from fabric_ext.runtime.simulation.context import ContextCodec
 
 M64 = (1 << 64) - 1
 LINE = FABRIC_LINES + 1

@@ -83,8 +83,8 @@ def test_fabric_vm_run_asm(tmp_path, backend):
 
 
 def test_fabric_vm_run_object_prints_maps_and_ctx(tmp_path):
-    from fabric_ext.hooks import HOOKS
-    from fabric_ext.runtime.simulation.context import ContextCodec
+    from fabric_ext.contract.context import ContextCodec
+    from fabric_ext.contract.hooks import HOOKS
     from policy_helpers import compiled
     ctx = ContextCodec(HOOKS["dpu", "tx"]).pack(movement=1, bytes=4096, queue_bytes=1 << 30)
     r = vm("run", compiled("nic_pacing") / "nic0.bpf.o", "--program", "nic0_tx", "--ctx", bytes(ctx).hex())

@@ -30,7 +30,7 @@ class Program:
     name: str
     insns: list[Insn]
     maps: list = field(default_factory=list)          # runtime.maps.Map, by index
-    hook: object | None = None                        # fabric_ext.hooks.Hook or None (bare)
+    hook: object | None = None                        # fabric_ext.contract.hooks.Hook or None (bare)
     ctx_size: int = 0
     line_info: dict[int, SourceLine] = field(default_factory=dict)  # slot -> source
     section: str = ""

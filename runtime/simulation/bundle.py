@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fabric_ext.hooks import HOOKS
+from fabric_ext.contract.hooks import HOOKS
 from fabric_ext.runtime.machine.errors import ArtifactError
 from fabric_ext.runtime.machine.fsutil import UnreadableFile, read_bounded
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import networkx as nx
 
-from fabric_ext.flows import MovementTable
-from fabric_ext.hooks import firing
+from fabric_ext.contract.flows import MovementTable
+from fabric_ext.contract.hooks import firing
 from fabric_ext.schema import PROP_RANGES
 
 from .bundle import Folder

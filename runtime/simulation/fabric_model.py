@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from fabric_ext import topology
-from fabric_ext.hooks import PRIORITY, firing
+from fabric_ext.contract import topology
+from fabric_ext.contract.hooks import PRIORITY, firing
 from fabric_ext.runtime.machine.errors import InputError
 
 DEFAULT_PRIORITY = PRIORITY.default      # the catalogue's: a chunk no program ranked

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 
-from fabric_ext.hooks import DEVICE_ISLAND_KIND, HOOKS, ISLAND_RUNTIME
+from fabric_ext.contract.hooks import DEVICE_ISLAND_KIND, HOOKS, ISLAND_RUNTIME
 from fabric_ext.runtime.machine.errors import ArtifactError
 from fabric_ext.schema import (
     DEVICE_PROPS,

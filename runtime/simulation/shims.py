@@ -15,12 +15,12 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from fabric_ext.hooks import HOOKS
+from fabric_ext.contract.context import ContextCodec
+from fabric_ext.contract.hooks import HOOKS
 
 from ..machine.program import Program, SourceLine, VMFault
 from ..machine.verifier import VerifierError, verify
 from .bundle import BundleError, parse_runtime_json
-from .context import ContextCodec
 from .dispatch import Acting, Known, acting
 
 

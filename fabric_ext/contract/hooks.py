@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from .units import BANDWIDTH, COUNT, DEVICE, FLOPS, PERCENT, SIZE, TIME
+from ..units import BANDWIDTH, COUNT, DEVICE, FLOPS, PERCENT, SIZE, TIME
 
 CTYPE_SIZE = {"u32": 4, "u64": 8}
 
@@ -266,7 +266,7 @@ def ctx_struct_c(h: Hook) -> str:
 
 
 # ---- the catalogue in docs/language.md ------------------------------------------------
-DOCS_BEGIN = "<!-- hooks: generated from fabric_ext/hooks.py by `python -m fabric_ext.hooks docs/language.md` -->"
+DOCS_BEGIN = "<!-- hooks: generated from fabric_ext/contract/hooks.py by `python -m fabric_ext.contract.hooks docs/language.md` -->"
 DOCS_END = "<!-- hooks: end -->"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fabric_ext.hooks import CLASSES, OPERATORS
+from .hooks import CLASSES, OPERATORS
 
 
 @dataclass

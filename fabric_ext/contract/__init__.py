@@ -1,0 +1,5 @@
+"""The contract between the compiler and the runtime: what both sides import, so that neither
+restates a fact of the other.  The hook catalogue (`hooks`: every context field, where each
+hook fires, what each decision does), the ids written to the manifest (`ids`), routing and
+port numbering (`topology`), which movement a transfer belongs to (`flows`) and the packing of
+hook contexts (`context`)."""
