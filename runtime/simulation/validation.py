@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import csv
 import itertools
-import shutil
 import statistics
-import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-#: measured hardware -> (bundled fabric, GPU profile)
+#: measured hardware -> the bundled fabric of that machine (its GPUs name their profile)
 MACHINES = {"a100-80gb": "dgx_a100.fx", "h100-80gb": "dgx_h100.fx"}
 #: measured model -> built-in model
 MODELS = {"llama2-70b": "llama2-70b", "bloom-176b": "bloom-176b"}
@@ -80,49 +78,33 @@ def measured(path: Path) -> tuple[list[Point], list[str]]:
 
 
 class _Runner:
-    """Compiles an empty policy for each bundled fabric once and runs the engine on it."""
+    """Compiles (in memory) an empty policy on each bundled fabric once and runs the engine on it."""
 
     def __init__(self):
-        self.tmp = Path(tempfile.mkdtemp(prefix="fabric-validate-"))
-        self.folders = {}
+        self.bundles = {}
 
-    def folder(self, fabric: str, model: str) -> Path:
+    def bundle(self, fabric: str, model: str):
         import fabric_ext.policies as pkg
-        from fabric_ext.codegen.driver import build, write_output
-        from fabric_ext.diagnostics import Diagnostics
+        from fabric_ext import api
         key = (fabric, model)
-        if key not in self.folders:
-            fabrics = self.tmp / "fabrics"
-            if not fabrics.exists():
-                shutil.copytree(Path(pkg.__file__).parent / "fabrics", fabrics)
-            src = self.tmp / f"{len(self.folders)}.fx"
-            src.write_text(f'import "fabrics/{fabric}"\nworkload w {{ model: "{model}"; weights: hbm; kv: hbm }}\n')
-            res = build(src, diags=Diagnostics())
-            out = self.tmp / f"out{len(self.folders)}"
-            write_output(res, out)
-            self.folders[key] = out
-        return self.folders[key]
+        if key not in self.bundles:
+            path = Path(pkg.__file__).parent / "fabrics" / fabric
+            self.bundles[key] = api.compile(f'import "{path}"\nworkload w {{ model: "{model}"; weights: hbm; kv: hbm }}\n')
+        return self.bundles[key]
 
     def run(self, p: Point, stack: str) -> dict:
         from ..machine.interp import Interpreter
-        from .bundle import create_maps, load_manifest
+        from .bundle import create_maps
         from .engine import Engine, RunOptions
-        folder = self.folder(MACHINES[p.hardware], MODELS[p.model])
-        man = load_manifest(folder)
+        b = self.bundle(MACHINES[p.hardware], MODELS[p.model])
         opts = RunOptions(prompt=p.prompt, batch=p.batch, tp=p.tp, stack=stack, attach=False, max_events=None)
-        return Engine(folder, man, create_maps(man), Interpreter(), opts).run()
-
-    def close(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        return Engine(b, b.manifest, create_maps(b.manifest), Interpreter(), opts).run()
 
 
 def _hardware(points: list[Point]) -> list[dict]:
     """The engine's report of every point with the hardware alone."""
     runner = _Runner()
-    try:
-        return [runner.run(p, "none") for p in points]
-    finally:
-        runner.close()
+    return [runner.run(p, "none") for p in points]
 
 
 def fit_stack(path: Path) -> dict:
@@ -173,14 +155,11 @@ def validate(path: Path) -> tuple[list[Modelled], list[str]]:
     """Every covered configuration, modelled with the hardware alone and with the vllm stack."""
     points, skipped = measured(path)
     runner = _Runner()
-    try:
-        out = []
-        for p in points:
-            hw = runner.run(p, "none")
-            out.append(Modelled(p, hw["ttft_ms"], hw["compute_ms"], runner.run(p, "vllm")["ttft_ms"]))
-        return out, skipped
-    finally:
-        runner.close()
+    out = []
+    for p in points:
+        hw = runner.run(p, "none")
+        out.append(Modelled(p, hw["ttft_ms"], hw["compute_ms"], runner.run(p, "vllm")["ttft_ms"]))
+    return out, skipped
 
 
 def render(result: tuple[list[Modelled], list[str]]) -> str:
