@@ -2,17 +2,15 @@
 
 `Engine` builds the fabric model from the manifest (figures from the data file
 fill what the policy's fabric leaves out), attaches every island's programs
-through its shim, and drives the prefill: per pass and layer, each GPU of the
-tensor-parallel group waits for its attention weights, computes, all-reduces
-over the ring, writes its KV back or exports it, then the same for the FFN.
-Weights stream ahead of compute by the prefetch depth (the workload's, or
-what a program decides).  Every decision a program makes is applied by the
-fabric model; the run's figures come back as a dict (`stats.py` formats it).
+through its shim, is the hook site the fabric asks at each decision point
+(events to contexts to shims, decisions back), runs the telemetry ticks, and
+runs the prefill's schedule (`prefill.Prefill`), which moves data through it.
+Every decision a program makes is applied by the fabric model; the run's
+figures come back as a dict (`report`; `stats.py` formats it).
 """
 from __future__ import annotations
 
 import gc
-from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +33,7 @@ from .fabric_model import (
     Transfer,
 )
 from .figures import default, figures
+from .prefill import Prefill
 from .shims import SHIMS
 from .ticks import BLOCK, TickSource, catch_up_together
 from .timing import Timing, profile_of
@@ -109,11 +108,7 @@ class Engine(HookSite):
         stack = opts.stack or manifest.get("workload", {}).get("stack") or figures()["defaults"]["stack"]
         self.timing = Timing(self.workload, self.gpus, {g: self.devices[g].get("props", {}) for g in self.gpus},
                              stack)
-        self.pass_start = 0.0
-        self.layer_stats = defaultdict(lambda: defaultdict(float))
-        self.stall_by_movement = defaultdict(float)
-        self.finished = None
-        self.kv_done = 0.0
+        self.prefill = None               # the schedule, while `run` runs it
         self.spans: list[tuple[str, str, float, float]] = []   # (track, name, start ns, duration ns)
         self.ticks: list[TickSource] = []
         self._tick_deps: dict[tuple, list[TickSource]] = {}
@@ -191,7 +186,7 @@ class Engine(HookSite):
         props = self.devices[device].get("props", {})
         return float(props.get(name) or figures()["gpu"][profile_of(device, props)][name])
 
-    def _movement(self, cls, operator, src, dst) -> dict | None:
+    def movement_of(self, cls, operator, src, dst) -> dict | None:
         hit = self.movements.match(cls, operator, src, dst)
         return hit.movement if hit else None
 
@@ -220,7 +215,7 @@ class Engine(HookSite):
         f["now"], f["chunk"], f["bytes"], f["hop"] = int(self.sim.now), chunk.index, chunk.bytes, chunk.hop
         return f
 
-    def _run(self, island, hook, fields) -> Known | None:
+    def decide(self, island, hook, fields) -> Known | None:
         """The decisions the program on ``island``'s ``hook`` makes for an event (a `Known`:
         read-only, device decisions as ids), or None when none acts on it."""
         shim = self.shims.get(island)
@@ -252,7 +247,7 @@ class Engine(HookSite):
         if role == "src" and len(path) > 1:
             fields["out_port"] = self.fabric.port_index(path[0], path[1])
             fields["queue_bytes"] = self.fabric.server(path[0], path[1]).queued_bytes
-        known = self._run(island, "issue", fields)
+        known = self.decide(island, "issue", fields)
         if known is None:
             return None
         d = known.decisions
@@ -279,7 +274,7 @@ class Engine(HookSite):
             fields["queue_bytes"] = fabric.wires[dev].queued_bytes
         if "mem_access" in hooks:
             fields["write"] = int(self.devices[path[-1]]["kind"] == "cxl_mem")
-        each = [self._run(island, h, fields) for h in hooks]
+        each = [self.decide(island, h, fields) for h in hooks]
         if len(each) == 1:          # read-only, like every Known's decisions
             merged = each[0].decisions if each[0] is not None else {}
         else:
@@ -324,7 +319,7 @@ class Engine(HookSite):
             return
         fields = self._chunk_fields(chunk)
         fields["latency"] = int(latency)
-        known = self._run(island, "complete", fields)
+        known = self.decide(island, "complete", fields)
         if known is not None and known.decisions.get("prefetch"):
             self.prefetch[island] = known.decisions["prefetch"]
 
@@ -372,7 +367,7 @@ class Engine(HookSite):
         """Catch every tick source up now: at every tick time with ``eager_ticks``, else every
         BLOCK periods though nothing reads what they write yet (running a tick early is
         always allowed), so the servers' records stay short."""
-        if self.finished is None:
+        if self.prefill.finished is None:
             self._catch_up(self.ticks, self.sim.now)
             due = [t.next_due for t in self.ticks if t.active]
             if due:
@@ -394,195 +389,22 @@ class Engine(HookSite):
                 self._catch_up(deps, now)
                 return
 
-    # -- the prefill ------------------------------------------------------------------------------
-    def _placement(self):
-        """Where each layer's weights live: the workload's choice, or a host program's tier."""
-        w = self.workload
-        src = {}
-        host = next((n for n, i in self.islands.items() if i["kind"] == "host"), None)
-        for layer in range(w.model.layers):
-            for op in ("attention", "ffn"):
-                where = w.weights
-                if host is not None:
-                    m = self._movement("weights", op, w.weights, self.gpus[0]) if w.weights in self.devices else None
-                    known = self._run(host, "alloc", {"now": 0, "movement": m["id"] if m else 0,
-                                                      "class": self.ids["classes"]["weights"], "layer": layer,
-                                                      "bytes": w.weight_bytes(op)})
-                    tier = self.dev_by_id.get(known.decisions.get("tier")) if known is not None else None
-                    if tier and tier not in self.fabric.memories:
-                        self.fabric.refused["tier"] += 1
-                    elif tier:
-                        where = "hbm" if self.devices[tier]["kind"] == "gpu" else tier
-                src[(layer, op)] = where
-        return src
-
+    # -- the run ----------------------------------------------------------------------------------
     def run(self) -> dict:
-        w = self.workload
-        self.weight_src = self._placement()
-        self.units = [(p, layer, op) for p, _ in enumerate(w.passes()) for layer in range(w.model.layers)
-                      for op in ("attention", "ffn")]
-        self.ready = {g: {} for g in self.gpus}       # unit -> arrival time of its inputs
-        self.inputs_left: dict[tuple, int] = {}       # (gpu, unit) -> inputs still moving
-        self.last_input: dict[tuple, str] = {}        # (gpu, unit) -> the movement that arrived last
-        self.issued = {g: 0 for g in self.gpus}       # units issued so far
-        self.waiting = {}
-        self.done_count = 0
-        self.ar_pending = 0
+        self.prefill = Prefill(self, self._prefill_finished)
+        self.prefill.place()
         self._start_ticks()
-        for g in self.gpus:
-            self._issue_inputs(g, 0)
-        self.sim.at(0, self._begin, 0)
+        self.prefill.start()
         with _fewer_collections():
             self.sim.run()
-        if self.finished is None:
+        if self.prefill.finished is None:
             raise RuntimeError("the prefill did not finish: a transfer never completed")
-        self._catch_up(self.ticks, self.finished)
+        self._catch_up(self.ticks, self.prefill.finished)
         return self.report()
 
-    def _issue_inputs(self, g, current):
-        """Issue what the units up to the prefetch depth ahead need on GPU g: their weights
-        (unless in HBM) and, for attention in a later pass of a chunked prefill, the KV of
-        the earlier passes from where it lives (unless in HBM)."""
-        w = self.workload
-        depth = max(1, self.prefetch[g])
-        while self.issued[g] < len(self.units) and self.issued[g] < current + 2 * depth:
-            u = self.issued[g]
-            self.issued[g] += 1
-            p, layer, op = self.units[u]
-            inputs = []
-            where = self.weight_src[(layer, op)]
-            if where not in ("hbm", "none"):
-                inputs.append(("weights", op, where, w.weight_bytes(op)))
-            first_token = w.passes()[p][0]
-            if op == "attention" and first_token and w.kv not in ("hbm", "none"):
-                inputs.append(("kv", "attention", w.kv, w.kv_bytes(first_token)))
-            if not inputs:
-                self.ready[g][u] = 0.0
-                continue
-            self.inputs_left[(g, u)] = len(inputs)
-            for cls, operator, src, nbytes in inputs:
-                self.transfer(cls, operator, src, g, nbytes, layer, lambda t, g=g, u=u: self._input_arrived(g, u, t))
-
-    def _input_arrived(self, g, u, t):
-        """One input of unit u on GPU g arrived; the last one makes the unit ready (and is what
-        a stall before it is charged to)."""
-        self.inputs_left[(g, u)] -= 1
-        if self.inputs_left[(g, u)]:
-            return
-        del self.inputs_left[(g, u)]
-        self.ready[g][u] = self.sim.now
-        self.last_input[(g, u)] = t.name
-        if self.waiting.get(g) == u:
-            del self.waiting[g]
-            self._compute(g, u)
-
-    def _begin(self, u):
-        self.unit_start = self.sim.now
-        if u == 0 or self.units[u - 1][0] != self.units[u][0]:
-            self.pass_start = self.sim.now
-        self.done_count = 0
-        for g in self.gpus:
-            if u in self.ready[g]:
-                self._compute(g, u)
-            else:
-                self.waiting[g] = u
-        if self.opts.progress:
-            self.opts.progress(u / len(self.units))
-
-    def _compute(self, g, u):
-        w = self.workload
-        p, layer, op = self.units[u]
-        ops = w.blocks(*w.passes()[p])[op] if self.shims.get(g) is not None and self.shims[g].has("launch") else ()
-        stall = self.sim.now - self.unit_start
-        if stall > 0:      # charged to the input that arrived last
-            self.stall_by_movement[self.last_input.get((g, u), f"(weights/{op})")] += stall
-        known = self._run(g, "launch", {"now": int(self.sim.now), "layer": layer,
-                                        "operator": self.ids["operators"][op],
-                                        "flops": int(sum(o.flops for o in ops)),
-                                        "bytes": int(sum(o.bytes for o in ops)), "stall": int(stall)})
-        if known is not None and known.decisions.get("prefetch"):
-            self.prefetch[g] = known.decisions["prefetch"]
-        self._issue_inputs(g, u + 1)
-        dur = self.timing.block_ns(g, p, op)
-        if layer == 0 and op == "attention":
-            dur += self.timing.pass_edges_ns(g, p, True, False)
-        if self.opts.trace:
-            self.spans.append((g, f"{op} L{layer}", self.sim.now, dur))
-        s = self.layer_stats[layer]
-        s[f"{op}_ms"] += dur / 1e6 / len(self.gpus)
-        s[f"{op}_stall_ms"] += stall / 1e6 / len(self.gpus)
-        self.sim.at(self.sim.now + dur, self._computed, g, u)
-
-    def _computed(self, g, u):
-        self.done_count += 1
-        if self.done_count < len(self.gpus):
-            return
-        if len(self.gpus) > 1:
-            self._allreduce(u)
-        else:
-            self._after(u)
-
-    def _allreduce(self, u):
-        """A ring all-reduce of the block's output: each GPU sends 2 (t-1)/t of it to the next,
-        at the bus bandwidth NCCL reaches at this TP degree, after its fixed cost (alpha: the
-        call's launch and synchronisation, less what the fabric's links add)."""
-        w = self.workload
-        p, layer, _ = self.units[u]
-        n = w.passes()[p][1]
-        t = len(self.gpus)
-        nbytes = 2 * (t - 1) * w.activation_bytes(n) // t
-        self.ar_pending = t
-        self.ar_start = self.sim.now
-        for i, g in enumerate(self.gpus):
-            nxt = self.gpus[(i + 1) % t]
-            ar = self.timing.all_reduce(g, w.activation_bytes(n))
-            if ar.beyond_profile and i == 0:     # what the profiled bus bandwidth would have taken
-                self.timing.beyond_profile_ms += nbytes / ar.profiled_busbw * 1e3
-            hop = self.fabric.g.edges[g, nxt].get("latency") or 0.0 if self.fabric.g.has_edge(g, nxt) else 0.0
-            self.sim.at(self.sim.now + max(0.0, ar.alpha_ns - hop), self._ring_send, g, nxt, nbytes, layer, u,
-                        ar.busbw)
-
-    def _ring_send(self, g, nxt, nbytes, layer, u, busbw):
-        self.transfer("activations", "collective", g, nxt, nbytes, layer, lambda tr, u=u: self._ar_done(u),
-                      pace=busbw)
-
-    def _ar_done(self, u):
-        self.ar_pending -= 1
-        if self.ar_pending == 0:
-            m = self._movement("activations", "collective", self.gpus[0], self.gpus[1 % len(self.gpus)])
-            self.stall_by_movement[m["name"] if m else "(activations/collective)"] += self.sim.now - self.ar_start
-            self.layer_stats[self.units[u][1]]["allreduce_ms"] += (self.sim.now - self.ar_start) / 1e6
-            self._after(u)
-
-    def _after(self, u):
-        w = self.workload
-        p, layer, op = self.units[u]
-        if op == "attention":
-            n = w.passes()[p][1]
-            for g in self.gpus:
-                for where in (w.kv, w.kv_export):
-                    if where and where not in ("hbm", "none"):
-                        self.transfer("kv", None, g, where, w.kv_bytes(n), layer, self._kv_done)
-        if u + 1 < len(self.units) and self.units[u + 1][0] == p:
-            self._begin(u + 1)
-            return
-        # the pass ends: the stack's CPU work per prompt, then its floor (a pass takes that at least)
-        timing = self.timing
-        floor_end = self.pass_start + timing.pass_floor_ns()
-        cpu = timing.pass_cpu_ns()
-        if u + 1 < len(self.units):
-            self.sim.at(max(self.sim.now + cpu, floor_end), self._begin, u + 1)
-        else:
-            end = self.sim.now + timing.pass_edges_ns(self.gpus[0], p, False, True) + cpu + timing.stack.tail_ms * 1e6
-            self.sim.at(max(end, floor_end), self._finish)
-
-    def _kv_done(self, t):
-        self.kv_done = max(self.kv_done, self.sim.now)
-
-    def _finish(self):
-        self.finished = self.sim.now
-        for t in self.ticks:
-            t.end = self.finished        # no ticks after the prefill's end
+    def _prefill_finished(self, t: float) -> None:
+        for tick in self.ticks:
+            tick.end = t                  # no ticks after the prefill's end
 
     # -- figures ------------------------------------------------------------------------------------
     def report(self) -> dict:

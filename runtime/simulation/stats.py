@@ -17,9 +17,9 @@ def _pct(values, q):
 
 def collect(e) -> dict:
     """The run's figures as a JSON-ready dict."""
-    w, end = e.workload, e.finished
+    w, end = e.workload, e.prefill.finished
     layers = [{"layer": layer, **{k: round(v, 4) for k, v in sorted(s.items())}}
-              for layer, s in sorted(e.layer_stats.items())]
+              for layer, s in sorted(e.prefill.layer_stats.items())]
     by_mv = defaultdict(list)
     for t in e.fabric.transfers:
         by_mv[t.name].append(t)
@@ -36,10 +36,10 @@ def collect(e) -> dict:
                           "issued_avg_ms": round(sum(t.start for t in ts) / len(ts) / 1e6, 4),
                           "queue_p50_us": round(_pct(waits, 50) / 1e3, 3),
                           "queue_p99_us": round(_pct(waits, 99) / 1e3, 3),
-                          "stall_ms": round(e.stall_by_movement.get(name, 0.0) / 1e6, 4)})
+                          "stall_ms": round(e.prefill.stall_by_movement.get(name, 0.0) / 1e6, 4)})
     links = []
     seen = set()
-    horizon = max(end, e.kv_done, 1.0)
+    horizon = max(end, e.prefill.kv_done, 1.0)
     servers = list(e.fabric.servers.values()) + list(e.fabric.wires.values())
     for srv in servers:
         if id(srv) in seen:
@@ -70,7 +70,7 @@ def collect(e) -> dict:
                          "chunk_tokens": w.chunk_tokens or w.prompt, "weights": w.weights, "kv": w.kv,
                          "kv_export": w.kv_export},
             "stack": e.timing.stack.name, "gpu": e.timing.timers[e.gpus[0]].gpu.name,
-            "ttft_ms": round(end / 1e6, 4), "kv_done_ms": round(e.kv_done / 1e6, 4),
+            "ttft_ms": round(end / 1e6, 4), "kv_done_ms": round(e.prefill.kv_done / 1e6, 4),
             "compute_ms": round(sum(e.timing.operator_ms.values()), 4),
             "allreduce_beyond_profile_ms": round(e.timing.beyond_profile_ms, 4),
             "operators": {name: round(ms, 4) for name, ms in e.timing.operator_ms.items()},

@@ -1,0 +1,209 @@
+"""The prefill's schedule over the fabric (`Prefill`): per pass, layer and block, each GPU of
+the tensor-parallel group waits for its inputs (weights unless in HBM; in a chunked prefill's
+later passes the KV of the earlier ones), computes (`timing.Timing`), then the group
+all-reduces over the ring; after attention each GPU writes its KV back and exports it without
+waiting.  Weights are issued the prefetch depth ahead (the workload's, or what a program
+decided).  It moves data and asks hooks only through the engine it is given.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+class Prefill:
+    def __init__(self, engine, on_finish):
+        self.e, self.sim, self.workload, self.gpus = engine, engine.sim, engine.workload, engine.gpus
+        self.timing = engine.timing
+        self.on_finish = on_finish               # called with the time the first token is out
+        self.pass_start = 0.0
+        self.layer_stats = defaultdict(lambda: defaultdict(float))
+        self.stall_by_movement = defaultdict(float)
+        self.finished = None
+        self.kv_done = 0.0
+
+    def place(self) -> None:
+        """Where each layer's weights live, before the run (the host's `alloc` programs may move them)."""
+        self.weight_src = self._placement()
+
+    def start(self) -> None:
+        """Issue the first inputs and begin the first block at time 0."""
+        w = self.workload
+        self.units = [(p, layer, op) for p, _ in enumerate(w.passes()) for layer in range(w.model.layers)
+                      for op in ("attention", "ffn")]
+        self.ready = {g: {} for g in self.gpus}       # unit -> arrival time of its inputs
+        self.inputs_left: dict[tuple, int] = {}       # (gpu, unit) -> inputs still moving
+        self.last_input: dict[tuple, str] = {}        # (gpu, unit) -> the movement that arrived last
+        self.issued = {g: 0 for g in self.gpus}       # units issued so far
+        self.waiting = {}
+        self.done_count = 0
+        self.ar_pending = 0
+        for g in self.gpus:
+            self._issue_inputs(g, 0)
+        self.sim.at(0, self._begin, 0)
+
+    def _placement(self):
+        """Where each layer's weights live: the workload's choice, or a host program's tier."""
+        w = self.workload
+        src = {}
+        host = next((n for n, i in self.e.islands.items() if i["kind"] == "host"), None)
+        for layer in range(w.model.layers):
+            for op in ("attention", "ffn"):
+                where = w.weights
+                if host is not None:
+                    m = self.e.movement_of("weights", op, w.weights, self.gpus[0]) \
+                        if w.weights in self.e.devices else None
+                    known = self.e.decide(host, "alloc", {"now": 0, "movement": m["id"] if m else 0,
+                                                          "class": self.e.ids["classes"]["weights"], "layer": layer,
+                                                          "bytes": w.weight_bytes(op)})
+                    tier = self.e.dev_by_id.get(known.decisions.get("tier")) if known is not None else None
+                    if tier and tier not in self.e.fabric.memories:
+                        self.e.fabric.refused["tier"] += 1
+                    elif tier:
+                        where = "hbm" if self.e.devices[tier]["kind"] == "gpu" else tier
+                src[(layer, op)] = where
+        return src
+
+    def _issue_inputs(self, g, current):
+        """Issue what the units up to the prefetch depth ahead need on GPU g: their weights
+        (unless in HBM) and, for attention in a later pass of a chunked prefill, the KV of
+        the earlier passes from where it lives (unless in HBM)."""
+        w = self.workload
+        depth = max(1, self.e.prefetch[g])
+        while self.issued[g] < len(self.units) and self.issued[g] < current + 2 * depth:
+            u = self.issued[g]
+            self.issued[g] += 1
+            p, layer, op = self.units[u]
+            inputs = []
+            where = self.weight_src[(layer, op)]
+            if where not in ("hbm", "none"):
+                inputs.append(("weights", op, where, w.weight_bytes(op)))
+            first_token = w.passes()[p][0]
+            if op == "attention" and first_token and w.kv not in ("hbm", "none"):
+                inputs.append(("kv", "attention", w.kv, w.kv_bytes(first_token)))
+            if not inputs:
+                self.ready[g][u] = 0.0
+                continue
+            self.inputs_left[(g, u)] = len(inputs)
+            for cls, operator, src, nbytes in inputs:
+                self.e.transfer(cls, operator, src, g, nbytes, layer, lambda t, g=g, u=u: self._input_arrived(g, u, t))
+
+    def _input_arrived(self, g, u, t):
+        """One input of unit u on GPU g arrived; the last one makes the unit ready (and is what
+        a stall before it is charged to)."""
+        self.inputs_left[(g, u)] -= 1
+        if self.inputs_left[(g, u)]:
+            return
+        del self.inputs_left[(g, u)]
+        self.ready[g][u] = self.sim.now
+        self.last_input[(g, u)] = t.name
+        if self.waiting.get(g) == u:
+            del self.waiting[g]
+            self._compute(g, u)
+
+    def _begin(self, u):
+        self.unit_start = self.sim.now
+        if u == 0 or self.units[u - 1][0] != self.units[u][0]:
+            self.pass_start = self.sim.now
+        self.done_count = 0
+        for g in self.gpus:
+            if u in self.ready[g]:
+                self._compute(g, u)
+            else:
+                self.waiting[g] = u
+        if self.e.opts.progress:
+            self.e.opts.progress(u / len(self.units))
+
+    def _compute(self, g, u):
+        w = self.workload
+        p, layer, op = self.units[u]
+        ops = w.blocks(*w.passes()[p])[op] if self.e.shims.get(g) is not None and self.e.shims[g].has("launch") else ()
+        stall = self.sim.now - self.unit_start
+        if stall > 0:      # charged to the input that arrived last
+            self.stall_by_movement[self.last_input.get((g, u), f"(weights/{op})")] += stall
+        known = self.e.decide(g, "launch", {"now": int(self.sim.now), "layer": layer,
+                                        "operator": self.e.ids["operators"][op],
+                                        "flops": int(sum(o.flops for o in ops)),
+                                        "bytes": int(sum(o.bytes for o in ops)), "stall": int(stall)})
+        if known is not None and known.decisions.get("prefetch"):
+            self.e.prefetch[g] = known.decisions["prefetch"]
+        self._issue_inputs(g, u + 1)
+        dur = self.timing.block_ns(g, p, op)
+        if layer == 0 and op == "attention":
+            dur += self.timing.pass_edges_ns(g, p, True, False)
+        if self.e.opts.trace:
+            self.e.spans.append((g, f"{op} L{layer}", self.sim.now, dur))
+        s = self.layer_stats[layer]
+        s[f"{op}_ms"] += dur / 1e6 / len(self.gpus)
+        s[f"{op}_stall_ms"] += stall / 1e6 / len(self.gpus)
+        self.sim.at(self.sim.now + dur, self._computed, g, u)
+
+    def _computed(self, g, u):
+        self.done_count += 1
+        if self.done_count < len(self.gpus):
+            return
+        if len(self.gpus) > 1:
+            self._allreduce(u)
+        else:
+            self._after(u)
+
+    def _allreduce(self, u):
+        """A ring all-reduce of the block's output: each GPU sends 2 (t-1)/t of it to the next,
+        at the bus bandwidth NCCL reaches at this TP degree, after its fixed cost (alpha: the
+        call's launch and synchronisation, less what the fabric's links add)."""
+        w = self.workload
+        p, layer, _ = self.units[u]
+        n = w.passes()[p][1]
+        t = len(self.gpus)
+        nbytes = 2 * (t - 1) * w.activation_bytes(n) // t
+        self.ar_pending = t
+        self.ar_start = self.sim.now
+        for i, g in enumerate(self.gpus):
+            nxt = self.gpus[(i + 1) % t]
+            ar = self.timing.all_reduce(g, w.activation_bytes(n))
+            if ar.beyond_profile and i == 0:     # what the profiled bus bandwidth would have taken
+                self.timing.beyond_profile_ms += nbytes / ar.profiled_busbw * 1e3
+            hop = self.e.fabric.g.edges[g, nxt].get("latency") or 0.0 if self.e.fabric.g.has_edge(g, nxt) else 0.0
+            self.sim.at(self.sim.now + max(0.0, ar.alpha_ns - hop), self._ring_send, g, nxt, nbytes, layer, u,
+                        ar.busbw)
+
+    def _ring_send(self, g, nxt, nbytes, layer, u, busbw):
+        self.e.transfer("activations", "collective", g, nxt, nbytes, layer, lambda tr, u=u: self._ar_done(u),
+                      pace=busbw)
+
+    def _ar_done(self, u):
+        self.ar_pending -= 1
+        if self.ar_pending == 0:
+            m = self.e.movement_of("activations", "collective", self.gpus[0], self.gpus[1 % len(self.gpus)])
+            self.stall_by_movement[m["name"] if m else "(activations/collective)"] += self.sim.now - self.ar_start
+            self.layer_stats[self.units[u][1]]["allreduce_ms"] += (self.sim.now - self.ar_start) / 1e6
+            self._after(u)
+
+    def _after(self, u):
+        w = self.workload
+        p, layer, op = self.units[u]
+        if op == "attention":
+            n = w.passes()[p][1]
+            for g in self.gpus:
+                for where in (w.kv, w.kv_export):
+                    if where and where not in ("hbm", "none"):
+                        self.e.transfer("kv", None, g, where, w.kv_bytes(n), layer, self._kv_done)
+        if u + 1 < len(self.units) and self.units[u + 1][0] == p:
+            self._begin(u + 1)
+            return
+        # the pass ends: the stack's CPU work per prompt, then its floor (a pass takes that at least)
+        timing = self.timing
+        floor_end = self.pass_start + timing.pass_floor_ns()
+        cpu = timing.pass_cpu_ns()
+        if u + 1 < len(self.units):
+            self.sim.at(max(self.sim.now + cpu, floor_end), self._begin, u + 1)
+        else:
+            end = self.sim.now + timing.pass_edges_ns(self.gpus[0], p, False, True) + cpu + timing.stack.tail_ms * 1e6
+            self.sim.at(max(end, floor_end), self._finish)
+
+    def _kv_done(self, t):
+        self.kv_done = max(self.kv_done, self.sim.now)
+
+    def _finish(self):
+        self.finished = self.sim.now
+        self.on_finish(self.finished)
+
