@@ -7,7 +7,6 @@ Output is deterministic: the same input gives byte-identical files.
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from fabric_ext.frontend import analyze
 from fabric_ext.loader import display_path
 from fabric_ext.runtime.machine import isa
 from fabric_ext.runtime.machine.elf import load_object
-from fabric_ext.runtime.machine.fsutil import OutputError, check_replaceable, replace_dir
+from fabric_ext.runtime.machine.fsutil import check_replaceable, replace_dir
 from fabric_ext.runtime.machine.verifier import VerifierError, verify
 
 from . import artifacts
@@ -156,27 +155,3 @@ def write_output(res: CompileResult, out: Path) -> None:
         import shutil
         shutil.rmtree(staging, ignore_errors=True)
         raise
-
-
-def compile_policy(path: Path, out: Path, opt=2, mcpu="v3", emit=(), kernel_verify=False, werror=False) -> int:
-    """The `fabricc compile` command: 0 on success, 1 on errors in the input."""
-    diags = Diagnostics()
-    res = build(path, opt, mcpu, emit, kernel_verify, diags)
-    if werror and diags.items:
-        diags.warnings_as_errors()
-        res = None
-    diags.print(sys.stderr)
-    if res is None:
-        n = len(diags.errors)
-        print(f"{path}: {n} error{'s' * (n != 1)}; {out} left as it was", file=sys.stderr)
-        return 1
-    try:
-        write_output(res, out)
-    except OSError as e:
-        why = str(e) if isinstance(e, OutputError) else f"cannot write {out}: {e.strerror or e}"
-        print(f"fabricc: {why}", file=sys.stderr)
-        return 1
-    for line in res.summary:
-        print(line)
-    print(f"wrote {len(res.files)} files to {out}")
-    return 0

@@ -36,6 +36,7 @@ class Bundle:
     files: dict[str, bytes]
     name: str = "<memory>"
     diagnostics: Diagnostics | None = field(default=None, compare=False)   # the compiler's warnings
+    summary: tuple[str, ...] = ()     # a line per island: kind, runtime, programs, instructions, maps
 
     def read(self, file: str) -> bytes:
         """An artifact by its file name (what the runtime's shims load programs from)."""
@@ -64,20 +65,23 @@ class Bundle:
         return cls(man, files, str(folder))
 
 
-def compile(source: str | Path, *, opt: int = 2, werror: bool = False) -> Bundle:
+def compile(source: str | Path, *, opt: int = 2, mcpu: str = "v3", emit=(), kernel_verify: bool = False,
+            werror: bool = False) -> Bundle:
     """Compile a policy: ``source`` is the path of a .fx file, or the text of one (its imports
-    relative to the working folder).  Raises `PolicyError` with every diagnostic."""
+    relative to the working folder).  ``emit`` adds listings ("llvm", "asm"); ``kernel_verify``
+    also loads each program into the running kernel; ``werror`` makes warnings errors.  Raises
+    `PolicyError` with every diagnostic."""
     from fabric_ext.codegen.driver import build
     diags = Diagnostics()
     path, text = Path(source), None
     if isinstance(source, str) and ("\n" in source or not source.endswith(".fx")):
         path, text = Path.cwd() / "<policy>.fx", source
-    res = build(path, opt=opt, diags=diags, text=text)
+    res = build(path, opt, mcpu, emit, kernel_verify, diags, text)
     if werror:
         diags.warnings_as_errors()
     if res is None or diags.has_errors():
         raise PolicyError(diags)
-    return Bundle(res.manifest, res.files, str(source) if text is None else "<policy>", diags)
+    return Bundle(res.manifest, res.files, str(source) if text is None else "<policy>", diags, tuple(res.summary))
 
 
 class Record(Mapping):

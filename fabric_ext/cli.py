@@ -69,11 +69,30 @@ def cmd_graph(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    from .codegen.driver import compile_policy
+    from . import api
+    from .runtime.machine.fsutil import OutputError
     if not args.output.strip():
         raise UsageError("fabricc: -o needs a folder name")
-    return compile_policy(_existing(args.file), Path(args.output), opt=args.O, mcpu=args.mcpu,
-                          emit=args.emit or [], kernel_verify=args.kernel_verify, werror=args.Werror)
+    path, out = _existing(args.file), Path(args.output)
+    try:
+        bundle = api.compile(path, opt=args.O, mcpu=args.mcpu, emit=args.emit or [],
+                             kernel_verify=args.kernel_verify, werror=args.Werror)
+    except api.PolicyError as e:
+        e.diagnostics.print(sys.stderr)
+        n = len(e.diagnostics.errors)
+        print(f"{path}: {n} error{'s' * (n != 1)}; {out} left as it was", file=sys.stderr)
+        return EXIT_INPUT
+    bundle.diagnostics.print(sys.stderr)           # its warnings
+    try:
+        bundle.write(out)
+    except OSError as e:
+        why = str(e) if isinstance(e, OutputError) else f"cannot write {out}: {e.strerror or e}"
+        print(f"fabricc: {why}", file=sys.stderr)
+        return EXIT_INPUT
+    for line in bundle.summary:
+        print(line)
+    print(f"wrote {len(bundle.files)} files to {out}")
+    return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
