@@ -3,7 +3,8 @@ map kinds and value types.  The checker validates against these tables and the
 runtime's fabric model reads the same names."""
 from __future__ import annotations
 
-from fabric_ext.runtime.machine.maps import MAX_MAP_BYTES  # noqa: F401  (the checker refuses larger maps)
+# the checker refuses larger maps (isa.py holds the machine's limits without importing numpy)
+from fabric_ext.runtime.machine.isa import MAX_MAP_BYTES  # noqa: F401
 
 from .units import BANDWIDTH, COUNT, DEVICE, FLOPS, PERCENT, SIZE, TIME
 

@@ -21,7 +21,8 @@ from . import isa as I
 from .btf import BTFError, map_def, parse_btf, parse_btf_ext_lines
 from .errors import ArtifactError
 from .fsutil import UnreadableFile, read_bounded
-from .maps import ARRAY, MAX_MAP_BYTES, PERCPU_ARRAY, RINGBUF, TYPE_KIND, Map
+from .isa import MAX_MAP_BYTES
+from .maps import ARRAY, PERCPU_ARRAY, RINGBUF, TYPE_KIND, Map
 from .program import Program, SourceLine
 
 R_BPF_64_64, R_BPF_64_ABS64, R_BPF_64_ABS32, R_BPF_64_NODYLD32, R_BPF_64_32 = 1, 2, 3, 4, 10

@@ -45,6 +45,7 @@ JMP_SYMBOLS = {JEQ: "==", JGT: ">", JGE: ">=", JSET: "&", JNE: "!=", JSGT: "s>",
 STACK_SIZE, MAX_FRAMES = 512, 8
 # what `lddw` src 1 leaves in a register at run time: a tag and the map's index
 MAP_HANDLE = 0xFFFF_0000_0000_0000
+MAX_MAP_BYTES = 64 * 2**20     # the largest map (keys and values) the machine creates
 
 MASK64 = (1 << 64) - 1
 MASK32 = (1 << 32) - 1

@@ -22,7 +22,6 @@ KIND_TYPE = {"hash": HASH, "array": ARRAY, "percpu_hash": PERCPU_HASH, "percpu_a
              "lru_hash": LRU_HASH, "queue": QUEUE, "stack": STACK, "ringbuf": RINGBUF}
 TYPE_KIND = {v: k for k, v in KIND_TYPE.items()}
 BPF_ANY, BPF_NOEXIST, BPF_EXIST = 0, 1, 2
-MAX_MAP_BYTES = 64 * 2**20     # the largest map (keys and values) the machine creates
 
 EMPTY, USED, TOMB = 0, 1, 2
 

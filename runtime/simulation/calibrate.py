@@ -17,6 +17,7 @@ import csv
 import json
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,18 +42,31 @@ def _shape(row) -> tuple:
             row["use_gated_mlp"] == "True")
 
 
-class _Shape:
-    """A model as far as one profile row describes it (for `operators`)."""
+@dataclass(frozen=True)
+class LayerShape:
+    """A layer as Vidur's profiles name it (hidden, heads, KV heads, FFN, gated): what
+    `operators` and `compute.Timer` read of a model, for a profile row or table."""
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    gated: bool
+    dtype_bytes: int = 2
+    rope: bool = True
 
-    def __init__(self, row):
-        self.hidden, self.heads, self.kv_heads, self.ffn, self.gated = _shape(row)
-        self.head_dim, self.dtype_bytes, self.rope, self.vocab = self.hidden // self.heads, 2, True, 0
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def shape(self) -> tuple:
+        return (self.hidden, self.heads, self.kv_heads, self.ffn, self.gated)
 
 
 def profiled_operators(row):
     """The operators of one profile row (its token count, TP degree, layer shape), by name."""
     from .operators import attention_block, embedding, ffn_block
-    m, n, tp = _Shape(row), int(row["num_tokens"]), int(row["num_tensor_parallel_workers"])
+    m, n, tp = LayerShape(*_shape(row)), int(row["num_tokens"]), int(row["num_tensor_parallel_workers"])
     ops = attention_block(m, 1, 0, n, tp) + ffn_block(m, 1, n, tp) + [embedding(m, 1, n)]
     return {op.name: op for op in ops}
 

@@ -101,9 +101,6 @@ class Timer:
         m = c["memory"].get(op.name) or c["memory"]["add"]
         return m["t0"] * 1e-9 + op.bytes / (g.hbm_bw * m["bw_frac"])
 
-    def total(self, ops: list[Operator]) -> float:
-        return sum(self.time(op) for op in ops)
-
 
 @dataclass(frozen=True)
 class Stack:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from fabric_ext.contract import topology
-from fabric_ext.contract.hooks import PRIORITY, firing
+from fabric_ext.contract.hooks import PRIORITY, TIER_KINDS, firing
 from fabric_ext.runtime.machine.errors import InputError
 
 DEFAULT_PRIORITY = PRIORITY.default      # the catalogue's: a chunk no program ranked
@@ -298,8 +298,9 @@ class Fabric:
                         for dev, n in (copy_engines or {}).items() if n > 0}
         self.buckets: dict[tuple, float] = {}
         self.refused = {"route": 0, "tier": 0}     # decisions with no path, only a looping one, or no memory
-        # what a tier may name: switch-attached memory, a GPU's HBM, the host's memory
-        self.memories = set(memory_channels) | {n for n, k in island_kind.items() if k in ("gpu", "host")}
+        # what a tier may name (the catalogue's TIER_KINDS): switch-attached memory, and the
+        # islands that are memories themselves (a GPU's HBM, the host's)
+        self.memories = set(memory_channels) | {n for n, k in island_kind.items() if k in TIER_KINDS}
         self.coalescing: dict[tuple, list] = {}
         self.transfers: list[Transfer] = []
         self._ports: dict[str, list[str]] = {}

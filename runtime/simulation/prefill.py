@@ -114,9 +114,8 @@ class Prefill:
             self.e.opts.progress(u / len(self.units))
 
     def _compute(self, g, u):
-        w = self.workload
         p, layer, op = self.units[u]
-        ops = w.blocks(*w.passes()[p])[op] if self.e.shims.get(g) is not None and self.e.shims[g].has("launch") else ()
+        ops = self.timing.block(p, op) if self.e.shims.get(g) is not None and self.e.shims[g].has("launch") else ()
         stall = self.sim.now - self.unit_start
         if stall > 0:      # charged to the input that arrived last
             self.stall_by_movement[self.last_input.get((g, u), f"(weights/{op})")] += stall
@@ -160,8 +159,6 @@ class Prefill:
         for i, g in enumerate(self.gpus):
             nxt = self.gpus[(i + 1) % t]
             ar = self.timing.all_reduce(g, w.activation_bytes(n))
-            if ar.beyond_profile and i == 0:     # what the profiled bus bandwidth would have taken
-                self.timing.beyond_profile_ms += nbytes / ar.profiled_busbw * 1e3
             hop = self.e.fabric.g.edges[g, nxt].get("latency") or 0.0 if self.e.fabric.g.has_edge(g, nxt) else 0.0
             self.sim.at(self.sim.now + max(0.0, ar.alpha_ns - hop), self._ring_send, g, nxt, nbytes, layer, u,
                         ar.busbw)

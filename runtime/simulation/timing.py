@@ -15,12 +15,9 @@ from .workload import Workload, WorkloadError
 
 @dataclass(frozen=True)
 class AllReduce:
-    """One all-reduce on one GPU: its fixed cost, the bus bandwidth its ring moves at, and
-    whether its size lies beyond the profiled ones (where the stack's share applies)."""
+    """One all-reduce on one GPU: its fixed cost and the bus bandwidth its ring moves at."""
     alpha_ns: float
     busbw: float            # B/s (0: the links alone)
-    profiled_busbw: float   # B/s, as the profile measured it
-    beyond_profile: bool
 
 
 class Timing:
@@ -34,6 +31,7 @@ class Timing:
         self.timers = {g: self._timer(g, gpu_props.get(g, {})) for g in gpus}
         self.kernel_factor = {g: self.stack.kernels(self.timers[g].gpu.name) for g in gpus}
         self.durations: dict[tuple, float] = {}      # (gpu, pass, block) -> ns of its operators
+        self._ops: dict[tuple, list] = {}            # (pass, block) -> its operators
         self.operator_ms = defaultdict(float)        # operator -> ms on the first GPU, the whole prefill
         self.beyond_profile_ms = 0.0     # bandwidth time of all-reduces at or beyond the profiled sizes
 
@@ -49,14 +47,20 @@ class Timing:
         operators of the first GPU's blocks are added to `operator_ms`, per layer."""
         key = (g, p, block)
         if key not in self.durations:
-            start, n = self.workload.passes()[p]
-            ops = self.workload.blocks(start, n)[block]
+            ops = self.block(p, block)
             times = [self.timers[g].time(op) * 1e9 * self.kernel_factor[g] for op in ops]
             self.durations[key] = sum(times)
             if g == self.gpus[0]:
                 for op, t in zip(ops, times):
                     self.operator_ms[op.name] += t / 1e6 * self.workload.model.layers
         return self.durations[key]
+
+    def block(self, p: int, block: str) -> list:
+        """The operators of one layer's ``block`` ("attention" or "ffn") in pass p, on one GPU."""
+        if (p, block) not in self._ops:
+            start, n = self.workload.passes()[p]
+            self._ops.update({(p, name): ops for name, ops in self.workload.blocks(start, n).items()})
+        return self._ops[p, block]
 
     def pass_edges_ns(self, g, p: int, first: bool, last: bool) -> float:
         """The embedding before pass p (``first``) and the LM head after the last pass
@@ -75,15 +79,19 @@ class Timing:
     def all_reduce(self, g, nbytes: int) -> AllReduce:
         """An all-reduce of ``nbytes`` over the group from GPU g: the fit for the group's TP
         degree (or the nearest fitted one) of g's profile, with the stack's share of the bus
-        bandwidth where the size is at or beyond the largest profiled one."""
+        bandwidth where the size is at or beyond the largest profiled one (the first GPU's such
+        all-reduces add their time at the profiled bandwidth to `beyond_profile_ms`)."""
         t = len(self.gpus)
         fits = self.timers[g].gpu.coeffs.get("all_reduce")
         if not fits:
-            return AllReduce(0.0, 0.0, 0.0, False)
+            return AllReduce(0.0, 0.0)
         fit = fits[min(fits, key=lambda k: abs(int(k) - t))]
-        beyond = nbytes >= fit["max_size"]
         busbw = float(fit["busbw"])
-        return AllReduce(float(fit["alpha"]), busbw * (self.stack.busbw(t) if beyond else 1.0), busbw, beyond)
+        if nbytes < fit["max_size"]:
+            return AllReduce(float(fit["alpha"]), busbw)
+        if g == self.gpus[0]:
+            self.beyond_profile_ms += 2 * (t - 1) * nbytes // t / busbw * 1e3
+        return AllReduce(float(fit["alpha"]), busbw * self.stack.busbw(t))
 
     def pass_floor_ns(self) -> float:
         """The least time a pass takes in this stack, on the first GPU's machine."""

@@ -196,13 +196,12 @@ def operator_check() -> dict[str, dict]:
     """The mechanistic operator model (`compute.Timer.modelled`, no tables) against the
     profiles it was fitted to: per GPU profile, the relative error of one layer's profiled
     operators summed, over every profiled shape, TP degree and token count."""
-    from .calibrate import LINEAR_OPS, MEMORY_OPS
+    from .calibrate import LINEAR_OPS, MEMORY_OPS, LayerShape
     from .compute import GpuProfile, Timer, profile_tables
     from .operators import attention_block, ffn_block
     errors = defaultdict(list)
     for t in profile_tables():
-        hidden, heads, kv, ffn, gated = t["shape"]
-        shape = _LayerShape(hidden, heads, kv, ffn, gated)
+        shape = LayerShape(*t["shape"])
         timer = Timer(GpuProfile.named(t["gpu"]), shape, t["tp"])
         for i, n in enumerate(t["tokens"]):
             ops = [op for op in attention_block(shape, 1, 0, n, t["tp"]) + ffn_block(shape, 1, n, t["tp"])
@@ -211,23 +210,3 @@ def operator_check() -> dict[str, dict]:
             errors[t["gpu"]].append(sum(timer.modelled(op) for op in ops) / profiled - 1)
     return {g: {"points": len(e), "median": float(np.median(np.abs(e))), "max": float(np.max(np.abs(e)))}
             for g, e in sorted(errors.items())}
-
-
-@dataclass(frozen=True)
-class _LayerShape:
-    """A layer as a profile table names it (what `operators` and `Timer` read of a model)."""
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    gated: bool
-    dtype_bytes: int = 2
-    rope: bool = True
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def shape(self) -> tuple:
-        return (self.hidden, self.heads, self.kv_heads, self.ffn, self.gated)
