@@ -186,3 +186,21 @@ def test_the_model_is_within_its_error_bounds_of_the_measured_prefills(validated
             assert s["median"] <= 0.08, (group, s)
             assert s["max"] <= 0.25, (group, s)
             assert s["hardware"] < -0.1, (group, s)
+
+
+def test_the_stacks_per_prompt_cost_and_large_allreduce_share_take_effect(tmp_path, monkeypatch):
+    """A stack's CPU cost per prompt adds that much per prompt of the batch, and its share of
+    the bus bandwidth for all-reduces beyond the profiled sizes stretches exactly their
+    bandwidth time (what `allreduce_beyond_profile_ms` reports)."""
+    monkeypatch.setitem(figures()["stacks"], "per_prompt", {"per_prompt_ms": 100.0})
+    monkeypatch.setitem(figures()["stacks"], "half_busbw", {"large_busbw_factor": {"8": 0.5}})
+    folder = compile_text(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"))
+    ttft = {(stack, batch): run(folder, prompt=512, batch=batch, tp=8, stack=stack)[0]["ttft_ms"]
+            for stack in ("none", "per_prompt") for batch in (1, 4)}
+    assert ttft["per_prompt", 1] - ttft["none", 1] == pytest.approx(100.0, abs=1e-6)
+    assert ttft["per_prompt", 4] - ttft["none", 4] == pytest.approx(400.0, abs=1e-6)
+    none, _ = run(folder, prompt=4096, tp=8, stack="none")          # 64 MiB all-reduces: the profile's largest
+    half, _ = run(folder, prompt=4096, tp=8, stack="half_busbw")
+    beyond = none["allreduce_beyond_profile_ms"]
+    assert beyond > 0 and half["allreduce_beyond_profile_ms"] == beyond
+    assert half["ttft_ms"] - none["ttft_ms"] == pytest.approx(beyond, rel=0.05)

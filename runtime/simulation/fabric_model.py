@@ -101,7 +101,7 @@ class Transfer:
     standing: dict = field(default_factory=dict)  # island -> `Standing` decisions there
     pending: deque = field(default_factory=deque)  # chunks not yet issued, in order
     driver: list | None = None    # the copy engines that issue its chunks (None: issued at once)
-    pace: float = 0.0             # B/s its chunks are issued at, at most (0: as fast as they go)
+    pace: float = 0.0             # B/s a collective's chunks cross each link at (0: the link's bandwidth)
     fixed_cost: bool = True       # whether its chunks pay the links' fixed cost (a collective's is in its alpha)
 
     @property
@@ -192,7 +192,11 @@ class Server:
         self.busy = True
         now = self.sim.now
         chunk.waited += now - chunk.enqueued
-        dt = chunk.bytes / self.bw * 1e9 + (self.overhead if chunk.transfer.fixed_cost else 0.0)
+        t = chunk.transfer
+        if t.fixed_cost:
+            dt = chunk.bytes / self.bw * 1e9 + self.overhead
+        else:       # a collective: at its bus bandwidth (where below the link's), its fixed cost in its alpha
+            dt = chunk.bytes / min(t.pace, self.bw) * 1e9
         self.bytes += chunk.bytes
         self.queued_bytes -= chunk.bytes
         self.intervals.append((now, now + dt, chunk.bytes))
@@ -372,8 +376,6 @@ class Fabric:
                 if chunk is None:
                     continue
             if t.driver is None:
-                if t.pace:
-                    release = self._paced(chunk, release)
                 self.sim.at(release, self._arrive, chunk)
                 continue
             stream = stream or CLASS_STREAM.get(t.cls, 1)
@@ -383,13 +385,6 @@ class Fabric:
             else:
                 engine.submit(chunk, stream)
             return
-
-    def _paced(self, chunk: Chunk, release: float) -> float:
-        """When a chunk of a paced transfer may go: its transfer's bytes leave at its pace."""
-        key = ("pace", id(chunk.transfer))
-        start = max(release, self.buckets.get(key, 0.0))
-        self.buckets[key] = start + chunk.bytes / chunk.transfer.pace * 1e9
-        return start
 
     def _taken(self, chunk: Chunk) -> None:
         """A copy engine took a chunk: it enters the fabric, and the next one is issued."""

@@ -132,7 +132,7 @@ def fit_stack(path: Path) -> dict:
         floor = np.select([gpu == g for g in gpus], floors)
         active = np.ones_like(t, dtype=bool)
         for _ in range(4):            # the floor hides the points below it from the rest of the fit
-            x, *_ = np.linalg.lstsq(a[active] / t[active, None], 1 - hw[active] / t[active], rcond=None)
+            x = _kernels_no_faster(a[active] / t[active, None], 1 - hw[active] / t[active], len(gpus))
             active = hw + a @ x > floor
         pred = np.maximum(floor, hw + a @ x)
         err = float(np.sum((pred / t - 1) ** 2))
@@ -149,6 +149,20 @@ def fit_stack(path: Path) -> dict:
             "per_prompt_ms": round(float(x[-2]), 3), "tail_ms": round(float(x[-1]), 2),
             "fit_points": len(t), "median_rel_err": round(float(np.median(rel)), 4),
             "max_rel_err": round(float(rel.max()), 4)}
+
+
+def _kernels_no_faster(a, rhs, n_kernels):
+    """Least squares of ``a x = rhs`` where the first ``n_kernels`` unknowns are a GPU's kernel
+    factor less 1: a stack's kernels are the profiled ones, never faster, so a factor that
+    would come out below 1 is held at 1 and the rest refitted."""
+    keep = np.ones(a.shape[1], dtype=bool)
+    while True:
+        x = np.zeros(a.shape[1])
+        x[keep] = np.linalg.lstsq(a[:, keep], rhs, rcond=None)[0]
+        low = [i for i in range(n_kernels) if keep[i] and x[i] < 0]
+        if not low:
+            return x
+        keep[low] = False
 
 
 def validate(path: Path) -> tuple[list[Modelled], list[str]]:
