@@ -188,6 +188,26 @@ def test_the_model_is_within_its_error_bounds_of_the_measured_prefills(validated
             assert s["hardware"] < -0.1, (group, s)
 
 
+def test_an_error_beyond_the_runs_is_the_distance_to_the_nearest_repeated_run():
+    """Inside the repeated runs' range nothing is beyond them; outside, the distance is to the
+    nearer end of the range, not to the median."""
+    p = validation.Point("llama2-70b", "a100-80gb", 4, 512, 4, measured_ms=571.4, runs=5,
+                         fastest_ms=450.0, slowest_ms=587.0)
+    inside, below, above = (validation.Modelled(p, 0.0, 0.0, ms) for ms in (500.0, 405.0, 645.7))
+    assert inside.beyond_runs == 0 and inside.error == pytest.approx(500 / 571.4 - 1)
+    assert below.beyond_runs == pytest.approx(-0.1)
+    assert above.beyond_runs == pytest.approx(0.1)
+
+
+def test_calibrate_gives_its_usage_and_refuses_unknown_options():
+    help_ = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.calibrate", "--help"],
+                           capture_output=True, text=True)
+    assert help_.returncode == 0 and help_.stdout.startswith("usage: fabric-calibrate")
+    bad = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.calibrate", "--chek"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "unexpected arguments: --chek" in bad.stderr
+
+
 def test_the_stacks_per_prompt_cost_and_large_allreduce_share_take_effect(tmp_path, monkeypatch):
     """A stack's CPU cost per prompt adds that much per prompt of the batch, and its share of
     the bus bandwidth for all-reduces beyond the profiled sizes stretches exactly their

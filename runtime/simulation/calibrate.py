@@ -216,10 +216,23 @@ def _write(texts: dict[Path, str]) -> None:
     profile_tables.cache_clear()
 
 
+USAGE = """usage: fabric-calibrate [DATA] [--check]
+
+Refits every coefficient of runtime/simulation/data/figures.json and the operator tables from
+DATA (default ../shared/data: vidur/ and splitwise/) and prints the validation table.
+  --check   refit without writing; exit 1 where a stored figure differs from the refit"""
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
     check = "--check" in argv
     args = [a for a in argv if a != "--check"]
+    if len(args) > 1 or any(a.startswith("-") for a in args):
+        print(f"calibrate: unexpected arguments: {' '.join(args)}\n{USAGE}", file=sys.stderr)
+        return 2
     data = Path(args[0] if args else "../shared/data")
     if not sorted((data / "vidur").glob("*_mlp.csv")):
         print(f"calibrate: no Vidur operator profiles (*_mlp.csv) in {data / 'vidur'}", file=sys.stderr)

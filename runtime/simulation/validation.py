@@ -33,6 +33,8 @@ class Point:
     batch: int
     measured_ms: float
     runs: int
+    fastest_ms: float        # the repeated runs' range: where an error is within the
+    slowest_ms: float        # machine's own scatter
 
     @property
     def group(self) -> str:
@@ -49,6 +51,14 @@ class Modelled:
     @property
     def error(self) -> float:
         return self.modelled_ms / self.point.measured_ms - 1
+
+    @property
+    def beyond_runs(self) -> float:
+        """The relative distance from the modelled time to the nearest repeated run (0 inside
+        the runs' range): how much of the error the machine's own scatter does not explain."""
+        p = self.point
+        nearest = min(max(self.modelled_ms, p.fastest_ms), p.slowest_ms)
+        return self.modelled_ms / nearest - 1
 
 
 def measured(path: Path) -> tuple[list[Point], list[str]]:
@@ -73,7 +83,7 @@ def measured(path: Path) -> tuple[list[Point], list[str]]:
             skipped.append(f"{model} on {hw}, TP {tp}, {prompt} x {batch}: {median:.1f} ms, less than the "
                            f"{statistics.median(half):.1f} ms of half the batch")
             continue
-        points.append(Point(model, hw, tp, prompt, batch, median, len(times)))
+        points.append(Point(model, hw, tp, prompt, batch, median, len(times), min(times), max(times)))
     return points, skipped
 
 
@@ -179,29 +189,33 @@ def validate(path: Path) -> tuple[list[Modelled], list[str]]:
 def render(result: tuple[list[Modelled], list[str]]) -> str:
     rows, skipped = result
     lines = [f"{'model':<11} {'GPU':<10} {'TP':>2} {'prompt':>6} {'batch':>5} {'measured':>9} {'hardware':>9} "
-             f"{'modelled':>9} {'error':>7}"]
+             f"{'modelled':>9} {'error':>7} {'runs (min-max)':>17} {'beyond runs':>11}"]
     for m in rows:
         p = m.point
         lines.append(f"{p.model:<11} {p.hardware:<10} {p.tp:>2} {p.prompt:>6} {p.batch:>5} {p.measured_ms:>9.1f} "
-                     f"{m.hardware_ms:>9.1f} {m.modelled_ms:>9.1f} {m.error:>+7.1%}")
+                     f"{m.hardware_ms:>9.1f} {m.modelled_ms:>9.1f} {m.error:>+7.1%} "
+                     f"{p.fastest_ms:>8.1f}-{p.slowest_ms:<8.1f} {m.beyond_runs:>+11.1%}")
     lines.append("")
-    lines.append(f"{'group':<22} {'points':>6} {'median |error|':>14} {'max |error|':>11} {'hardware median':>15}")
+    lines.append(f"{'group':<24} {'points':>6} {'median |error|':>14} {'max |error|':>11} {'max beyond runs':>15} "
+                 f"{'hardware median':>15}")
     for group, ms in summary(rows).items():
-        lines.append(f"{group:<22} {ms['points']:>6} {ms['median']:>14.1%} {ms['max']:>11.1%} {ms['hardware']:>+15.1%}")
+        lines.append(f"{group:<24} {ms['points']:>6} {ms['median']:>14.1%} {ms['max']:>11.1%} "
+                     f"{ms['max_beyond_runs']:>15.1%} {ms['hardware']:>+15.1%}")
     for why in skipped:
         lines.append(f"left out: {why}")
     return "\n".join(lines)
 
 
 def summary(rows: list[Modelled]) -> dict[str, dict]:
-    """Per (model, GPU) group: points, median and max |error| with the stack, median error of
-    the hardware alone."""
+    """Per (model, GPU) group: points, median and max |error| with the stack, the largest
+    distance to the nearest repeated run, median error of the hardware alone."""
     groups = defaultdict(list)
     for m in rows:
         groups[m.point.group].append(m)
         groups[f"{m.point.group} TP{m.point.tp}"].append(m)
     return {g: {"points": len(ms), "median": float(np.median([abs(m.error) for m in ms])),
                 "max": max(abs(m.error) for m in ms),
+                "max_beyond_runs": max(abs(m.beyond_runs) for m in ms),
                 "hardware": float(np.median([m.hardware_ms / m.point.measured_ms - 1 for m in ms]))}
             for g, ms in sorted(groups.items())}
 
