@@ -25,6 +25,7 @@ from .semantics import Fault, alu, ctx_write_mask, s32, s64
 M64, M32 = I.MASK64, I.MASK32
 STACK_SIZE, MAX_FRAMES, MAP_HANDLE = I.STACK_SIZE, I.MAX_FRAMES, I.MAP_HANDLE
 STACK_BASE = 0x7F00_0000_0000
+FRAME_STRIDE = 0x10000          # frame i's stack lies at STACK_BASE + i * FRAME_STRIDE
 CTX_BASE = 0x1000_0000_0000
 MEM_BASE = 0x2000_0000_0000
 MAP_BASE = 0x5000_0000_0000        # + map index << 32
@@ -69,7 +70,7 @@ class Machine:
         if len(self.frames) >= MAX_FRAMES:
             raise Fault(f"call depth exceeds {MAX_FRAMES} frames")
         buf = bytearray(STACK_SIZE)
-        base = STACK_BASE + len(self.frames) * 0x10000
+        base = STACK_BASE + len(self.frames) * FRAME_STRIDE
         self.frames.append(buf)
         self.regions.insert(0, Region(base, buf, f"stack frame {len(self.frames) - 1}", "stack"))
         return base + STACK_SIZE
@@ -150,7 +151,7 @@ class Interpreter(Backend):
     name = "interp"
     host_maps = True
 
-    def __init__(self, budget: int = 1_000_000, clock=None, seed: int = 1, cpu: int = 0, printk=None,
+    def __init__(self, budget: int = I.RUN_BUDGET, clock=None, seed: int = 1, cpu: int = 0, printk=None,
                  check_proofs: bool | None = None):
         self.budget = budget
         if check_proofs is None:
@@ -201,7 +202,7 @@ class Interpreter(Backend):
                     pc, saved = calls.pop()
                     regs[6:10] = saved
                     m.pop_frame()
-                    regs[10] = m.frames and (STACK_BASE + (len(m.frames) - 1) * 0x10000 + STACK_SIZE)
+                    regs[10] = m.frames and (STACK_BASE + (len(m.frames) - 1) * FRAME_STRIDE + STACK_SIZE)
                     continue
                 if code == I.CALL:
                     if ins.src == I.PSEUDO_CALL:

@@ -208,7 +208,7 @@ class JitBackend(Backend):
     name = "jit"
     host_maps = True
 
-    def __init__(self, budget: int = 1_000_000, clock=None, seed: int = 1, cpu: int = 0,
+    def __init__(self, budget: int = I.RUN_BUDGET, clock=None, seed: int = 1, cpu: int = 0,
                  checks: str | None = None):
         checks = checks or os.environ.get("FABRIC_EXT_JIT_CHECKS") or "unproven"
         if checks not in JIT_CHECKS:

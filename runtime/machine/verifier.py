@@ -112,7 +112,7 @@ class State:
 
 
 class Verifier:
-    def __init__(self, prog: Program, max_insns: int = 100_000, bare_mem: bool | None = None):
+    def __init__(self, prog: Program, max_insns: int = I.VERIFY_BUDGET, bare_mem: bool | None = None):
         self.p = prog
         self.max_insns = max_insns
         self.hook = prog.hook
@@ -740,7 +740,7 @@ class Verifier:
 
 
 
-def verify(prog: Program, max_insns: int = 100_000) -> int:
+def verify(prog: Program, max_insns: int = I.VERIFY_BUDGET) -> int:
     """Verify ``prog``; returns the number of instructions explored or raises VerifierError.
 
     On success ``prog.proof`` maps each memory instruction's pc to the kinds of memory
