@@ -34,9 +34,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from fabric_ext.codegen.driver import build, write_output  # noqa: E402
+from fabric_ext.codegen.driver import build  # noqa: E402
+from fabric_ext.contract.bundle import create_maps, load_manifest, write_folder  # noqa: E402
 from fabric_ext.runtime.machine.backends import get_backend  # noqa: E402
-from fabric_ext.runtime.simulation.bundle import create_maps, load_manifest  # noqa: E402
 from fabric_ext.runtime.simulation.engine import Engine, RunOptions  # noqa: E402
 
 CONFIGS = [("llama3-8b", 8192, 8), ("llama3-70b", 32768, 8)]
@@ -108,7 +108,7 @@ def main():
         return
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "out"
-        write_output(build(ROOT / "policies" / "prefill_qos.fx"), folder)
+        write_folder(build(ROOT / "policies" / "prefill_qos.fx").files, folder)
         print(f"{'backend':<8}{'model':<12}{'prompt':>7}{'tp':>4}{'cold s':>8}{'policy wall s':>15}{'events/s':>11}"
               f"{'none wall s':>13}{'events/s':>11}{'overhead':>10}{'TTFT ms':>10}{'base TTFT':>11}"
               + (f"{'pol Ginsn':>10}{'none Ginsn':>11}{'insn ovh':>9}" if args.instructions else ""))

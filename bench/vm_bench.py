@@ -104,7 +104,7 @@ def recorded_streams(quick):
     """(label, program, [ctx bytes]) for each program of each example, from a short run that
     records every context a program is given (the engine's context tracer)."""
     import fabric_ext
-    from fabric_ext.runtime.simulation.bundle import create_maps
+    from fabric_ext.contract.bundle import create_maps
     from fabric_ext.runtime.simulation.engine import Engine, RunOptions
     out = []
     for policy in ("prefill_qos", "kv_tiering", "nic_pacing", "telemetry"):

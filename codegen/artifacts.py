@@ -1,4 +1,5 @@
-"""Pass 8: the runtime artifacts of an output folder (`manifest`, `bpftime_json`, `dputime_json`).
+"""Pass 8: the manifest of an output folder (`manifest`); the islands' runtime artifacts are
+written by the contract's `runtime_json`.
 
 See docs/artifacts.md for every file and field.
 """
@@ -8,11 +9,10 @@ import hashlib
 from pathlib import Path
 
 from fabric_ext import __version__
+from fabric_ext.contract.bundle import MANIFEST_SCHEMA
+from fabric_ext.contract.runtime_json import BPFTIME_SHM
 from fabric_ext.graph import prop_value
 from fabric_ext.graph_export import to_json as graph_json
-from fabric_ext.runtime.machine import isa as I
-from fabric_ext.runtime.machine.kernel import PROG_TYPE_SYSCALL
-from fabric_ext.runtime.simulation.bundle import DPUTIME_SCHEMA, MANIFEST_SCHEMA
 
 
 def sha256(data: bytes) -> str:
@@ -92,65 +92,4 @@ def manifest(analysis, ids, compiled, opt: int, mcpu: str, files: dict[str, byte
         "bpftime_shm": {"name": BPFTIME_SHM, "islands": [i["name"] for i in g["islands"] if i["runtime"] == "bpftime"
                                                          and any(p["island"] == i["name"] for p in programs)]},
         "files": {name: sha256(data) for name, data in sorted(files.items())},
-    }
-
-
-BPFTIME_SHM = "fabric_ext"     # the one bpftime shared memory every bpftime island is imported into
-
-
-class BpftimeFds:
-    """Handler numbers (fds) for the islands that share one bpftime shared memory: `bpftimetool
-    import` adds each handler at its own fd, so they are unique across every island's file, and
-    a map used on several islands has one fd (one map) in all of them."""
-
-    def __init__(self):
-        self.maps: dict[str, int] = {}
-        self.next = 0
-
-    def map(self, name: str) -> int:
-        if name not in self.maps:
-            self.maps[name] = self._take()
-        return self.maps[name]
-
-    def _take(self) -> int:
-        self.next += 1
-        return self.next - 1
-
-    def program(self) -> int:
-        return self._take()
-
-
-def bpftime_json(specs, map_specs, fds: BpftimeFds) -> dict:
-    """The handler table `bpftimetool import` reads (runtime/src/bpftime_shm_json.cpp in bpftime):
-    every field its importer reads, map handlers keyed by their fd (which lddw src 1 and 2 carry
-    in imm), then one program handler per program."""
-    out = {}
-    fd_of = [fds.map(m.name) for m in map_specs]
-    for fd, m in zip(fd_of, map_specs):
-        out[str(fd)] = {"type": "bpf_map_handler", "name": m.name,
-                        "attr": {"map_type": m.type, "key_size": m.key_size, "value_size": m.value_size,
-                                 "max_entries": m.max_entries, "flags": m.flags, "ifindex": 0,
-                                 "btf_vmlinux_value_type_id": 0, "btf_id": 0, "btf_key_type_id": 0,
-                                 "btf_value_type_id": 0, "map_extra": 0, "kernel_bpf_map_id": 0}}
-    for p in specs:
-        insns = [I.Insn(i.opcode, i.dst, i.src, i.off, fd_of[i.imm], i.next_imm)
-                 if i.is_lddw and i.src in (I.PSEUDO_MAP_FD, I.PSEUDO_MAP_VALUE) else i for i in p.insns]
-        code = b"".join(ins.encode() for ins in insns)
-        out[str(fds.program())] = {"type": "bpf_prog_handler", "name": p.name,
-                                   "attr": {"type": PROG_TYPE_SYSCALL, "cnt": len(code) // 8, "insns": code.hex(),
-                                            "attach_fds": []}}
-    return out
-
-
-def dputime_json(island: str, kind: str, compiled, map_specs) -> dict:
-    """Our dputime shim's load format: the same maps and instructions, with hooks named."""
-    return {
-        "schema": DPUTIME_SCHEMA, "island": island, "kind": kind,
-        "maps": [{"name": m.name, "map_type": m.type, "key_size": m.key_size, "value_size": m.value_size,
-                  "max_entries": m.max_entries, "flags": m.flags} for m in map_specs],
-        "programs": [{"name": spec.name, "hook": pir.hook.name, "ctx_size": pir.hook.ctx_size,
-                      "cnt": sum(i.slots for i in spec.insns),
-                      "insns": b"".join(i.encode() for i in spec.insns).hex(),
-                      "tick_periods_ns": sorted({h.period for h in pir.handlers if h.period})}
-                     for pir, spec in compiled],
     }

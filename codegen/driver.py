@@ -7,16 +7,15 @@ Output is deterministic: the same input gives byte-identical files.
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
+from fabric_ext.contract import runtime_json as rj
 from fabric_ext.contract.ids import assign_ids
 from fabric_ext.diagnostics import Diagnostics, Span
 from fabric_ext.frontend import analyze
 from fabric_ext.loader import display_path
 from fabric_ext.runtime.machine import isa
 from fabric_ext.runtime.machine.elf import load_object
-from fabric_ext.runtime.machine.fsutil import check_replaceable, replace_dir
 from fabric_ext.runtime.machine.verifier import VerifierError, verify
 
 from . import artifacts
@@ -72,7 +71,7 @@ def _build(path, opt, mcpu, emit, kernel_verify, diags, text=None) -> CompileRes
     for p in programs:
         by_island.setdefault(p.island, []).append(p)
     compiled = []
-    bpftime_fds = artifacts.BpftimeFds()
+    bpftime_fds = rj.BpftimeFds()
     source = str(path)
     for island, progs in by_island.items():
         module = build_module(island, progs, a.symbols.maps, source)
@@ -94,11 +93,11 @@ def _build(path, opt, mcpu, emit, kernel_verify, diags, text=None) -> CompileRes
         compiled.append((island, pairs))
         kind = a.graph.islands[island].kind
         res.files[f"{island}.bpf.o"] = obj
-        runtime_json = artifacts.bpftime_json(loaded.programs, loaded.maps, bpftime_fds) \
-            if a.graph.islands[island].runtime == "bpftime" \
-            else artifacts.dputime_json(island, kind, pairs, loaded.maps)
-        ext = "bpftime" if a.graph.islands[island].runtime == "bpftime" else "dputime"
-        res.files[f"{island}.{ext}.json"] = (json.dumps(runtime_json, indent=1) + "\n").encode()
+        entries = [rj.IslandProgram(spec.name, spec.insns, pir.hook.name, pir.hook.ctx_size,
+                                    sorted({h.period for h in pir.handlers if h.period})) for pir, spec in pairs]
+        runtime_json = rj.bpftime_json(entries, loaded.maps, bpftime_fds) \
+            if a.graph.islands[island].runtime == "bpftime" else rj.dputime_json(island, kind, entries, loaded.maps)
+        res.files[rj.artifact_name(island, kind)] = rj.encode(runtime_json)
         res.files[f"{island}.bpf.c"] = render_listing(island, progs, a.symbols.maps, source).encode()
         if "llvm" in emit:
             res.files[f"{island}.ll"] = llvm_text.encode()
@@ -138,20 +137,3 @@ def _kernel_verify(loaded, hooks, progs, specs, island, diags):
                             f"the kernel verifier rejects {island}.{pir.hook.name}: {tail}")
     finally:
         backend.close()
-
-
-def write_output(res: CompileResult, out: Path) -> None:
-    """Write the output folder whole, replacing only an empty folder or an earlier output
-    (`fsutil.check_replaceable`); raises `OutputError` (an OSError) where it cannot."""
-    out = out.resolve()
-    check_replaceable(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        for name, data in sorted(res.files.items()):
-            (staging / name).write_bytes(data)
-        replace_dir(staging, out)
-    except BaseException:
-        import shutil
-        shutil.rmtree(staging, ignore_errors=True)
-        raise

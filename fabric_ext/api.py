@@ -40,23 +40,21 @@ class Bundle:
 
     def read(self, file: str) -> bytes:
         """An artifact by its file name (what the runtime's shims load programs from)."""
-        from fabric_ext.runtime.simulation.bundle import BundleError
+        from fabric_ext.contract.runtime_json import BundleError
         if file not in self.files:
             raise BundleError(f"{self.name}: no artifact '{file}'; recompile the policy")
         return self.files[file]
 
     def write(self, folder: str | Path) -> Path:
         """Write the bundle as a policy folder (replacing only an empty folder or an earlier output)."""
-        from fabric_ext.codegen.driver import CompileResult, write_output
-        res = CompileResult()
-        res.files, res.manifest = dict(self.files), self.manifest
-        write_output(res, Path(folder))
+        from fabric_ext.contract.bundle import write_folder
+        write_folder(self.files, Path(folder))
         return Path(folder)
 
     @classmethod
     def read_folder(cls, folder: str | Path) -> Bundle:
         """A policy folder `fabricc compile` wrote, every artifact checked against the manifest."""
-        from fabric_ext.runtime.simulation.bundle import Folder, load_manifest
+        from fabric_ext.contract.bundle import Folder, load_manifest
         folder = Path(folder)
         man = load_manifest(folder)          # validated, and every artifact's digest checked
         source = Folder(folder)
@@ -164,8 +162,8 @@ def run(bundle: Bundle | str | Path, *, model: str | None = None, prompt: int | 
     """Run a compiled policy (a `Bundle`, or the path of a policy folder) on its fabric's
     prefill; the workload's properties unless given here.  ``baseline`` also runs the same
     prefill with no programs attached (``Report.baseline``)."""
+    from fabric_ext.contract.bundle import create_maps
     from fabric_ext.runtime.machine.backends import get_backend
-    from fabric_ext.runtime.simulation.bundle import create_maps
     from fabric_ext.runtime.simulation.engine import Engine, RunOptions
     from fabric_ext.runtime.simulation.fabric_model import DEFAULT_MAX_EVENTS
     if not isinstance(bundle, Bundle):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from . import ast as A
-from . import schema as S
+from .contract import schema as S
 from .contract.hooks import CLASSES, DEVICE_ISLAND_KIND, MAX_PRIORITY, OPERATORS, Hook
 from .diagnostics import Diagnostics, closest, did_you_mean
 from .loader import Program

@@ -4,11 +4,11 @@ import tempfile
 from pathlib import Path
 
 from conftest import POLICIES
-from fabric_ext.codegen.driver import build, write_output
+from fabric_ext.codegen.driver import build
+from fabric_ext.contract.bundle import load_bundle, write_folder
 from fabric_ext.contract.context import ContextCodec
 from fabric_ext.diagnostics import Diagnostics
 from fabric_ext.runtime.machine.interp import Interpreter
-from fabric_ext.runtime.simulation.bundle import load_bundle
 
 _TMP = Path(tempfile.mkdtemp(prefix="fx-test-"))
 
@@ -20,7 +20,7 @@ def compiled(name: str) -> Path:
     res = build(POLICIES / f"{name}.fx", diags=d)
     assert res is not None, [x.message for x in d.items]
     out = _TMP / name
-    write_output(res, out)
+    write_folder(res.files, out)
     return out
 
 
@@ -34,7 +34,7 @@ class Runner:
         self.handles = {}
 
     def run(self, island: str, hook: str, **fields) -> dict:
-        prog = self.bundle.islands[island].programs[hook]
+        prog = self.bundle.islands[island][hook]
         codec = ContextCodec(prog.hook)
         for k in ("movement",):
             if isinstance(fields.get(k), str):

@@ -5,7 +5,7 @@ import pytest
 
 import fabric_ext
 from conftest import POLICIES
-from fabric_ext.runtime.simulation.bundle import load_manifest
+from fabric_ext.contract.bundle import load_manifest
 
 TEXT = f'''import "{POLICIES}/fabrics/dgx_cxl.fx"
 workload w {{ model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: hbm }}

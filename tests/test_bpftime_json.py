@@ -2,7 +2,8 @@
 reads, and handler fds unique across the islands that are imported into one shared memory."""
 import json
 
-from fabric_ext.runtime.simulation.bundle import load_manifest, load_runtime_json
+from fabric_ext.contract.bundle import load_manifest
+from fabric_ext.contract.runtime_json import parse_runtime_json
 from policy_helpers import compiled
 
 # What bpftime's importer reads of each handler, unconditionally (nlohmann::json's operator[]
@@ -55,6 +56,7 @@ def test_our_loader_reads_them_back_as_compiled():
     """Relocations carry the global fd; reading a file maps them back to its own maps."""
     folder, _, files = bpftime_files("prefill_qos")
     for island in files:
-        maps, progs = load_runtime_json(folder / f"{island}.bpftime.json")
+        path = folder / f"{island}.bpftime.json"
+        maps, progs = parse_runtime_json(path, path.read_bytes())
         assert progs and all(0 <= i.imm < len(maps) for p in progs.values() for i in p
                              if i.is_lddw and i.src == 1)

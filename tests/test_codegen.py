@@ -12,10 +12,11 @@ import pytest
 
 from conftest import EXAMPLES, FABRIC, POLICIES
 from fabric_ext.codegen.driver import build
+from fabric_ext.contract.bundle import load_bundle
+from fabric_ext.contract.runtime_json import parse_runtime_json
 from fabric_ext.diagnostics import Diagnostics
 from fabric_ext.runtime.machine import kernel
 from fabric_ext.runtime.machine.elf import load_object
-from fabric_ext.runtime.simulation.bundle import load_bundle, load_runtime_json
 from policy_helpers import Runner, compiled
 
 GB, KiB, MiB = 10**9, 1024, 2**20
@@ -25,7 +26,7 @@ KERNEL_OK, KERNEL_WHY = kernel.permitted()
 @pytest.mark.parametrize("policy", [p.stem for p in EXAMPLES])
 def test_every_example_compiles_and_loads(policy):
     b = load_bundle(compiled(policy))
-    assert b.islands and all(ip.programs for ip in b.islands.values())
+    assert b.islands and all(b.islands.values())
     man = b.manifest
     assert man["schema"] == "fabric-manifest/2" and man["ids"]["movements"]
     assert all(p["insns"] > 0 for p in man["programs"])
@@ -126,7 +127,7 @@ def _contexts(policy):
     out = []
     mids = list(b.ids["movements"].values())
     for island, ip in b.islands.items():
-        for hook, _prog in ip.programs.items():
+        for hook in ip:
             for mid, val in itertools.product(mids, (0, 5, 90, 4 * MiB)):
                 out.append((island, hook, dict(movement=mid, bytes=val, out_port=val % 16, util_pct=val % 101,
                                                port=val % 16, period=10_000, queue_bytes=val, layer=val % 8)))
@@ -137,7 +138,7 @@ def _run_all(policy, backend):
     r = Runner(policy, backend)
     results = []
     for island, hook, fields in _contexts(policy):
-        prog = r.bundle.islands[island].programs[hook]
+        prog = r.bundle.islands[island][hook]
         f = {k: v for k, v in fields.items() if prog.hook.field(k) is not None}
         results.append(r.run(island, hook, **f))
     if hasattr(backend, "sync"):
@@ -195,12 +196,12 @@ def test_c_listing_compiles_and_behaves_the_same(policy, tmp_path):
         obj = tmp_path / f"{island}.o"
         subprocess.run(["clang", "-target", "bpf", "-O2", "-g", f"-I{inc}", f"-I{out}", "-c",
                         out / f"{island}.bpf.c", "-o", obj], check=True)
-        hooks = {p.name: p.hook for p in ip.programs.values()}
+        hooks = {p.name: p.hook for p in ip.values()}
         c_progs = {p.name: p for p in load_object(obj).instantiate(hooks=hooks)}
         for (isl, hook, fields) in _contexts(policy):
             if isl != island:
                 continue
-            ours, theirs = ip.programs[hook], c_progs[ip.programs[hook].name]
+            ours, theirs = ip[hook], c_progs[ip[hook].name]
             codec = ContextCodec(ours.hook)
             f = {k: v for k, v in fields.items() if ours.hook.field(k) is not None}
             a, c = codec.pack(f), codec.pack(f)
@@ -216,7 +217,8 @@ def test_runtime_json_round_trip(policy):
     for island in {p["island"] for p in man["programs"]}:
         ext = "bpftime" if any(i["name"] == island and i["runtime"] == "bpftime" for i in man["fabric"]["islands"]) \
             else "dputime"
-        maps, progs = load_runtime_json(out / f"{island}.{ext}.json")
+        path = out / f"{island}.{ext}.json"
+        maps, progs = parse_runtime_json(path, path.read_bytes())
         obj = load_object(out / f"{island}.bpf.o")
         assert [(m.name, m.type, m.key_size, m.value_size, m.max_entries) for m in maps] == \
             [(m.name, m.type, m.key_size, m.value_size, m.max_entries) for m in obj.maps]

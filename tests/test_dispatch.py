@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fabric_ext.contract.bundle import Folder, create_maps, load_bundle, load_manifest
 from fabric_ext.contract.context import ContextCodec
 from fabric_ext.runtime.machine.interp import Interpreter
 from fabric_ext.runtime.simulation import dispatch
-from fabric_ext.runtime.simulation.bundle import Folder, create_maps, load_bundle, load_manifest
 from policy_helpers import compiled
 from test_runtime import compile_text, run_engine
 
@@ -38,7 +38,7 @@ CASES = list(_unhandled_cases())
 @given(data=st.data())
 def test_a_program_does_nothing_for_a_movement_no_handler_names(name, island, hook, named, data):
     bundle = load_bundle(compiled(name))
-    prog = bundle.islands[island].programs[hook]
+    prog = bundle.islands[island][hook]
     codec = ContextCodec(prog.hook)
     movement = data.draw(st.integers(0, 40).filter(lambda m: m not in named))
     fields = {f: data.draw(st.integers(0, 2**32 - 1)) for f, (_, fl) in prog.hook.layout.items() if not fl.decision}

@@ -12,7 +12,7 @@ INTERNAL = {"Fault", "_ProofViolation"}
 
 
 def project_exceptions():
-    for pkg in ("fabric_ext", "fabric_ext.codegen", "fabric_ext.runtime", "fabric_ext.runtime.machine",
+    for pkg in ("fabric_ext", "fabric_ext.contract", "fabric_ext.codegen", "fabric_ext.runtime", "fabric_ext.runtime.machine",
                 "fabric_ext.runtime.simulation"):
         mod = importlib.import_module(pkg)
         for info in pkgutil.iter_modules(mod.__path__):

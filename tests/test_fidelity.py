@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from conftest import POLICIES, ROOT
+from fabric_ext.contract.bundle import create_maps, load_manifest
 from fabric_ext.runtime.machine.interp import Interpreter
 from fabric_ext.runtime.simulation import validation
-from fabric_ext.runtime.simulation.bundle import create_maps, load_manifest
 from fabric_ext.runtime.simulation.compute import GpuProfile, Stack, Timer, profile_tables
 from fabric_ext.runtime.simulation.engine import Engine, RunOptions
 from fabric_ext.runtime.simulation.figures import figures

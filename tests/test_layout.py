@@ -71,8 +71,9 @@ def test_the_machine_imports_point_one_way():
 
 
 def test_the_contract_sits_below_both_sides():
-    """fabric_ext/contract (catalogue, ids, routing, movement matching, context codec) is what
-    the compiler and the runtime import; it imports neither (only units and the machine)."""
+    """fabric_ext/contract (catalogue, ids, routing, movement matching, context codec, the
+    bundle's format, writer and loader) is what the compiler and the runtime import; it imports
+    neither (only units and the machine)."""
     contract = ROOT / "fabric_ext" / "contract"
     bad = []
     for path in sorted(contract.glob("*.py")):

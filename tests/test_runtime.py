@@ -7,10 +7,11 @@ import sys
 import pytest
 
 from conftest import POLICIES
-from fabric_ext.codegen.driver import build, write_output
+from fabric_ext.codegen.driver import build
+from fabric_ext.contract.bundle import create_maps, load_manifest, write_folder
+from fabric_ext.contract.runtime_json import BundleError
 from fabric_ext.diagnostics import Diagnostics
 from fabric_ext.runtime.machine.interp import Interpreter
-from fabric_ext.runtime.simulation.bundle import BundleError, create_maps, load_manifest
 from fabric_ext.runtime.simulation.engine import Engine, RunOptions
 from policy_helpers import compiled
 
@@ -32,7 +33,7 @@ def compile_text(tmp_path, text, name="p"):
     res = build(src, diags=d)
     assert res is not None, [x.message for x in d.items]
     out = tmp_path / f"{name}_out"
-    write_output(res, out)
+    write_folder(res.files, out)
     return out
 
 

@@ -9,11 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import FABRIC, FABRIC_LINES
-from fabric_ext.codegen.driver import build, write_output
+from fabric_ext.codegen.driver import build
+from fabric_ext.contract.bundle import load_bundle, write_folder
 from fabric_ext.contract.context import ContextCodec
 from fabric_ext.diagnostics import Diagnostics
 from fabric_ext.runtime.machine.interp import Interpreter
-from fabric_ext.runtime.simulation.bundle import load_bundle
 
 M64 = (1 << 64) - 1
 LINE = FABRIC_LINES + 1
@@ -32,9 +32,9 @@ def issue_decisions(tmp_path, body, opt=2, **fields):
     res, d = compile_policy(tmp_path, "policy p { on kv.issue at gpu0 { " + body + " } }\n", opt)
     assert res is not None, [x.message for x in d.items]
     out = tmp_path / "out"
-    write_output(res, out)
+    write_folder(res.files, out)
     bundle = load_bundle(out)
-    prog = bundle.islands["gpu0"].programs["issue"]
+    prog = bundle.islands["gpu0"]["issue"]
     codec = ContextCodec(prog.hook)
     ctx = codec.pack({"movement": bundle.ids["movements"]["kv"], **fields})
     Interpreter().run(prog, ctx)
@@ -161,18 +161,18 @@ def test_ev_island_tells_the_gpus_of_a_wildcard_handler_apart(tmp_path):
                             "           on gpu*.launch { launched[ev.island] += 1 } }\n")
     assert res is not None, [x.message for x in d.items]
     out = tmp_path / "out"
-    write_output(res, out)
+    write_folder(res.files, out)
     bundle = load_bundle(out)
     ids = bundle.ids["devices"]
     # on gpu0 the condition is a constant false: the compiler drops the handler (and the program)
-    assert "issue" not in bundle.islands["gpu0"].programs
-    prog = bundle.islands["gpu1"].programs["issue"]
+    assert "issue" not in bundle.islands["gpu0"]
+    prog = bundle.islands["gpu1"]["issue"]
     codec = ContextCodec(prog.hook)
     ctx = codec.pack({"movement": bundle.ids["movements"]["kv"]})
     Interpreter().run(prog, ctx)
     assert codec.decisions(ctx)["priority"] == 7
     for gpu in ("gpu0", "gpu1"):
-        launch = bundle.islands[gpu].programs["launch"]
+        launch = bundle.islands[gpu]["launch"]
         Interpreter().run(launch, ContextCodec(launch.hook).pack({}))
     assert bundle.maps["launched"].dump() == {ids["gpu0"]: 1, ids["gpu1"]: 1}
-    assert "island" not in bundle.islands["gpu0"].programs["launch"].hook.layout     # no context field
+    assert "island" not in bundle.islands["gpu0"]["launch"].hook.layout     # no context field

@@ -12,9 +12,12 @@ from __future__ import annotations
 import math
 import re
 
-from fabric_ext.contract.hooks import DEVICE_ISLAND_KIND, HOOKS, ISLAND_RUNTIME
+from fabric_ext.runtime.machine.elf import MapSpec
 from fabric_ext.runtime.machine.errors import ArtifactError
-from fabric_ext.schema import (
+from fabric_ext.runtime.machine.maps import KIND_TYPE
+
+from .hooks import DEVICE_ISLAND_KIND, HOOKS, ISLAND_RUNTIME
+from .schema import (
     DEVICE_PROPS,
     LINK_KINDS,
     MAP_KINDS,
@@ -22,9 +25,6 @@ from fabric_ext.schema import (
     PROP_RANGES,
     STRING,
 )
-
-from ..machine.elf import MapSpec
-from ..machine.maps import KIND_TYPE
 
 MAX_ITEMS = 100_000          # no list or object in a manifest is longer
 MAX_NS = 10 ** 12            # any period or latency: 1000 s

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 # the checker refuses larger maps (isa.py holds the machine's limits without importing numpy)
 from fabric_ext.runtime.machine.isa import MAX_MAP_BYTES  # noqa: F401
-
-from .units import BANDWIDTH, COUNT, DEVICE, FLOPS, PERCENT, SIZE, TIME
+from fabric_ext.units import BANDWIDTH, COUNT, DEVICE, FLOPS, PERCENT, SIZE, TIME
 
 STRING, NAME, FLAG = "string", "name", "flag"
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import networkx as nx
 
+from fabric_ext.contract.bundle import Folder
 from fabric_ext.contract.flows import MovementTable
 from fabric_ext.contract.hooks import firing
-from fabric_ext.schema import PROP_RANGES
+from fabric_ext.contract.schema import PROP_RANGES
 
-from .bundle import Folder
 from .dispatch import Known
 from .fabric_model import (
     APPLIED,
@@ -41,7 +41,7 @@ from .workload import Workload, WorkloadError, load_model, tp_problem
 
 # Allocations between young-generation collections while a prefill runs (CPython's default
 # is 700).  A run allocates millions of short-lived objects and makes almost no cyclic
-# garbage, so the default spent ~7 % of a 70B run (~10 % with a policy) collecting nothing.
+# garbage: collecting that often is work that finds nothing.
 GC_YOUNG = 20_000
 
 

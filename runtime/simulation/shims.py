@@ -13,20 +13,17 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from pathlib import Path
 
+from fabric_ext.contract.bundle import island_programs
 from fabric_ext.contract.context import ContextCodec
 from fabric_ext.contract.hooks import HOOKS
 
-from ..machine.program import Program, SourceLine, VMFault
-from ..machine.verifier import VerifierError, verify
-from .bundle import BundleError, parse_runtime_json
+from ..machine.program import Program, VMFault
 from .dispatch import Acting, Known, acting
 
 
 class Shim:
     runtime = "?"
-    suffix = "?"
 
     def __init__(self, island: str, kind: str, backend):
         self.island, self.kind, self.backend = island, kind, backend
@@ -48,35 +45,11 @@ class Shim:
 
     # -- loading ------------------------------------------------------------------------
     def load(self, artifacts, manifest: dict, maps: dict) -> None:
-        """Load this island's programs from its runtime artifact (``artifacts``: a `bundle.Folder`
-        or an in-memory `api.Bundle`), bound to the shared maps."""
-        name = f"{self.island}.{self.suffix}.json"
-        path = Path(artifacts.name) / name
-        map_specs, insns = parse_runtime_json(path, artifacts.read(name))
-        bound = []
-        for spec in map_specs:
-            if spec.name not in maps:
-                raise BundleError(f"{path}: map '{spec.name}' is not in manifest.json; recompile the policy")
-            m = maps[spec.name]
-            if (m.type, m.key_size, m.value_size, m.max_entries) != \
-                    (spec.type, spec.key_size, spec.value_size, spec.max_entries):
-                raise BundleError(f"{path}: map '{spec.name}' does not match manifest.json; recompile the policy")
-            bound.append(m)
-            self.maps[spec.name] = m
-        for entry in manifest["programs"]:
-            if entry["island"] != self.island:
-                continue
-            if entry["symbol"] not in insns:
-                raise BundleError(f"{path}: program '{entry['symbol']}' is missing; recompile the policy")
-            hook = HOOKS[self.kind, entry["hook"]]
-            lines = {e["insn"]: SourceLine(e["file"], e["line"], e["col"])
-                     for e in manifest.get("line_map", {}).get(entry["symbol"], [])}
-            prog = Program(entry["symbol"], insns[entry["symbol"]], bound, hook, line_info=lines)
-            try:
-                verify(prog)
-            except VerifierError as e:
-                raise BundleError(f"{path}: {e}") from None
-            self.attach(entry["hook"], prog, entry.get("handlers"))
+        """Load this island's programs from its runtime artifact (``artifacts``: a `Folder` or
+        an in-memory `api.Bundle`), bound to the shared maps, and attach them."""
+        for loaded in island_programs(artifacts, manifest, maps, self.island):
+            self.maps.update((m.name, m) for m in loaded.program.maps)
+            self.attach(loaded.hook, loaded.program, loaded.handlers)
 
     def attach(self, hook: str, prog: Program, handlers: list[dict] | None = None) -> None:
         """Attach ``prog`` to ``hook``; ``handlers`` (the manifest's list) says which movements
@@ -207,12 +180,12 @@ class Shim:
 
 class BpftimeShim(Shim):
     """gpu and host islands: programs from the bpftime handler table."""
-    runtime, suffix = "bpftime", "bpftime"
+    runtime = "bpftime"
 
 
 class DputimeShim(Shim):
     """dpu/nic and cxl_switch islands: programs from the dputime load file."""
-    runtime, suffix = "dputime", "dputime"
+    runtime = "dputime"
 
 
 SHIMS = {"bpftime": BpftimeShim, "dputime": DputimeShim}

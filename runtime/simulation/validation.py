@@ -103,8 +103,9 @@ class _Runner:
         return self.bundles[key]
 
     def run(self, p: Point, stack: str) -> dict:
+        from fabric_ext.contract.bundle import create_maps
+
         from ..machine.interp import Interpreter
-        from .bundle import create_maps
         from .engine import Engine, RunOptions
         b = self.bundle(MACHINES[p.hardware], MODELS[p.model])
         opts = RunOptions(prompt=p.prompt, batch=p.batch, tp=p.tp, stack=stack, attach=False, max_events=None)
