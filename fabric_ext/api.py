@@ -114,7 +114,7 @@ class Report:
     record per movement, link and island, and the baseline run when one was asked for."""
     data: dict
     baseline: Report | None = None
-    _engine: object = field(default=None, repr=False)
+    _record: object = field(default=None, repr=False)     # what the trace is drawn from
 
     @property
     def ttft_ms(self) -> float:
@@ -152,7 +152,7 @@ class Report:
     def trace(self) -> dict:
         """A Chrome/Perfetto trace of the run (it must have been run with ``trace=True``)."""
         from fabric_ext.runtime.simulation import stats
-        return stats.trace(self.data, self._engine)
+        return stats.trace(self.data, self._record)
 
 
 def run(bundle: Bundle | str | Path, *, model: str | None = None, prompt: int | None = None,
@@ -164,6 +164,7 @@ def run(bundle: Bundle | str | Path, *, model: str | None = None, prompt: int | 
     prefill with no programs attached (``Report.baseline``)."""
     from fabric_ext.contract.bundle import create_maps
     from fabric_ext.runtime.machine.backends import get_backend
+    from fabric_ext.runtime.simulation import stats
     from fabric_ext.runtime.simulation.engine import Engine, RunOptions
     from fabric_ext.runtime.simulation.fabric_model import DEFAULT_MAX_EVENTS
     if not isinstance(bundle, Bundle):
@@ -176,12 +177,13 @@ def run(bundle: Bundle | str | Path, *, model: str | None = None, prompt: int | 
                               trace=trace and attach, stack=stack,
                               max_events=DEFAULT_MAX_EVENTS if max_events is None else (max_events or None))
             eng = Engine(bundle, bundle.manifest, create_maps(bundle.manifest), vm, opts)
-            data = eng.run()
+            eng.simulate()
             if hasattr(vm, "sync"):          # a backend whose maps live elsewhere: read them back
                 vm.sync()
-                data = eng.report()
+            record = eng.record()
+            data = stats.collect(record)
             data["policy"] = bundle.name
-            reports.append(Report(data, _engine=eng))
+            reports.append(Report(data, _record=record))
     finally:
         vm.close()
     report = reports[0]

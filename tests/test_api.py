@@ -35,3 +35,26 @@ def test_a_policy_that_does_not_compile_raises_with_every_diagnostic():
     assert "priorty" in str(e.value) and e.value.diagnostics.errors
     with pytest.raises(fabric_ext.PolicyError, match="never runs|matches no transfer|no handler uses"):
         fabric_ext.compile(TEXT.replace("weights: pool0", "weights: hbm"), werror=True)
+
+
+def test_the_report_is_built_from_the_runs_record_alone():
+    """`stats.collect` reads a `RunRecord`, not an engine: from a record of one 1 MB transfer
+    over a 1 ms window and one link busy for the first half of a 2 ms run, the report gives the
+    movement's bandwidth, the link's utilisation and its timeline."""
+    from types import SimpleNamespace as NS
+
+    from fabric_ext.runtime.simulation import stats
+    from fabric_ext.runtime.simulation.workload import Workload, load_model
+    transfer = NS(name="kv", cls="kv", operator="", bytes=10**6, start=0.0, end=1e6, queue_waits=[5e3, 15e3])
+    link = NS(name="sw0->cxl0", bytes=10**6, bw=64e9, intervals=[(0.0, 1e6, 10**6)])
+    record = stats.RunRecord(
+        policy="p", backend="interp", backend_load={}, workload=Workload(load_model("llama3-8b"), prompt=512),
+        stack="none", gpu="h100_sxm", finished_ns=2e6, kv_done_ns=2e6, operator_ms={"attn": 1.5},
+        beyond_profile_ms=0.0, events=7, layer_stats={}, stall_by_movement={"kv": 2.5e5}, transfers=[transfer],
+        servers=[link], islands=[], faults=[], maps={}, copy_engines=[], refused={})
+    report = stats.collect(record)
+    mv, ln = report["movements"][0], report["links"][0]
+    assert report["ttft_ms"] == 2.0 and report["compute_ms"] == 1.5 and report["events"] == 7
+    assert mv["avg_gbps"] == 1.0 and mv["stall_ms"] == 0.25 and mv["queue_p50_us"] == 10.0
+    assert ln["util_avg"] == 0.5 and ln["util_peak"] == 1.0
+    assert ln["timeline"][:50] == [1.0] * 50 and ln["timeline"][50:] == [0.0] * 50

@@ -35,6 +35,7 @@ from .fabric_model import (
 from .figures import default, figures
 from .prefill import Prefill
 from .shims import SHIMS
+from .stats import RunRecord
 from .ticks import BLOCK, TickSource, catch_up_together
 from .timing import Timing, profile_of
 from .workload import Workload, WorkloadError, load_model, tp_problem
@@ -391,6 +392,12 @@ class Engine(HookSite):
 
     # -- the run ----------------------------------------------------------------------------------
     def run(self) -> dict:
+        """Simulate the prefill and return its report."""
+        self.simulate()
+        return self.report()
+
+    def simulate(self) -> None:
+        """Run the prefill to its end (and the ticks due by then)."""
         self.prefill = Prefill(self, self._prefill_finished)
         self.prefill.place()
         self._start_ticks()
@@ -400,7 +407,6 @@ class Engine(HookSite):
         if self.prefill.finished is None:
             raise RuntimeError("the prefill did not finish: a transfer never completed")
         self._catch_up(self.ticks, self.prefill.finished)
-        return self.report()
 
     def _prefill_finished(self, t: float) -> None:
         for tick in self.ticks:
@@ -411,8 +417,25 @@ class Engine(HookSite):
         """The run's report (`stats.collect`), as it stands: after a backend whose maps live
         elsewhere synced them, asking again gives their final contents."""
         from .stats import collect
+        return collect(self.record())
+
+    def record(self) -> RunRecord:
+        """What the run hands its report and trace (`stats.RunRecord`)."""
         for standing, knowns in self._standing:      # the chunks standing decisions served
             for known in knowns:
                 known.hits += standing.uses
             standing.uses = 0
-        return collect(self)
+        servers = list({id(s): s for s in [*self.fabric.servers.values(), *self.fabric.wires.values()]}.values())
+        attached = self.opts.attach
+        return RunRecord(
+            policy=str(self.folder), backend=self.backend.name, backend_load=self.backend.load_stats() if attached else {},
+            workload=self.workload, stack=self.timing.stack.name, gpu=self.timing.timers[self.gpus[0]].gpu.name,
+            finished_ns=self.prefill.finished, kv_done_ns=self.prefill.kv_done,
+            operator_ms=dict(self.timing.operator_ms), beyond_profile_ms=self.timing.beyond_profile_ms,
+            events=self.sim.events, layer_stats=self.prefill.layer_stats,
+            stall_by_movement=self.prefill.stall_by_movement, transfers=self.fabric.transfers, servers=servers,
+            islands=[s.summary() for s in self.shims.values()], faults=[f for s in self.shims.values() for f in s.faults],
+            maps={name: m.dump() for name, m in sorted(self.maps.items())} if attached else {},
+            copy_engines=[{"name": ce.name, "chunks": ce.chunks, "bytes": ce.bytes}
+                          for engines in self.fabric.engines.values() for ce in engines],
+            refused=dict(self.fabric.refused), spans=self.spans)

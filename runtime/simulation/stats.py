@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 import numpy as np
+
+from .workload import Workload
 
 SCHEMA = "fabric-run/2"   # 2: islands report events and runs (invocations) apart
 TIMELINE_BINS = 100
@@ -15,13 +18,40 @@ def _pct(values, q):
     return float(np.percentile(values, q)) if values else 0.0
 
 
-def collect(e) -> dict:
+@dataclass(frozen=True)
+class RunRecord:
+    """Everything a finished run hands its report, named: the report (`collect`) and the trace
+    (`trace`) read only this, never the engine that made it."""
+    policy: str
+    backend: str
+    backend_load: dict
+    workload: Workload
+    stack: str
+    gpu: str
+    finished_ns: float                  # the prefill's end: time to first token
+    kv_done_ns: float                   # the last KV byte written back or exported
+    operator_ms: dict[str, float]       # kernels on the critical path, per operator
+    beyond_profile_ms: float            # all-reduce time beyond the profiled sizes
+    events: int                         # simulated events
+    layer_stats: dict[int, dict]        # per layer: compute and stall ms
+    stall_by_movement: dict[str, float]  # ns the GPUs waited for each movement
+    transfers: list                     # every transfer (fabric_model.Transfer)
+    servers: list                       # every link server and wire, once each
+    islands: list[dict]                 # each shim's summary
+    faults: list[dict]
+    maps: dict                          # final map contents (empty with no programs attached)
+    copy_engines: list[dict]
+    refused: dict[str, int]             # decisions the fabric refused, by reason
+    spans: list[tuple[str, str, float, float]] = field(default_factory=list)   # (track, name, start, dur) ns
+
+
+def collect(r: RunRecord) -> dict:
     """The run's figures as a JSON-ready dict."""
-    w, end = e.workload, e.prefill.finished
+    w, end = r.workload, r.finished_ns
     layers = [{"layer": layer, **{k: round(v, 4) for k, v in sorted(s.items())}}
-              for layer, s in sorted(e.prefill.layer_stats.items())]
+              for layer, s in sorted(r.layer_stats.items())]
     by_mv = defaultdict(list)
-    for t in e.fabric.transfers:
+    for t in r.transfers:
         by_mv[t.name].append(t)
     movements = []
     for name, ts in sorted(by_mv.items()):
@@ -36,49 +66,42 @@ def collect(e) -> dict:
                           "issued_avg_ms": round(sum(t.start for t in ts) / len(ts) / 1e6, 4),
                           "queue_p50_us": round(_pct(waits, 50) / 1e3, 3),
                           "queue_p99_us": round(_pct(waits, 99) / 1e3, 3),
-                          "stall_ms": round(e.prefill.stall_by_movement.get(name, 0.0) / 1e6, 4)})
-    links = []
-    seen = set()
-    horizon = max(end, e.prefill.kv_done, 1.0)
-    servers = list(e.fabric.servers.values()) + list(e.fabric.wires.values())
-    for srv in servers:
-        if id(srv) in seen:
-            continue
-        seen.add(id(srv))
-        timeline = np.zeros(TIMELINE_BINS)
-        width = horizon / TIMELINE_BINS
-        for start, stop, _ in srv.intervals:
-            a, b = int(start // width), int(min(stop, horizon - 1e-9) // width)
-            if a == b:
-                timeline[min(a, TIMELINE_BINS - 1)] += stop - start
-            else:
-                for k in range(a, min(b, TIMELINE_BINS - 1) + 1):
-                    lo, hi = max(start, k * width), min(stop, (k + 1) * width)
-                    timeline[k] += max(0.0, hi - lo)
-        util = np.minimum(timeline / width, 1.0)
-        links.append({"name": srv.name, "bytes": srv.bytes, "chunks": len(srv.intervals),
-                      "bw_gbps": round(srv.bw / 1e9, 3),
-                      "util_avg": round(float(sum(b - a for a, b, _ in srv.intervals) / horizon), 4),
-                      "util_peak": round(float(util.max()) if len(util) else 0.0, 4),
-                      "timeline": [round(float(x), 3) for x in util]})
-    islands = [s.summary() for s in e.shims.values()] if e.shims else []
-    faults = [f for s in e.shims.values() for f in s.faults]
-    maps = {name: m.dump() for name, m in sorted(e.maps.items())} if e.opts.attach else {}
-    return {"schema": SCHEMA, "policy": str(e.folder), "backend": e.backend.name,
-            "backend_load": e.backend.load_stats() if e.opts.attach else {},
+                          "stall_ms": round(r.stall_by_movement.get(name, 0.0) / 1e6, 4)})
+    horizon = max(end, r.kv_done_ns, 1.0)
+    links = [_link(srv, horizon) for srv in r.servers]
+    return {"schema": SCHEMA, "policy": r.policy, "backend": r.backend, "backend_load": r.backend_load,
             "workload": {"model": w.model.name, "prompt": w.prompt, "batch": w.batch, "tp": w.tp,
                          "chunk_tokens": w.chunk_tokens or w.prompt, "weights": w.weights, "kv": w.kv,
                          "kv_export": w.kv_export},
-            "stack": e.timing.stack.name, "gpu": e.timing.timers[e.gpus[0]].gpu.name,
-            "ttft_ms": round(end / 1e6, 4), "kv_done_ms": round(e.prefill.kv_done / 1e6, 4),
-            "compute_ms": round(sum(e.timing.operator_ms.values()), 4),
-            "allreduce_beyond_profile_ms": round(e.timing.beyond_profile_ms, 4),
-            "operators": {name: round(ms, 4) for name, ms in e.timing.operator_ms.items()},
-            "events": e.sim.events, "layers": layers, "movements": movements,
-            "links": sorted(links, key=lambda x: x["name"]), "islands": islands,
-            "copy_engines": [{"name": ce.name, "chunks": ce.chunks, "bytes": ce.bytes}
-                             for engines in e.fabric.engines.values() for ce in engines], "maps": _jsonable(maps),
-            "faults": faults, "refused": dict(e.fabric.refused)}
+            "stack": r.stack, "gpu": r.gpu,
+            "ttft_ms": round(end / 1e6, 4), "kv_done_ms": round(r.kv_done_ns / 1e6, 4),
+            "compute_ms": round(sum(r.operator_ms.values()), 4),
+            "allreduce_beyond_profile_ms": round(r.beyond_profile_ms, 4),
+            "operators": {name: round(ms, 4) for name, ms in r.operator_ms.items()},
+            "events": r.events, "layers": layers, "movements": movements,
+            "links": sorted(links, key=lambda x: x["name"]), "islands": r.islands,
+            "copy_engines": r.copy_engines, "maps": _jsonable(r.maps),
+            "faults": r.faults, "refused": r.refused}
+
+
+def _link(srv, horizon: float) -> dict:
+    """A link's bytes, chunks and utilisation: on average, at its peak and over the run in
+    TIMELINE_BINS bins."""
+    timeline = np.zeros(TIMELINE_BINS)
+    width = horizon / TIMELINE_BINS
+    for start, stop, _ in srv.intervals:
+        a, b = int(start // width), int(min(stop, horizon - 1e-9) // width)
+        if a == b:
+            timeline[min(a, TIMELINE_BINS - 1)] += stop - start
+        else:
+            for k in range(a, min(b, TIMELINE_BINS - 1) + 1):
+                lo, hi = max(start, k * width), min(stop, (k + 1) * width)
+                timeline[k] += max(0.0, hi - lo)
+    util = np.minimum(timeline / width, 1.0)
+    return {"name": srv.name, "bytes": srv.bytes, "chunks": len(srv.intervals), "bw_gbps": round(srv.bw / 1e9, 3),
+            "util_avg": round(float(sum(b - a for a, b, _ in srv.intervals) / horizon), 4),
+            "util_peak": round(float(util.max()) if len(util) else 0.0, 4),
+            "timeline": [round(float(x), 3) for x in util]}
 
 
 def _jsonable(maps):
@@ -158,7 +181,7 @@ def render(report: dict, baseline: dict | None = None) -> str:
     return "\n".join(out)
 
 
-def trace(report: dict, engine) -> dict:
+def trace(report: dict, record: RunRecord) -> dict:
     """A Chrome/Perfetto trace-event JSON: one track per GPU, link and island."""
     events, tids = [], {}
 
@@ -168,18 +191,14 @@ def trace(report: dict, engine) -> dict:
             events.append({"ph": "M", "pid": 1, "tid": tids[track], "name": "thread_name", "args": {"name": track}})
         return tids[track]
 
-    for track, name, start, dur in engine.spans:
+    for track, name, start, dur in record.spans:
         if dur:
             events.append({"ph": "X", "pid": 1, "tid": tid(track), "name": name, "ts": start / 1e3, "dur": dur / 1e3,
                            "cat": "compute"})
         else:
             events.append({"ph": "i", "pid": 1, "tid": tid(f"{track} hooks"), "name": name, "ts": start / 1e3,
                            "s": "t", "cat": "hook"})
-    seen = set()
-    for srv in list(engine.fabric.servers.values()) + list(engine.fabric.wires.values()):
-        if id(srv) in seen:
-            continue
-        seen.add(id(srv))
+    for srv in record.servers:
         for start, stop, nbytes in srv.intervals:
             events.append({"ph": "X", "pid": 1, "tid": tid(srv.name), "name": f"{nbytes >> 10} KiB",
                            "ts": start / 1e3, "dur": (stop - start) / 1e3, "cat": "transfer"})
