@@ -81,14 +81,14 @@ policy p { on w_in.forward at sw0 { if ev.bytes >= 3MiB { priority = 7 } else { 
 
 
 def test_decisions_standing_for_a_transfer_are_dropped_when_their_program_is_detached():
-    """The fabric applies a transfer's standing decisions itself; once the island's program
+    """The hook site applies a transfer's standing decisions without asking the shims; once the island's program
     is detached (after a fault) they no longer hold, and its later chunks ask again."""
     from fabric_ext.runtime.machine.jit import JitBackend
     report, eng = run_engine(compiled("prefill_qos"), backend=JitBackend())
-    standing = [t for t in eng.fabric.transfers if "sw0" in t.standing]
-    assert standing and all(t.standing["sw0"].decisions.get("priority") for t in standing)
+    standing = [s for (t, island), s in eng.remembered.standing.items() if island == "sw0"]
+    assert standing and all(s.decisions.get("priority") for s in standing)
     eng.shims["sw0"].detach("forward")
-    assert not any("sw0" in t.standing for t in eng.fabric.transfers)
+    assert not any(island == "sw0" for _, island in eng.remembered.standing)
 
 
 def test_decisions_remembered_per_map_entry_follow_the_entry(tmp_path):

@@ -22,6 +22,7 @@ from fabric_ext.contract.flows import MovementTable
 from fabric_ext.contract.hooks import firing
 from fabric_ext.contract.schema import PROP_RANGES
 
+from .decisions import DecisionCache, HookPlan
 from .dispatch import Known
 from .fabric_model import (
     APPLIED,
@@ -29,7 +30,6 @@ from .fabric_model import (
     Fabric,
     HookSite,
     Sim,
-    Standing,
     Transfer,
 )
 from .figures import default, figures
@@ -113,10 +113,9 @@ class Engine(HookSite):
         self.spans: list[tuple[str, str, float, float]] = []   # (track, name, start ns, duration ns)
         self.ticks: list[TickSource] = []
         self._tick_deps: dict[tuple, list[TickSource]] = {}
-        self._plans: dict[tuple, tuple] = {}     # where an event happens -> (acting hooks, static)
-        self._standing: list[tuple[Standing, list]] = []   # and the Knowns each one's uses are hits of
+        self.remembered = DecisionCache()
         for shim in self.shims.values():
-            shim.on_detach = self._forget_standing
+            shim.on_detach = self.remembered.forget
 
     # -- setup ---------------------------------------------------------------------------
     def _workload(self) -> Workload:
@@ -258,11 +257,15 @@ class Engine(HookSite):
 
     def on_enter(self, chunk, island):
         t, path, hop = chunk.transfer, chunk.path, chunk.hop
+        if path is t.path:
+            standing = self.remembered.standing.get((t, island))
+            if standing is not None:
+                standing.uses += 1
+                return standing.decisions
         where = (island, path[0], path[-1], t.movement_id)      # the ends say the role
-        plan = self._plans.get(where)
-        if plan is None:
-            plan = self._plan(where, island, self._enter_hooks(island, path[0], path[-1]), t.movement_id)
-        hooks, static = plan
+        plan = self.remembered.plans.get(where) or \
+            self._plan(where, island, self._enter_hooks(island, path[0], path[-1]), t.movement_id)
+        hooks = plan.hooks
         if not hooks:
             return None
         fields = self._chunk_fields(chunk)
@@ -284,18 +287,12 @@ class Engine(HookSite):
                 if known is not None:
                     merged.update(known.decisions)
         merged = self._devices(merged)
-        if static and path is t.path and not self.opts.trace and all(k is not None and k.kept for k in each):
+        if plan.static and path is t.path and not self.opts.trace and all(k is not None and k.kept for k in each):
             # the same for every chunk of this transfer here (None: the program faulted)
-            standing = t.standing[island] = Standing(merged)
-            self._standing.append((standing, each))
+            self.remembered.stand(t, island, merged, each)
         return merged
 
-    def _forget_standing(self, island):
-        """A program of ``island`` was detached: what it decided no longer holds."""
-        for t in self.fabric.transfers:
-            t.standing.pop(island, None)
-
-    def _plan(self, where, island, hooks, movement):
+    def _plan(self, where, island, hooks, movement) -> HookPlan:
         """The hooks of ``island`` whose program acts on this movement's events, and whether
         all of them decide from the transfer's own fields alone (no map, nothing per chunk);
         kept for the next event at ``where``."""
@@ -304,7 +301,7 @@ class Engine(HookSite):
         acting = [(h, a) for h, a in acting if a is not None]
         static = all(a.key_fields is not None and not a.entries and set(a.key_fields).issubset(TRANSFER_FIELDS)
                      for _, a in acting)
-        plan = self._plans[where] = (tuple(h for h, _ in acting), static)
+        plan = self.remembered.plans[where] = HookPlan(tuple(h for h, _ in acting), static)
         return plan
 
     def _enter_hooks(self, island, src, dst):
@@ -315,8 +312,8 @@ class Engine(HookSite):
 
     def on_delivered(self, chunk, island, latency):
         where = (island, "complete", chunk.transfer.movement_id)
-        plan = self._plans.get(where) or self._plan(where, island, ("complete",), chunk.transfer.movement_id)
-        if not plan[0]:
+        plan = self.remembered.plans.get(where) or self._plan(where, island, ("complete",), chunk.transfer.movement_id)
+        if not plan.hooks:
             return
         fields = self._chunk_fields(chunk)
         fields["latency"] = int(latency)
@@ -346,23 +343,19 @@ class Engine(HookSite):
         """Each tick source's group: the sources whose programs share a map with it, directly
         or through others.  A group's ticks must run interleaved in time order, since one's
         tick may read what another's wrote; sources alone in their group run in batches."""
-        group = {t: [t] for t in self.ticks}
+        group = {t: (t,) for t in self.ticks}
         for i, a in enumerate(self.ticks):
             for b in self.ticks[i + 1:]:
-                if group[a] is not group[b] and a.maps & b.maps:
-                    merged = [t for t in self.ticks if t in group[a] or t in group[b]]
+                if group[a] != group[b] and a.maps & b.maps:
+                    merged = tuple(t for t in self.ticks if t in group[a] or t in group[b])
                     for t in merged:
                         group[t] = merged
         return group
 
     def _catch_up(self, sources, t: float) -> None:
         """Run the ticks due by t of ``sources`` and of every source grouped with them."""
-        done = set()
-        for src in sources:
-            group = self._tick_groups[src]
-            if id(group) not in done:
-                done.add(id(group))
-                catch_up_together(group, t)
+        for group in dict.fromkeys(self._tick_groups[src] for src in sources):
+            catch_up_together(group, t)
 
     def _tick_clock(self):
         """Catch every tick source up now: at every tick time with ``eager_ticks``, else every
@@ -421,11 +414,8 @@ class Engine(HookSite):
 
     def record(self) -> RunRecord:
         """What the run hands its report and trace (`stats.RunRecord`)."""
-        for standing, knowns in self._standing:      # the chunks standing decisions served
-            for known in knowns:
-                known.hits += standing.uses
-            standing.uses = 0
-        servers = list({id(s): s for s in [*self.fabric.servers.values(), *self.fabric.wires.values()]}.values())
+        self.remembered.settle()      # the chunks standing decisions served
+        servers = list(dict.fromkeys([*self.fabric.servers.values(), *self.fabric.wires.values()]))
         attached = self.opts.attach
         return RunRecord(
             policy=str(self.folder), backend=self.backend.name, backend_load=self.backend.load_stats() if attached else {},

@@ -77,9 +77,10 @@ class Sim:
             fn(*args)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Transfer:
-    """One movement of bytes from src to dst; split into chunks."""
+    """One movement of bytes from src to dst; split into chunks (each transfer is its own: equal
+    by identity, so a hook site may key what it remembers by it)."""
     name: str                 # movement name ("" when no declared movement matches)
     movement_id: int
     cls: str
@@ -98,7 +99,6 @@ class Transfer:
     chunks_done: int = 0
     queue_waits: list = field(default_factory=list)
     ctx: dict = field(default_factory=dict)     # the hook site's context fields, the same for every chunk
-    standing: dict = field(default_factory=dict)  # island -> `Standing` decisions there
     pending: deque = field(default_factory=deque)  # chunks not yet issued, in order
     driver: list | None = None    # the copy engines that issue its chunks (None: issued at once)
     pace: float = 0.0             # B/s a collective's chunks cross each link at (0: the link's bandwidth)
@@ -107,15 +107,6 @@ class Transfer:
     @property
     def flow(self) -> tuple:
         return (self.name, self.src, self.dst)
-
-
-@dataclass(slots=True)
-class Standing:
-    """Decisions that hold for every chunk of a transfer on entering one island (the hook
-    site found they depend on nothing per chunk): the fabric applies them to the chunks
-    that follow the transfer's path without asking again, and counts them."""
-    decisions: dict
-    uses: int = 0
 
 
 @dataclass(slots=True)
@@ -372,7 +363,7 @@ class Fabric:
                     stream = d.get("stream") or stream
                     coalesce = d.get("coalesce") or coalesce
             if coalesce and chunk.bytes < coalesce:
-                chunk = self._coalesce(chunk, ("issue", id(t)), coalesce)
+                chunk = self._coalesce(chunk, ("issue", t), coalesce)
                 if chunk is None:
                     continue
             if t.driver is None:
@@ -466,13 +457,7 @@ class Fabric:
         release = self.sim.now
         if isl is not None and isl != chunk.island:
             chunk.island = isl
-            t = chunk.transfer
-            standing = t.standing.get(isl)
-            if standing is not None and chunk.path is t.path:
-                standing.uses += 1
-                d = standing.decisions
-            else:
-                d = self.hooks.on_enter(chunk, isl)
+            d = self.hooks.on_enter(chunk, isl)
             if d:
                 release = self._apply(chunk, isl, d, release)
                 coalesce = d.get("coalesce", 0)

@@ -340,7 +340,7 @@ class TickSource:
         return self.buf[:n]
 
 
-def catch_up_together(sources: list[TickSource], t: float) -> None:
+def catch_up_together(sources: tuple[TickSource, ...], t: float) -> None:
     """Run every tick due by t of sources whose programs share maps, in time order across
     them (at one time, in the order given), so that each sees the others' earlier ticks."""
     if len(sources) == 1:

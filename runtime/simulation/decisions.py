@@ -1,0 +1,57 @@
+"""What the hook site remembers between events, in one place (the engine's `DecisionCache`).
+
+Two kinds of memory sit above the shims' own (`dispatch.Acting`: decisions per value of the
+fields a program reads):
+
+- a `HookPlan` per place an event happens (island, the transfer's ends, movement): which hooks
+  there have a program acting on the movement, and whether all of them decide from the
+  transfer's own fields alone;
+- a `Standing` per (transfer, island) where the plan is static: the decisions hold for every
+  chunk of the transfer that enters the island on the transfer's path, so later chunks take
+  them without asking the shims.  Their uses are counted as hits of the decisions they
+  repeat when the run's report is drawn (`settle`).
+
+A program detached after a fault takes its island's standing decisions with it (`forget`).
+The fabric holds none of this: it asks the hook site at each decision point.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .dispatch import Known
+
+
+@dataclass(frozen=True, slots=True)
+class HookPlan:
+    hooks: tuple[str, ...]      # the hooks whose program acts on the movement here, in firing order
+    static: bool                # each decides from the transfer's own fields alone
+
+
+@dataclass(slots=True)
+class Standing:
+    decisions: dict             # read-only, as every Known's
+    repeats: list[Known]        # the decisions these are, whose hits the uses count as
+    uses: int = 0
+
+
+@dataclass
+class DecisionCache:
+    plans: dict[tuple, HookPlan] = field(default_factory=dict)
+    standing: dict[tuple, Standing] = field(default_factory=dict)    # (transfer, island) -> Standing
+    _settled: list[Standing] = field(default_factory=list)
+
+    def stand(self, transfer, island: str, decisions: dict, repeats: list[Known]) -> None:
+        """``decisions`` hold for the transfer's later chunks entering ``island``."""
+        self.standing[transfer, island] = s = Standing(decisions, repeats)
+        self._settled.append(s)
+
+    def forget(self, island: str) -> None:
+        """A program of ``island`` was detached: what it decided no longer holds."""
+        self.standing = {k: s for k, s in self.standing.items() if k[1] != island}
+
+    def settle(self) -> None:
+        """Count each standing decision's uses as hits of the decisions it repeats (once)."""
+        for s in self._settled:
+            for known in s.repeats:
+                known.hits += s.uses
+            s.uses = 0
