@@ -85,10 +85,10 @@ def test_decisions_standing_for_a_transfer_are_dropped_when_their_program_is_det
     is detached (after a fault) they no longer hold, and its later chunks ask again."""
     from fabric_ext.runtime.machine.jit import JitBackend
     report, eng = run_engine(compiled("prefill_qos"), backend=JitBackend())
-    standing = [s for (t, island), s in eng.remembered.standing.items() if island == "sw0"]
+    standing = [s for (t, island), s in eng.site.remembered.standing.items() if island == "sw0"]
     assert standing and all(s.decisions.get("priority") for s in standing)
     eng.shims["sw0"].detach("forward")
-    assert not any(island == "sw0" for _, island in eng.remembered.standing)
+    assert not any(island == "sw0" for _, island in eng.site.remembered.standing)
 
 
 def test_decisions_remembered_per_map_entry_follow_the_entry(tmp_path):

@@ -178,21 +178,15 @@ policy p { on cpu0.alloc when ev.layer < 16 { tier = nic0 }
 
 @pytest.mark.parametrize("placement", ["weights: pool0; kv: pool0; kv_export: nic0",
                                        "weights: hbm; kv: hbm", "weights: nic0; kv: pool0"])
-def test_the_transfers_a_run_makes_are_the_ones_the_compiler_warns_with(tmp_path, monkeypatch, placement):
+def test_the_transfers_a_run_makes_are_the_ones_the_compiler_warns_with(tmp_path, placement):
     """The compiler's movement warnings (`lint`) read `prefill_flows`; the engine must make
     exactly those kinds of transfer, or a movement warned about might move data after all."""
     from fabric_ext.runtime.simulation.workload import prefill_flows
     out = compile_text(tmp_path, f"""
 import "fabrics/dgx_cxl.fx"
 workload w {{ model: "llama3-8b"; prompt: 1024; prefill_chunk: 512; tp: 2; {placement} }}""")
-    made = set()
-    real = Engine.transfer
-
-    def transfer(self, cls, operator, src, dst, *rest, **named):
-        made.add((cls, operator, src, dst))
-        return real(self, cls, operator, src, dst, *rest, **named)
-    monkeypatch.setattr(Engine, "transfer", transfer)
     _, eng = run_engine(out, prompt=1024)
+    made = {(t.cls, t.operator or None, t.src, t.dst) for t in eng.fabric.transfers}
     w = eng.workload
     assert len(w.passes()) == 2
     assert made == set(prefill_flows(eng.gpus, w.weights, w.kv, w.kv_export))

@@ -2,11 +2,11 @@
 
 `Engine` builds the fabric model from the manifest (figures from the data file
 fill what the policy's fabric leaves out), attaches every island's programs
-through its shim, is the hook site the fabric asks at each decision point
-(events to contexts to shims, decisions back), runs the telemetry ticks, and
-runs the prefill's schedule (`prefill.Prefill`), which moves data through it.
+through its shim, gives the fabric its hook site (`hook_site.ShimHookSite`: events
+to contexts to shims, decisions back), runs the telemetry ticks, and runs the
+prefill's schedule (`prefill.Prefill`), which moves data through the hook site.
 Every decision a program makes is applied by the fabric model; the run's
-figures come back as a dict (`report`; `stats.py` formats it).
+figures come back as a `stats.RunRecord` (`record`) and a dict (`report`).
 """
 from __future__ import annotations
 
@@ -18,21 +18,11 @@ from pathlib import Path
 import networkx as nx
 
 from fabric_ext.contract.bundle import Folder
-from fabric_ext.contract.flows import MovementTable
-from fabric_ext.contract.hooks import firing
 from fabric_ext.contract.schema import PROP_RANGES
 
-from .decisions import DecisionCache, HookPlan
-from .dispatch import Known
-from .fabric_model import (
-    APPLIED,
-    DEFAULT_MAX_EVENTS,
-    Fabric,
-    HookSite,
-    Sim,
-    Transfer,
-)
+from .fabric_model import DEFAULT_MAX_EVENTS, Fabric, Sim
 from .figures import default, figures
+from .hook_site import ShimHookSite
 from .prefill import Prefill
 from .shims import SHIMS
 from .stats import RunRecord
@@ -60,9 +50,6 @@ def _fewer_collections():
 #: the figure (runtime/simulation/data/figures.json "links") each kind of link takes its fixed costs from
 LINK_FIGURE = {"nvlink": "nvlink4", "pcie": "pcie5_x16", "cxl": "cxl2_x16"}
 
-# context fields that are the same for every chunk of a transfer (`Transfer.ctx`)
-TRANSFER_FIELDS = ("movement", "class", "operator", "src", "dst", "layer", "critical")
-
 
 @dataclass
 class RunOptions:
@@ -80,7 +67,7 @@ class RunOptions:
     context_tracer: object = None    # callable(island, hook, ctx bytes) for every event a program acts on
 
 
-class Engine(HookSite):
+class Engine:
     def __init__(self, artifacts, manifest: dict, maps: dict, backend, opts: RunOptions):
         """``artifacts``: the compiled policy, a folder (a path) or an in-memory `api.Bundle`."""
         if isinstance(artifacts, (str, Path)):
@@ -88,13 +75,11 @@ class Engine(HookSite):
         self.man, self.maps, self.backend, self.opts = manifest, maps, backend, opts
         self.folder = artifacts.name
         self.ids = manifest["ids"]
-        self.dev_by_id = {v: k for k, v in self.ids["devices"].items()}
         self.devices = {d["name"]: d for d in manifest["fabric"]["devices"]}
         self.islands = {i["name"]: i for i in manifest["fabric"]["islands"]}
         self.device_island = {d["name"]: d["island"] for d in manifest["fabric"]["devices"] if d["island"]}
         self.workload = self._workload()
         self.sim = Sim(opts.max_events)
-        self.fabric = self._fabric()
         self.shims = {}
         if opts.attach:
             for name, isl in self.islands.items():
@@ -103,19 +88,17 @@ class Engine(HookSite):
                 if any(p["island"] == name for p in manifest["programs"]):
                     shim.load(artifacts, manifest, maps)
                 self.shims[name] = shim
-        self.movements = MovementTable(manifest["movements"])
         self.gpus = self._gpus()
-        self.prefetch = {g: self.workload.prefetch for g in self.gpus}
+        self.site = ShimHookSite(manifest, self.shims, self.sim, self.workload.transfer_chunk,
+                                 {g: self.workload.prefetch for g in self.gpus}, opts.trace)
+        self.fabric = self._fabric()
+        self.site.bind(self.fabric)
         stack = opts.stack or manifest.get("workload", {}).get("stack") or figures()["defaults"]["stack"]
         self.timing = Timing(self.workload, self.gpus, {g: self.devices[g].get("props", {}) for g in self.gpus},
                              stack)
         self.prefill = None               # the schedule, while `run` runs it
-        self.spans: list[tuple[str, str, float, float]] = []   # (track, name, start ns, duration ns)
         self.ticks: list[TickSource] = []
         self._tick_deps: dict[tuple, list[TickSource]] = {}
-        self.remembered = DecisionCache()
-        for shim in self.shims.values():
-            shim.on_detach = self.remembered.forget
 
     # -- setup ---------------------------------------------------------------------------
     def _workload(self) -> Workload:
@@ -168,7 +151,7 @@ class Engine(HookSite):
                  for n, d in self.devices.items() if d["kind"] in ("dpu", "nic")}
         kinds = {n: i["kind"] for n, i in self.islands.items()}
         engines = {n: int(self._gpu_figure(n, "copy_engines")) for n, d in self.devices.items() if d["kind"] == "gpu"}
-        return Fabric(self.sim, g, self.device_island, kinds, wires, mem, self, engines)
+        return Fabric(self.sim, g, self.device_island, kinds, wires, mem, self.site, engines)
 
     @staticmethod
     def _setup(link) -> float:
@@ -186,141 +169,6 @@ class Engine(HookSite):
         props = self.devices[device].get("props", {})
         return float(props.get(name) or figures()["gpu"][profile_of(device, props)][name])
 
-    def movement_of(self, cls, operator, src, dst) -> dict | None:
-        hit = self.movements.match(cls, operator, src, dst)
-        return hit.movement if hit else None
-
-    # -- transfers --------------------------------------------------------------------------
-    def transfer(self, cls, operator, src, dst, nbytes, layer, on_done, pace=0.0) -> Transfer:
-        hit = self.movements.match(cls, operator, src, dst)
-        m = hit.movement if hit else None
-        chunk = int(m["chunk"]) if m and m.get("chunk") else self.workload.transfer_chunk
-        if operator == "collective":
-            chunk = max(chunk, -(-int(nbytes) // figures()["defaults"]["collective_chunks"]))
-        t = Transfer(m["name"] if m else f"({cls}{'/' + operator if operator else ''})",
-                     m["id"] if m else 0, cls, operator or "", src, dst, int(nbytes), layer,
-                     bool(m and m["critical"]), on_done, chunk, list(hit.path) if hit else [])
-        if operator == "collective":
-            t.pace, t.fixed_cost = pace, not pace
-        ids = self.ids
-        t.ctx = dict(zip(TRANSFER_FIELDS, (t.movement_id, ids["classes"].get(cls, 0),
-                                           ids["operators"].get(t.operator, 0), ids["devices"].get(src, 0),
-                                           ids["devices"].get(dst, 0), layer, int(t.critical))))
-        self.fabric.start(t)
-        return t
-
-    # -- the HookSite the fabric calls --------------------------------------------------------
-    def _chunk_fields(self, chunk):
-        f = dict(chunk.transfer.ctx)
-        f["now"], f["chunk"], f["bytes"], f["hop"] = int(self.sim.now), chunk.index, chunk.bytes, chunk.hop
-        return f
-
-    def decide(self, island, hook, fields) -> Known | None:
-        """The decisions the program on ``island``'s ``hook`` makes for an event (a `Known`:
-        read-only, device decisions as ids), or None when none acts on it."""
-        shim = self.shims.get(island)
-        if shim is None or not shim.has(hook):
-            return None
-        if self.ticks:
-            self._ticks_before(island, hook, fields.get("movement"))
-        known = shim.decide(hook, fields, self.sim.now)
-        if self.opts.trace:
-            self.spans.append((island, hook, self.sim.now, 0.0))
-        return known
-
-    def _devices(self, d: dict) -> dict:
-        """Route and tier decisions name devices by id; the fabric wants names."""
-        if "route" in d or "tier" in d:
-            d = dict(d)
-            for k in ("route", "tier"):
-                if k in d:
-                    d[k] = self.dev_by_id.get(d[k], 0)
-        return d
-
-    def on_issue(self, chunk, island, role):
-        shim = self.shims.get(island)
-        t = chunk.transfer
-        if shim is None or shim.maps_for("issue", t.movement_id) is None:
-            return None
-        fields = self._chunk_fields(chunk)
-        path = chunk.path
-        if role == "src" and len(path) > 1:
-            fields["out_port"] = self.fabric.port_index(path[0], path[1])
-            fields["queue_bytes"] = self.fabric.server(path[0], path[1]).queued_bytes
-        known = self.decide(island, "issue", fields)
-        if known is None:
-            return None
-        d = known.decisions
-        if d.get("prefetch"):
-            self.prefetch[island] = d["prefetch"]       # the latest chunk's word holds
-        return self._devices(d) if not APPLIED.isdisjoint(d) else None
-
-    def on_enter(self, chunk, island):
-        t, path, hop = chunk.transfer, chunk.path, chunk.hop
-        if path is t.path:
-            standing = self.remembered.standing.get((t, island))
-            if standing is not None:
-                standing.uses += 1
-                return standing.decisions
-        where = (island, path[0], path[-1], t.movement_id)      # the ends say the role
-        plan = self.remembered.plans.get(where) or \
-            self._plan(where, island, self._enter_hooks(island, path[0], path[-1]), t.movement_id)
-        hooks = plan.hooks
-        if not hooks:
-            return None
-        fields = self._chunk_fields(chunk)
-        fabric, dev = self.fabric, path[hop]
-        fields["in_port"] = fabric.port_index(dev, path[hop - 1]) if hop else 0
-        fields["out_port"] = fabric.port_index(dev, path[hop + 1]) if hop + 1 < len(path) else 0
-        if hop + 1 < len(path):
-            fields["queue_bytes"] = fabric.server(dev, path[hop + 1]).queued_bytes
-        elif dev in fabric.wires:
-            fields["queue_bytes"] = fabric.wires[dev].queued_bytes
-        if "mem_access" in hooks:
-            fields["write"] = int(self.devices[path[-1]]["kind"] == "cxl_mem")
-        each = [self.decide(island, h, fields) for h in hooks]
-        if len(each) == 1:          # read-only, like every Known's decisions
-            merged = each[0].decisions if each[0] is not None else {}
-        else:
-            merged = {}
-            for known in each:
-                if known is not None:
-                    merged.update(known.decisions)
-        merged = self._devices(merged)
-        if plan.static and path is t.path and not self.opts.trace and all(k is not None and k.kept for k in each):
-            # the same for every chunk of this transfer here (None: the program faulted)
-            self.remembered.stand(t, island, merged, each)
-        return merged
-
-    def _plan(self, where, island, hooks, movement) -> HookPlan:
-        """The hooks of ``island`` whose program acts on this movement's events, and whether
-        all of them decide from the transfer's own fields alone (no map, nothing per chunk);
-        kept for the next event at ``where``."""
-        shim = self.shims.get(island)
-        acting = [(h, shim.acting(h, movement)) for h in hooks] if shim else []
-        acting = [(h, a) for h, a in acting if a is not None]
-        static = all(a.key_fields is not None and not a.entries and set(a.key_fields).issubset(TRANSFER_FIELDS)
-                     for _, a in acting)
-        plan = self.remembered.plans[where] = HookPlan(tuple(h for h, _ in acting), static)
-        return plan
-
-    def _enter_hooks(self, island, src, dst):
-        """The hooks a chunk from src to dst meets on entering ``island`` (the catalogue's)."""
-        role = "src" if self.device_island.get(src) == island else \
-            "dst" if self.device_island.get(dst) == island else "transit"
-        return firing(self.islands[island]["kind"], "enter", role)
-
-    def on_delivered(self, chunk, island, latency):
-        where = (island, "complete", chunk.transfer.movement_id)
-        plan = self.remembered.plans.get(where) or self._plan(where, island, ("complete",), chunk.transfer.movement_id)
-        if not plan.hooks:
-            return
-        fields = self._chunk_fields(chunk)
-        fields["latency"] = int(latency)
-        known = self.decide(island, "complete", fields)
-        if known is not None and known.decisions.get("prefetch"):
-            self.prefetch[island] = known.decisions["prefetch"]
-
     # -- telemetry ticks ----------------------------------------------------------------------
     def _start_ticks(self):
         for island, shim in self.shims.items():
@@ -330,7 +178,7 @@ class Engine(HookSite):
                 continue
             peers = self.fabric.ports(island)
             src = TickSource(shim, island, periods, [self.fabric.server(island, p) for p in peers],
-                             [self.ids["devices"].get(p, 0) for p in peers], self.spans if self.opts.trace else None)
+                             [self.ids["devices"].get(p, 0) for p in peers], self.site.spans if self.opts.trace else None)
             self.ticks.append(src)
         self._tick_groups = self._group_ticks()
         for src, group in self._tick_groups.items():
@@ -338,6 +186,7 @@ class Engine(HookSite):
         if self.ticks:
             self._flush_every = BLOCK * min(t.shortest for t in self.ticks)
             self.sim.at(0, self._tick_clock)
+            self.site.before_event = self._ticks_before
 
     def _group_ticks(self) -> dict[TickSource, list[TickSource]]:
         """Each tick source's group: the sources whose programs share a map with it, directly
@@ -414,7 +263,7 @@ class Engine(HookSite):
 
     def record(self) -> RunRecord:
         """What the run hands its report and trace (`stats.RunRecord`)."""
-        self.remembered.settle()      # the chunks standing decisions served
+        self.site.remembered.settle()      # the chunks standing decisions served
         servers = list(dict.fromkeys([*self.fabric.servers.values(), *self.fabric.wires.values()]))
         attached = self.opts.attach
         return RunRecord(
@@ -428,4 +277,4 @@ class Engine(HookSite):
             maps={name: m.dump() for name, m in sorted(self.maps.items())} if attached else {},
             copy_engines=[{"name": ce.name, "chunks": ce.chunks, "bytes": ce.bytes}
                           for engines in self.fabric.engines.values() for ce in engines],
-            refused=dict(self.fabric.refused), spans=self.spans)
+            refused=dict(self.fabric.refused), spans=self.site.spans)

@@ -3,7 +3,7 @@ the tensor-parallel group waits for its inputs (weights unless in HBM; in a chun
 later passes the KV of the earlier ones), computes (`timing.Timing`), then the group
 all-reduces over the ring; after attention each GPU writes its KV back and exports it without
 waiting.  Weights are issued the prefetch depth ahead (the workload's, or what a program
-decided).  It moves data and asks hooks only through the engine it is given.
+decided).  It moves data and asks hooks only through the engine's hook site.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from collections import defaultdict
 class Prefill:
     def __init__(self, engine, on_finish):
         self.e, self.sim, self.workload, self.gpus = engine, engine.sim, engine.workload, engine.gpus
+        self.site = engine.site                   # where it asks hooks and starts transfers
         self.timing = engine.timing
         self.on_finish = on_finish               # called with the time the first token is out
         self.pass_start = 0.0
@@ -50,12 +51,12 @@ class Prefill:
             for op in ("attention", "ffn"):
                 where = w.weights
                 if host is not None:
-                    m = self.e.movement_of("weights", op, w.weights, self.gpus[0]) \
+                    m = self.site.movement_of("weights", op, w.weights, self.gpus[0]) \
                         if w.weights in self.e.devices else None
-                    known = self.e.decide(host, "alloc", {"now": 0, "movement": m["id"] if m else 0,
+                    known = self.site.decide(host, "alloc", {"now": 0, "movement": m["id"] if m else 0,
                                                           "class": self.e.ids["classes"]["weights"], "layer": layer,
                                                           "bytes": w.weight_bytes(op)})
-                    tier = self.e.dev_by_id.get(known.decisions.get("tier")) if known is not None else None
+                    tier = self.site.dev_by_id.get(known.decisions.get("tier")) if known is not None else None
                     if tier and tier not in self.e.fabric.memories:
                         self.e.fabric.refused["tier"] += 1
                     elif tier:
@@ -68,7 +69,7 @@ class Prefill:
         (unless in HBM) and, for attention in a later pass of a chunked prefill, the KV of
         the earlier passes from where it lives (unless in HBM)."""
         w = self.workload
-        depth = max(1, self.e.prefetch[g])
+        depth = max(1, self.site.prefetch[g])
         while self.issued[g] < len(self.units) and self.issued[g] < current + 2 * depth:
             u = self.issued[g]
             self.issued[g] += 1
@@ -85,7 +86,7 @@ class Prefill:
                 continue
             self.inputs_left[(g, u)] = len(inputs)
             for cls, operator, src, nbytes in inputs:
-                self.e.transfer(cls, operator, src, g, nbytes, layer, lambda t, g=g, u=u: self._input_arrived(g, u, t))
+                self.site.transfer(cls, operator, src, g, nbytes, layer, lambda t, g=g, u=u: self._input_arrived(g, u, t))
 
     def _input_arrived(self, g, u, t):
         """One input of unit u on GPU g arrived; the last one makes the unit ready (and is what
@@ -119,18 +120,18 @@ class Prefill:
         stall = self.sim.now - self.unit_start
         if stall > 0:      # charged to the input that arrived last
             self.stall_by_movement[self.last_input.get((g, u), f"(weights/{op})")] += stall
-        known = self.e.decide(g, "launch", {"now": int(self.sim.now), "layer": layer,
+        known = self.site.decide(g, "launch", {"now": int(self.sim.now), "layer": layer,
                                         "operator": self.e.ids["operators"][op],
                                         "flops": int(sum(o.flops for o in ops)),
                                         "bytes": int(sum(o.bytes for o in ops)), "stall": int(stall)})
         if known is not None and known.decisions.get("prefetch"):
-            self.e.prefetch[g] = known.decisions["prefetch"]
+            self.site.prefetch[g] = known.decisions["prefetch"]
         self._issue_inputs(g, u + 1)
         dur = self.timing.block_ns(g, p, op)
         if layer == 0 and op == "attention":
             dur += self.timing.pass_edges_ns(g, p, True, False)
         if self.e.opts.trace:
-            self.e.spans.append((g, f"{op} L{layer}", self.sim.now, dur))
+            self.site.spans.append((g, f"{op} L{layer}", self.sim.now, dur))
         s = self.layer_stats[layer]
         s[f"{op}_ms"] += dur / 1e6 / len(self.gpus)
         s[f"{op}_stall_ms"] += stall / 1e6 / len(self.gpus)
@@ -164,13 +165,13 @@ class Prefill:
                         ar.busbw)
 
     def _ring_send(self, g, nxt, nbytes, layer, u, busbw):
-        self.e.transfer("activations", "collective", g, nxt, nbytes, layer, lambda tr, u=u: self._ar_done(u),
+        self.site.transfer("activations", "collective", g, nxt, nbytes, layer, lambda tr, u=u: self._ar_done(u),
                       pace=busbw)
 
     def _ar_done(self, u):
         self.ar_pending -= 1
         if self.ar_pending == 0:
-            m = self.e.movement_of("activations", "collective", self.gpus[0], self.gpus[1 % len(self.gpus)])
+            m = self.site.movement_of("activations", "collective", self.gpus[0], self.gpus[1 % len(self.gpus)])
             self.stall_by_movement[m["name"] if m else "(activations/collective)"] += self.sim.now - self.ar_start
             self.layer_stats[self.units[u][1]]["allreduce_ms"] += (self.sim.now - self.ar_start) / 1e6
             self._after(u)
@@ -183,7 +184,7 @@ class Prefill:
             for g in self.gpus:
                 for where in (w.kv, w.kv_export):
                     if where and where not in ("hbm", "none"):
-                        self.e.transfer("kv", None, g, where, w.kv_bytes(n), layer, self._kv_done)
+                        self.site.transfer("kv", None, g, where, w.kv_bytes(n), layer, self._kv_done)
         if u + 1 < len(self.units) and self.units[u + 1][0] == p:
             self._begin(u + 1)
             return

@@ -1,0 +1,175 @@
+"""The hook site (`ShimHookSite`): events at the fabric's decision points become hook contexts,
+the islands' shims run their programs on them, and the decisions go back to the fabric.
+
+It also starts transfers (their context fields are the same for every chunk: `Transfer.ctx`)
+and serves the prefill's own hooks (`decide`: alloc, launch).  What it remembers between
+events is `decisions.DecisionCache`; device decisions (route, tier) come back as names.
+"""
+from __future__ import annotations
+
+from fabric_ext.contract.flows import MovementTable
+from fabric_ext.contract.hooks import firing
+
+from .decisions import DecisionCache, HookPlan
+from .dispatch import Known
+from .fabric_model import APPLIED, Fabric, HookSite, Transfer
+from .figures import figures
+
+# context fields that are the same for every chunk of a transfer (`Transfer.ctx`)
+TRANSFER_FIELDS = ("movement", "class", "operator", "src", "dst", "layer", "critical")
+
+
+class ShimHookSite(HookSite):
+    def __init__(self, manifest: dict, shims: dict, sim, transfer_chunk: int, prefetch: dict[str, int],
+                 trace: bool = False):
+        self.shims, self.sim, self.transfer_chunk, self.trace = shims, sim, transfer_chunk, trace
+        self.ids = manifest["ids"]
+        self.dev_by_id = {v: k for k, v in self.ids["devices"].items()}
+        self.devices = {d["name"]: d for d in manifest["fabric"]["devices"]}
+        self.islands = {i["name"]: i for i in manifest["fabric"]["islands"]}
+        self.device_island = {d["name"]: d["island"] for d in manifest["fabric"]["devices"] if d["island"]}
+        self.movements = MovementTable(manifest["movements"])
+        self.prefetch = prefetch          # per GPU: layers of weights issued ahead (a program may change it)
+        self.spans: list[tuple[str, str, float, float]] = []   # (track, name, start ns, duration ns)
+        self.remembered = DecisionCache()
+        self.fabric: Fabric | None = None     # the fabric that asks (`bind`)
+        self.before_event = None          # callable(island, hook, movement) run before an event's program
+        for shim in shims.values():
+            shim.on_detach = self.remembered.forget
+
+    def bind(self, fabric: Fabric) -> None:
+        self.fabric = fabric
+
+    def movement_of(self, cls, operator, src, dst) -> dict | None:
+        hit = self.movements.match(cls, operator, src, dst)
+        return hit.movement if hit else None
+
+    def transfer(self, cls, operator, src, dst, nbytes, layer, on_done, pace=0.0) -> Transfer:
+        hit = self.movements.match(cls, operator, src, dst)
+        m = hit.movement if hit else None
+        chunk = int(m["chunk"]) if m and m.get("chunk") else self.transfer_chunk
+        if operator == "collective":
+            chunk = max(chunk, -(-int(nbytes) // figures()["defaults"]["collective_chunks"]))
+        t = Transfer(m["name"] if m else f"({cls}{'/' + operator if operator else ''})",
+                     m["id"] if m else 0, cls, operator or "", src, dst, int(nbytes), layer,
+                     bool(m and m["critical"]), on_done, chunk, list(hit.path) if hit else [])
+        if operator == "collective":
+            t.pace, t.fixed_cost = pace, not pace
+        ids = self.ids
+        t.ctx = dict(zip(TRANSFER_FIELDS, (t.movement_id, ids["classes"].get(cls, 0),
+                                           ids["operators"].get(t.operator, 0), ids["devices"].get(src, 0),
+                                           ids["devices"].get(dst, 0), layer, int(t.critical))))
+        self.fabric.start(t)
+        return t
+
+    # -- what the fabric asks ------------------------------------------------------------------
+    def _chunk_fields(self, chunk):
+        f = dict(chunk.transfer.ctx)
+        f["now"], f["chunk"], f["bytes"], f["hop"] = int(self.sim.now), chunk.index, chunk.bytes, chunk.hop
+        return f
+
+    def decide(self, island, hook, fields) -> Known | None:
+        """The decisions the program on ``island``'s ``hook`` makes for an event (a `Known`:
+        read-only, device decisions as ids), or None when none acts on it."""
+        shim = self.shims.get(island)
+        if shim is None or not shim.has(hook):
+            return None
+        if self.before_event is not None:
+            self.before_event(island, hook, fields.get("movement"))
+        known = shim.decide(hook, fields, self.sim.now)
+        if self.trace:
+            self.spans.append((island, hook, self.sim.now, 0.0))
+        return known
+
+    def _devices(self, d: dict) -> dict:
+        """Route and tier decisions name devices by id; the fabric wants names."""
+        if "route" in d or "tier" in d:
+            d = dict(d)
+            for k in ("route", "tier"):
+                if k in d:
+                    d[k] = self.dev_by_id.get(d[k], 0)
+        return d
+
+    def on_issue(self, chunk, island, role):
+        shim = self.shims.get(island)
+        t = chunk.transfer
+        if shim is None or shim.maps_for("issue", t.movement_id) is None:
+            return None
+        fields = self._chunk_fields(chunk)
+        path = chunk.path
+        if role == "src" and len(path) > 1:
+            fields["out_port"] = self.fabric.port_index(path[0], path[1])
+            fields["queue_bytes"] = self.fabric.server(path[0], path[1]).queued_bytes
+        known = self.decide(island, "issue", fields)
+        if known is None:
+            return None
+        d = known.decisions
+        if d.get("prefetch"):
+            self.prefetch[island] = d["prefetch"]       # the latest chunk's word holds
+        return self._devices(d) if not APPLIED.isdisjoint(d) else None
+
+    def on_enter(self, chunk, island):
+        t, path, hop = chunk.transfer, chunk.path, chunk.hop
+        if path is t.path:
+            standing = self.remembered.standing.get((t, island))
+            if standing is not None:
+                standing.uses += 1
+                return standing.decisions
+        where = (island, path[0], path[-1], t.movement_id)      # the ends say the role
+        plan = self.remembered.plans.get(where) or \
+            self._plan(where, island, self._enter_hooks(island, path[0], path[-1]), t.movement_id)
+        hooks = plan.hooks
+        if not hooks:
+            return None
+        fields = self._chunk_fields(chunk)
+        fabric, dev = self.fabric, path[hop]
+        fields["in_port"] = fabric.port_index(dev, path[hop - 1]) if hop else 0
+        fields["out_port"] = fabric.port_index(dev, path[hop + 1]) if hop + 1 < len(path) else 0
+        if hop + 1 < len(path):
+            fields["queue_bytes"] = fabric.server(dev, path[hop + 1]).queued_bytes
+        elif dev in fabric.wires:
+            fields["queue_bytes"] = fabric.wires[dev].queued_bytes
+        if "mem_access" in hooks:
+            fields["write"] = int(self.devices[path[-1]]["kind"] == "cxl_mem")
+        each = [self.decide(island, h, fields) for h in hooks]
+        if len(each) == 1:          # read-only, like every Known's decisions
+            merged = each[0].decisions if each[0] is not None else {}
+        else:
+            merged = {}
+            for known in each:
+                if known is not None:
+                    merged.update(known.decisions)
+        merged = self._devices(merged)
+        if plan.static and path is t.path and not self.trace and all(k is not None and k.kept for k in each):
+            # the same for every chunk of this transfer here (None: the program faulted)
+            self.remembered.stand(t, island, merged, each)
+        return merged
+
+    def _plan(self, where, island, hooks, movement) -> HookPlan:
+        """The hooks of ``island`` whose program acts on this movement's events, and whether
+        all of them decide from the transfer's own fields alone (no map, nothing per chunk);
+        kept for the next event at ``where``."""
+        shim = self.shims.get(island)
+        acting = [(h, shim.acting(h, movement)) for h in hooks] if shim else []
+        acting = [(h, a) for h, a in acting if a is not None]
+        static = all(a.key_fields is not None and not a.entries and set(a.key_fields).issubset(TRANSFER_FIELDS)
+                     for _, a in acting)
+        plan = self.remembered.plans[where] = HookPlan(tuple(h for h, _ in acting), static)
+        return plan
+
+    def _enter_hooks(self, island, src, dst):
+        """The hooks a chunk from src to dst meets on entering ``island`` (the catalogue's)."""
+        role = "src" if self.device_island.get(src) == island else \
+            "dst" if self.device_island.get(dst) == island else "transit"
+        return firing(self.islands[island]["kind"], "enter", role)
+
+    def on_delivered(self, chunk, island, latency):
+        where = (island, "complete", chunk.transfer.movement_id)
+        plan = self.remembered.plans.get(where) or self._plan(where, island, ("complete",), chunk.transfer.movement_id)
+        if not plan.hooks:
+            return
+        fields = self._chunk_fields(chunk)
+        fields["latency"] = int(latency)
+        known = self.decide(island, "complete", fields)
+        if known is not None and known.decisions.get("prefetch"):
+            self.prefetch[island] = known.decisions["prefetch"]
