@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
-from pathlib import Path
 
 import lark
 from lark import Token, Transformer, v_args
@@ -37,10 +36,8 @@ _TOKEN_NAMES = {
 
 @lru_cache(maxsize=1)
 def _lark() -> lark.Lark:
-    grammar = (Path(__file__).with_name("grammar.lark")).read_text()
-    # no cache=True: Lark would load its tables as a pickle from the shared temporary folder,
-    # which anyone can plant; building them takes ~50 ms once per process
-    return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+    from .grammar_tables import load
+    return load()
 
 
 def _expected_names(expected) -> list[str]:

@@ -1,7 +1,7 @@
 """Grammar, checker rules, imports, units, graph routing and placement."""
 import pytest
 
-from conftest import FABRIC_LINES
+from conftest import FABRIC_LINES, POLICIES
 from fabric_ext import ast as A
 from fabric_ext.diagnostics import Diagnostics
 from fabric_ext.parser import parse
@@ -255,3 +255,38 @@ def test_examples_check_clean():
         a = analyze(p)
         assert a.ok, a.diags.items
         assert a.placements
+
+
+# ---- the shipped parser tables -----------------------------------------------------------
+def test_the_shipped_parser_tables_are_those_of_the_grammar_and_are_used(monkeypatch):
+    """grammar.tables.json carries the grammar's digest and Lark's version (rewrite it with
+    `python -m fabric_ext.grammar_tables` after changing the grammar); loading it builds
+    nothing, and a stamp that does not match falls back to building."""
+    from fabric_ext import grammar_tables as gt
+    built = []
+    monkeypatch.setattr(gt, "build", lambda: built.append(1))
+    assert gt.load() is not None and not built
+    monkeypatch.setattr(gt, "_stamp", lambda: {"grammar_sha256": "0" * 64, "lark": "0"})
+    gt.load()
+    assert built == [1]
+
+
+@pytest.mark.parametrize("text", [
+    *[p.read_text() for p in sorted(POLICIES.rglob("*.fx"))],
+    "fabric f { gpu g0 }", "policy p { on x.issue { priority = } }", "workload w { model: ; }",
+    "movement m = kv : a -> b via", "map m : array<u32, u64>[4]\npolicy p { on m { } }", "}{",
+])
+def test_the_shipped_tables_parse_as_a_parser_built_from_the_grammar(text):
+    """Trees, and the tokens a syntax error expects, equal those of a parser built afresh."""
+    import lark
+
+    from fabric_ext import grammar_tables as gt
+    shipped, fresh = gt.load(), gt.build()
+
+    def outcome(parser):
+        try:
+            return parser.parse(text)
+        except lark.exceptions.UnexpectedInput as e:
+            return type(e).__name__, e.line, e.column, sorted(getattr(e, "expected", None) or
+                                                              getattr(e, "allowed", None) or ())
+    assert outcome(shipped) == outcome(fresh)
