@@ -1,6 +1,6 @@
 """Pass 4: the semantic movement graph (`build_graph`).
 
-The physical graph is a networkx DiGraph of devices and directed links (with
+The physical graph is a `contract.digraph.DiGraph` of devices and directed links (with
 bandwidth and latency).  Each movement is expanded over its patterns into
 concrete flows (source, destination), each routed along a path (shortest by
 latency unless ``via`` is given) and mapped to the ordered list of islands it
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import networkx as nx
+from fabric_ext.contract.digraph import DiGraph
 
 from . import ast as A
 from .checker import Symbols
@@ -55,7 +55,7 @@ class Flow:
 
 @dataclass
 class MovementGraph:
-    g: nx.DiGraph
+    g: DiGraph
     islands: dict[str, Island]
     device_island: dict[str, str]
     flows: dict[str, list[Flow]] = field(default_factory=dict)  # movement -> flows
@@ -84,8 +84,8 @@ def _islands(sym: Symbols) -> tuple[dict[str, Island], dict[str, str]]:
     return islands, dev_island
 
 
-def _physical(sym: Symbols) -> nx.DiGraph:
-    g = nx.DiGraph()
+def _physical(sym: Symbols) -> DiGraph:
+    g = DiGraph()
     for name, d in sym.devices.items():
         g.add_node(name, kind=d.kind)
     fab = sym.fabric

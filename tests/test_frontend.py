@@ -1,5 +1,7 @@
 """Grammar, checker rules, imports, units, graph routing and placement."""
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import FABRIC_LINES, POLICIES
 from fabric_ext import ast as A
@@ -290,3 +292,29 @@ def test_the_shipped_tables_parse_as_a_parser_built_from_the_grammar(text):
             return type(e).__name__, e.line, e.column, sorted(getattr(e, "expected", None) or
                                                               getattr(e, "allowed", None) or ())
     assert outcome(shipped) == outcome(fresh)
+
+
+# ---- the graph's shortest paths, against networkx -------------------------------------------
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 7), st.sampled_from([0, 1, 2, 5, None])),
+                max_size=30), st.integers(0, 7), st.integers(0, 7))
+def test_shortest_paths_are_those_networkx_finds(links, src, dst):
+    """`contract.digraph.shortest_path` breaks ties as networkx's Dijkstra does, so routes and
+    port numbers are what they were when the project routed with networkx (latency 0 and
+    equal-cost routes included)."""
+    import networkx as nx
+
+    from fabric_ext.contract.digraph import DiGraph, shortest_path
+    from fabric_ext.contract.topology import _weight
+    ours, theirs = DiGraph(), nx.DiGraph()
+    for g in (ours, theirs):
+        for n in range(8):
+            g.add_node(f"d{n}")
+        for u, v, lat in links:
+            g.add_edge(f"d{u}", f"d{v}", latency=lat)
+    try:
+        expected = nx.shortest_path(theirs, f"d{src}", f"d{dst}", weight=_weight)
+    except nx.NetworkXNoPath:
+        expected = None
+    assert shortest_path(ours, f"d{src}", f"d{dst}", _weight) == expected
+    assert list(ours.edges(data=True)) == list(theirs.edges(data=True))

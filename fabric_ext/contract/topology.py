@@ -8,7 +8,7 @@ declares, a ``route`` or ``tier`` decision).  Port ``i`` of a device leads to
 """
 from __future__ import annotations
 
-import networkx as nx
+from .digraph import DiGraph, shortest_path
 
 
 def _weight(u, v, attrs) -> float:
@@ -16,25 +16,25 @@ def _weight(u, v, attrs) -> float:
     return (attrs.get("latency") or 0) + 1
 
 
-def route(g: nx.DiGraph, src: str, dst: str, via: tuple[str, ...] | list[str] = ()) -> list[str] | None:
+def route(g: DiGraph, src: str, dst: str, via: tuple[str, ...] | list[str] = ()) -> list[str] | None:
     """The lowest-latency path from src to dst through every device of ``via`` in order
     (fewest hops among equals), or None when there is none."""
     stops = [src, *via, dst]
     path = [src]
-    try:
-        for a, b in zip(stops, stops[1:]):
-            path += nx.shortest_path(g, a, b, weight=_weight)[1:]
-    except (nx.NetworkXNoPath, nx.NodeNotFound):
-        return None
+    for a, b in zip(stops, stops[1:]):
+        leg = shortest_path(g, a, b, _weight)
+        if leg is None:
+            return None
+        path += leg[1:]
     return path
 
 
-def ports(g: nx.DiGraph, device: str) -> list[str]:
+def ports(g: DiGraph, device: str) -> list[str]:
     """The devices a device's ports lead to, in port-index order."""
     return sorted(g.successors(device))
 
 
-def port_index(g: nx.DiGraph, device: str, peer: str) -> int:
+def port_index(g: DiGraph, device: str, peer: str) -> int:
     """The index of the device's port that leads to ``peer`` (0 when none does)."""
     p = ports(g, device)
     return p.index(peer) if peer in p else 0

@@ -15,9 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import networkx as nx
-
 from fabric_ext.contract.bundle import Folder
+from fabric_ext.contract.digraph import DiGraph
 from fabric_ext.contract.schema import PROP_RANGES
 
 from .fabric_model import DEFAULT_MAX_EVENTS, Fabric, Sim
@@ -135,7 +134,7 @@ class Engine:
         return [d for d, v in self.devices.items() if v["kind"] == "gpu"][: self.workload.tp]
 
     def _fabric(self) -> Fabric:
-        g = nx.DiGraph()
+        g = DiGraph()
         link_default, hop = default("link"), default("switch_hop")
         for link in self.man["fabric"]["links"]:
             u, v = link["src"], link["dst"]

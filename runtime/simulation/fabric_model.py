@@ -25,9 +25,8 @@ import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-import networkx as nx
-
 from fabric_ext.contract import topology
+from fabric_ext.contract.digraph import DiGraph
 from fabric_ext.contract.hooks import PRIORITY, TIER_KINDS, firing
 from fabric_ext.runtime.machine.errors import InputError
 
@@ -271,7 +270,7 @@ class HookSite:
 class Fabric:
     """Devices and links from the compiled manifest, and the chunks moving over them."""
 
-    def __init__(self, sim: Sim, graph: nx.DiGraph, device_island: dict[str, str],
+    def __init__(self, sim: Sim, graph: DiGraph, device_island: dict[str, str],
                  island_kind: dict[str, str], wires: dict[str, tuple[float, float]],
                  memory_channels: dict[str, float], hooks: HookSite | None = None,
                  copy_engines: dict[str, int] | None = None):
