@@ -16,7 +16,7 @@ import llvmlite.ir as L
 
 from fabric_ext import __version__
 from fabric_ext.runtime.machine.helpers import HELPERS
-from fabric_ext.runtime.machine.maps import KIND_TYPE
+from fabric_ext.runtime.machine.maptypes import KIND_TYPE
 
 from . import ir
 

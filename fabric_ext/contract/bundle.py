@@ -14,16 +14,20 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fabric_ext.runtime.machine.elf import MapSpec
 from fabric_ext.runtime.machine.fsutil import UnreadableFile, check_replaceable, read_bounded, replace_dir
-from fabric_ext.runtime.machine.maps import KIND_TYPE, Map
+from fabric_ext.runtime.machine.maptypes import KIND_TYPE
 from fabric_ext.runtime.machine.program import Program, SourceLine
 from fabric_ext.runtime.machine.verifier import VerifierError, verify
 
 from .hooks import HOOKS
 from .manifest_schema import SchemaError, validate
 from .runtime_json import BundleError, artifact_name, parse_json, parse_runtime_json
+
+if TYPE_CHECKING:
+    from fabric_ext.runtime.machine.maps import Map
 
 MANIFEST_SCHEMA = "fabric-manifest/2"   # 2: programs list their handlers
 MAX_ARTIFACT = 64 << 20     # no file of a policy folder is read if it is larger

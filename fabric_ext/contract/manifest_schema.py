@@ -14,7 +14,7 @@ import re
 
 from fabric_ext.runtime.machine.elf import MapSpec
 from fabric_ext.runtime.machine.errors import ArtifactError
-from fabric_ext.runtime.machine.maps import KIND_TYPE
+from fabric_ext.runtime.machine.maptypes import KIND_TYPE
 
 from .hooks import DEVICE_ISLAND_KIND, HOOKS, ISLAND_RUNTIME
 from .schema import (

@@ -12,6 +12,7 @@ import io
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
@@ -22,8 +23,11 @@ from .btf import BTFError, map_def, parse_btf, parse_btf_ext_lines
 from .errors import ArtifactError
 from .fsutil import UnreadableFile, read_bounded
 from .isa import MAX_MAP_BYTES
-from .maps import ARRAY, PERCPU_ARRAY, RINGBUF, TYPE_KIND, Map
+from .maptypes import ARRAY, PERCPU_ARRAY, RINGBUF, TYPE_KIND
 from .program import Program, SourceLine
+
+if TYPE_CHECKING:
+    from .maps import Map
 
 R_BPF_64_64, R_BPF_64_ABS64, R_BPF_64_ABS32, R_BPF_64_NODYLD32, R_BPF_64_32 = 1, 2, 3, 4, 10
 EM_BPF = 247
@@ -67,6 +71,7 @@ class MapSpec:
         return None
 
     def create(self, **kw) -> Map:
+        from .maps import Map
         m = Map(self.name, self.type, self.key_size, self.value_size, self.max_entries, self.flags, **kw)
         if self.data is not None:
             m.update(b"\0\0\0\0", self.data.ljust(self.value_size, b"\0"))

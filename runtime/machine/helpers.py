@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .maps import RINGBUF
+from .maptypes import RINGBUF
 from .semantics import Fault
 
 # argument kinds

@@ -18,7 +18,7 @@ import struct
 
 from . import helpers as Hl
 from . import isa as I
-from .maps import RINGBUF
+from .maptypes import RINGBUF
 from .program import Backend, Program, ProofViolation, VMFault
 from .semantics import Fault, alu, ctx_write_mask, s32, s64
 

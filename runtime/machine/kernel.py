@@ -20,7 +20,7 @@ import struct
 
 from . import isa as I
 from .errors import FabricError
-from .maps import PERCPU_ARRAY, PERCPU_HASH, RINGBUF
+from .maptypes import PERCPU_ARRAY, PERCPU_HASH, RINGBUF
 from .program import Backend, Program, VMFault
 
 SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390x": 351}.get(platform.machine(), 321)

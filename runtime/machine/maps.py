@@ -15,12 +15,19 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from .errors import InputError
+from .maptypes import (  # noqa: F401  (the map type numbers, also read from here)
+    ARRAY,
+    HASH,
+    KIND_TYPE,
+    LRU_HASH,
+    PERCPU_ARRAY,
+    PERCPU_HASH,
+    QUEUE,
+    RINGBUF,
+    STACK,
+    TYPE_KIND,
+)
 
-# kernel map type numbers (include/uapi/linux/bpf.h)
-HASH, ARRAY, PERCPU_HASH, PERCPU_ARRAY, LRU_HASH, QUEUE, STACK, RINGBUF = 1, 2, 5, 6, 9, 22, 23, 27
-KIND_TYPE = {"hash": HASH, "array": ARRAY, "percpu_hash": PERCPU_HASH, "percpu_array": PERCPU_ARRAY,
-             "lru_hash": LRU_HASH, "queue": QUEUE, "stack": STACK, "ringbuf": RINGBUF}
-TYPE_KIND = {v: k for k, v in KIND_TYPE.items()}
 BPF_ANY, BPF_NOEXIST, BPF_EXIST = 0, 1, 2
 
 EMPTY, USED, TOMB = 0, 1, 2

@@ -20,7 +20,7 @@ it reads.  So for an event of a given movement the shim knows:
 """
 from __future__ import annotations
 
-from ..machine.maps import ARRAY
+from ..machine.maptypes import ARRAY
 
 MEMO_LIMIT = 256       # distinct field values per (hook, movement) before remembering stops
 
