@@ -83,10 +83,13 @@ class Diagnostics:
         out.extend(f"hint: {h}" for h in d.hints)
         return "\n".join(out)
 
+    def rendered(self) -> str:
+        """Every diagnostic as `print` shows it, in source order."""
+        return "".join(self.render(d) + "\n"
+                       for d in sorted(self.items, key=lambda d: (d.span.file, d.span.line, d.span.col)))
+
     def print(self, stream=None) -> None:
-        stream = stream or sys.stderr
-        for d in sorted(self.items, key=lambda d: (d.span.file, d.span.line, d.span.col)):
-            print(self.render(d), file=stream)
+        (stream or sys.stderr).write(self.rendered())
 
 
 def closest(name: str, candidates) -> str | None:

@@ -39,13 +39,14 @@ _warned: set[str] = set()    # folders already reported as unusable in this proc
 _SOURCES = ("lift.py", "jit.py", "maps.py", "isa.py")
 
 
-def default_dir() -> Path | None:
-    """Where the cache lives, or None when ``FABRIC_EXT_JIT_CACHE=off``."""
-    where = os.environ.get("FABRIC_EXT_JIT_CACHE")
+def default_dir(env: str = "FABRIC_EXT_JIT_CACHE", name: str = "jit") -> Path | None:
+    """Where a cache lives (``$env``, else ``$XDG_CACHE_HOME/fabric_ext/NAME``, else
+    ``~/.cache/fabric_ext/NAME``), or None when ``$env`` is off."""
+    where = os.environ.get(env)
     if where is not None:
         return None if where.strip().lower() in ("", "off", "0", "no") else Path(where)
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "fabric_ext" / "jit"
+    return Path(base) / "fabric_ext" / name
 
 
 def _compiler_salt() -> bytes:
@@ -72,11 +73,15 @@ def _unsafe(st: os.stat_result, what: str, private: bool) -> str | None:
 
 
 class CodeCache:
-    """Object code by digest, in one folder (None: a cache that keeps nothing)."""
+    """Object code by digest, in one folder (None: a cache that keeps nothing).  Any other
+    blob the project computes once and trusts only as its own write can be kept the same
+    way: ``salt`` is what every entry depends on (default: the JIT's sources and LLVM),
+    ``what`` and ``env`` name the cache in the one message that says it is not used."""
 
-    def __init__(self, directory: Path | None):
-        self.dir = directory
-        self.salt = _compiler_salt()
+    def __init__(self, directory: Path | None, salt: bytes | None = None, what: str = "the JIT code cache",
+                 env: str = "FABRIC_EXT_JIT_CACHE", suffix: str = ".o"):
+        self.dir, self.what, self.env, self.suffix = directory, what, env, suffix
+        self.salt = _compiler_salt() if salt is None else salt
         self.hits = self.misses = 0
         self.error = ""          # the last reason an entry could not be written
         self.refused = ""        # why the folder is not used at all
@@ -97,8 +102,8 @@ class CodeCache:
             self.refused, self.dir = why, None
             if why not in _warned:
                 _warned.add(why)
-                print(f"fabric_ext: the JIT code cache is not used: {why}; programs are compiled "
-                      "every run (set FABRIC_EXT_JIT_CACHE to a folder of your own, or 'off')", file=sys.stderr)
+                print(f"fabric_ext: {self.what} is not used: {why}; what it keeps is made again "
+                      f"every run (set {self.env} to a folder of your own, or 'off')", file=sys.stderr)
 
     def _read_key(self) -> tuple[bytes | None, str | None]:
         path = self.dir / KEY_FILE
@@ -129,7 +134,7 @@ class CodeCache:
         return h.hexdigest()
 
     def _path(self, key: str) -> Path:
-        return self.dir / f"{key}.o"
+        return self.dir / f"{key}{self.suffix}"
 
     def get(self, key: str) -> bytes | None:
         """The entry's object code, or None when it is absent or fails its check."""
@@ -153,7 +158,7 @@ class CodeCache:
             return
         tmp = None
         try:
-            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=".o")
+            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=self.suffix)
             with os.fdopen(fd, "wb") as f:
                 f.write(MAGIC + self._tag(key, obj) + obj)
             os.replace(tmp, self._path(key))

@@ -92,12 +92,13 @@ def run(args) -> int:
         if not policy.is_file():
             print(f"fabric-run: no such file: {policy}", file=sys.stderr)
             return EXIT_USAGE
-        try:
-            bundle = api.compile(policy)        # in memory: nothing is written for the run
+        from fabric_ext.bundle_cache import compile_cached
+        try:      # in memory, or from the compiled-policy cache: nothing is written for the run
+            bundle, warnings = compile_cached(policy)
         except api.PolicyError as e:
             e.diagnostics.print(sys.stderr)
             return EXIT_INPUT
-        bundle.diagnostics.print(sys.stderr)      # its warnings
+        sys.stderr.write(warnings)
     else:
         bundle = api.Bundle.read_folder(policy)
     show = _progress()
