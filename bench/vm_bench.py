@@ -1,22 +1,37 @@
-"""VM backends side by side: ns per run of the same programs on interp, jit and kernel.
+"""VM backends side by side: ns per run of the same programs on interp, jit, kernel and C.
 
     python bench/vm_bench.py [--quick]
 
-Programs: a prime-counting loop, a byte-swap loop, a map-heavy counting loop, and every
-compiled example policy replayed on an event stream recorded from fabric-run.  For the
-kernel, the wall time per BPF_PROG_TEST_RUN call from Python, and the kernel's own
-``duration`` with ``repeat`` (the loops loaded as XDP programs, which accept repeat).
-``jit_all`` is the batch again with ``--jit-checks all`` (run-time checks on proven accesses
-too, docs/security.md); ``all/unproven`` is what that defence costs.
+Programs: a prime-counting loop, a byte-swap loop, a map-heavy counting loop, a memory-bound
+loop (sum 512 u64 of a 4 KiB input with ``ldxdw``), and every compiled example policy replayed
+on an event stream recorded from fabric-run.  Inputs come from memory (the byte-swap loop
+starts from its input, the memory loop sums it) and a batch keeps every run's r0
+(`JitBackend.batch_r0`), so LLVM can neither fold nor delete the work timed.  The prime loop's
+bound is a constant: the verifier does not yet prove a loop bounded by its input.
+
+Columns: ``jit_batch`` runs the contexts in one native call; ``jit_all`` is the batch again with
+``--jit-checks all`` (run-time checks on proven accesses too, docs/security.md); ``kernel`` is
+the kernel's own ``duration`` with ``repeat`` where the program type allows it (the loops,
+loaded as XDP), else the wall time of one BPF_PROG_TEST_RUN from Python (the policy
+programs: syscall programs take no repeat), marked ``*``; ``C`` is the memory loop compiled
+by the system's C compiler at -O2, over the same rows.  Every figure is the minimum of the
+repeats; ``noise`` is the JIT batch's median over its minimum.  The JIT's code cache is off, so
+``compile ms`` is a compile.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import shutil
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+os.environ["FABRIC_EXT_JIT_CACHE"] = "off"     # load timings are compiles
 
 from fabric_ext.runtime.machine import kernel
 from fabric_ext.runtime.machine.asm import assemble
@@ -50,7 +65,7 @@ next:
     exit
 """
 BSWAP = """
-    lddw %r0, 0x0102030405060708
+    ldxdw %r0, [%r1+0]      # from the input
     mov %r1, 0
 loop:
     bswap64 %r0
@@ -59,6 +74,70 @@ loop:
     add %r1, 1
     jlt %r1, 256, loop
     exit
+"""
+# the loops that read their input, as XDP programs for the kernel: the byte-swap loop's input
+# is the packet (its bounds checked first), the memory loop's a 4 KiB array map value (XDP's
+# test packets are under 4 KiB)
+BSWAP_XDP = """
+    ldxw %r2, [%r1+0]
+    ldxw %r3, [%r1+4]
+    mov %r0, 0
+    mov %r4, %r2
+    add %r4, 8
+    jgt %r4, %r3, out
+    ldxdw %r0, [%r2+0]
+    mov %r1, 0
+loop:
+    bswap64 %r0
+    add %r0, %r1
+    be32 %r0
+    add %r1, 1
+    jlt %r1, 256, loop
+out:
+    exit
+"""
+MEMSUM = """
+    mov %r0, 0
+    mov %r3, 0
+loop:
+    mov %r4, %r1
+    add %r4, %r3
+    ldxdw %r5, [%r4+0]
+    add %r0, %r5
+    add %r3, 8
+    jlt %r3, 4096, loop
+    exit
+"""
+MEMSUM_XDP = """
+    mov %r6, 0
+    stxw [%r10-4], %r6
+    lddw %r1, 0
+    mov %r2, %r10
+    add %r2, -4
+    call 1
+    mov %r1, %r0
+    mov %r0, 0
+    jeq %r1, 0, out
+    mov %r3, 0
+loop:
+    mov %r4, %r1
+    add %r4, %r3
+    ldxdw %r5, [%r4+0]
+    add %r0, %r5
+    add %r3, 8
+    jlt %r3, 4096, loop
+out:
+    exit
+"""
+C_MEMSUM = """
+#include <stdint.h>
+uint64_t sum_rows(const uint64_t *rows, uint64_t n, uint64_t words) {
+    uint64_t s = 0;
+    for (uint64_t i = 0; i < n; i++)
+        for (uint64_t j = 0; j < words; j++)
+            s += rows[i * words + j];
+    return s;
+}
 """
 COUNT = """
     mov %r6, 0
@@ -81,13 +160,22 @@ skip:
 """
 
 
-def loop_programs():
-    count = assemble(COUNT)
+def _map_fd(insns):
+    """lddw 0 as the program's map 0."""
     from fabric_ext.runtime.machine import isa as I
-    count = [I.Insn(i.opcode, i.dst, I.PSEUDO_MAP_FD, i.off, 0) if i.is_lddw else i for i in count]
-    return [("prime loop", Program("prime", assemble(PRIME)), None),
-            ("byte-swap loop", Program("bswap", assemble(BSWAP)), None),
-            ("map counting", Program("count", count, [Map("counts", ARRAY, 4, 8, 4)]), None)]
+    return [I.Insn(i.opcode, i.dst, I.PSEUDO_MAP_FD, i.off, 0) if i.is_lddw else i for i in insns]
+
+
+def loop_programs():
+    count = _map_fd(assemble(COUNT))
+    words = np.arange(512, dtype=np.uint64).view(np.uint8)
+    return [("prime loop", Program("prime", assemble(PRIME)), bytes(8), None),
+            ("byte-swap loop", Program("bswap", assemble(BSWAP)), bytes(range(1, 9)), assemble(BSWAP_XDP)),
+            ("map counting", Program("count", count, [Map("counts", ARRAY, 4, 8, 4)]), bytes(8), None),
+            ("memory loop 4 KiB", Program("memsum", assemble(MEMSUM)), words.tobytes(), _map_fd(assemble(MEMSUM_XDP)))]
+
+
+REPEATS = 5
 
 
 def timeit(fn, n):
@@ -98,6 +186,19 @@ def timeit(fn, n):
             fn()
         best.append((time.perf_counter_ns() - t0) / n)
     return min(best)
+
+
+def c_memsum():
+    """The memory loop built by the system's C compiler at -O2 (None where there is none)."""
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        return None
+    d = Path(tempfile.mkdtemp(prefix="fx-bench-"))
+    (d / "m.c").write_text(C_MEMSUM)
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", d / "m.so", d / "m.c"], check=True)
+    fn = ctypes.CDLL(str(d / "m.so")).sum_rows
+    fn.restype, fn.argtypes = ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64]
+    return fn
 
 
 def recorded_streams(quick):
@@ -126,40 +227,54 @@ def recorded_streams(quick):
 
 
 def batch_ns(jb, prog, ctxs):
-    """ns per row of one native batch over ``ctxs`` (a fresh copy each time: results are kept
-    in the rows, so nothing timed can be folded away); the best of three."""
+    """(min, median) ns per row of one native batch over ``ctxs`` (a fresh copy each time;
+    the rows' results and the runs' r0 are kept, so nothing timed can be folded away)."""
     h = jb.load(prog)
-    best = []
-    for _ in range(3):
+    times = []
+    for _ in range(REPEATS):
         rows = ctxs.copy()
         t0 = time.perf_counter_ns()
         jb.run_batch(h, rows)
-        best.append((time.perf_counter_ns() - t0) / len(rows))
-    return min(best)
+        times.append((time.perf_counter_ns() - t0) / len(rows))
+    return min(times), float(np.median(times))
 
 
-def bench_loop(label, prog, ok_kernel, n):
+def bench_loop(label, prog, data, xdp, ok_kernel, n, c_fn):
     verify(prog)
     row = {"program": label}
     vm = Interpreter()
     h = vm.load(prog)
-    row["interp"] = timeit(lambda: vm.run(h, mem=bytearray(8)), max(1, n // 100))
+    row["interp"] = timeit(lambda: vm.run(h, mem=bytearray(data)), max(1, n // 100))
     jb = JitBackend()
     hj = jb.load(prog)
-    row["jit"] = timeit(lambda: jb.run(hj, mem=bytearray(8)), n)
-    ctxs = np.zeros((n, 8), dtype=np.uint8)
-    row["jit_batch"] = batch_ns(jb, prog, ctxs)
-    row["jit_all"] = batch_ns(JitBackend(checks="all"), prog, ctxs)
+    row["jit"] = timeit(lambda: jb.run(hj, mem=bytearray(data)), n)
+    row["compile ms"] = jb.stats["compile_s"] * 1e3
+    ctxs = np.tile(np.frombuffer(data, np.uint8), (n, 1))
+    row["jit_batch"], row["median"] = batch_ns(jb, prog, ctxs)
+    row["jit_all"], _ = batch_ns(JitBackend(checks="all"), prog, ctxs)
+    if c_fn is not None and label.startswith("memory"):
+        rows = ctxs.copy()
+        times = []
+        for _ in range(REPEATS):
+            t0 = time.perf_counter_ns()
+            c_fn(rows.ctypes.data, len(rows), rows.shape[1] // 8)
+            times.append((time.perf_counter_ns() - t0) / len(rows))
+        row["C"] = min(times)
     if ok_kernel:
         kb = kernel.KernelBackend()
         try:
-            insns = kb.relocate(prog)
-            fd = kernel.load_program(insns, prog.name)
-            row["kernel_call"] = timeit(lambda: kernel.test_run(fd, bytearray(8)), n)
-            os.close(fd)
+            packet = bytes(64)
+            if xdp is None:
+                insns = kb.relocate(prog)
+            elif len(data) > 64:              # the input in a map value
+                table = Map("input", ARRAY, 4, len(data), 1)
+                table.update((0).to_bytes(4, "little"), data)
+                insns = kb.relocate(Program(prog.name, xdp, [table]))
+            else:                             # the input in the packet
+                insns, packet = kb.relocate(Program(prog.name, xdp)), data.ljust(64, b"\0")
             xfd = kernel.load_program(insns, prog.name, prog_type=kernel.PROG_TYPE_XDP)
-            _, dur = kernel.test_run(xfd, data=bytes(64), repeat=1000)
-            row["kernel_duration"] = float(dur)
+            _, dur = kernel.test_run(xfd, data=packet, repeat=1000)
+            row["kernel"] = float(dur)
             os.close(xfd)
         finally:
             kb.close()
@@ -174,46 +289,53 @@ def bench_stream(label, prog, ctxs, ok_kernel):
     row["interp"] = timeit(lambda: [vm.run(h, bytearray(b)) for b in bufs[:200]], 1) / min(200, len(bufs))
     jb = JitBackend()
     hj = jb.load(prog)
+    row["compile ms"] = jb.stats["compile_s"] * 1e3
     row["jit"] = timeit(lambda: [jb.run(hj, bytearray(b)) for b in bufs], 1) / len(bufs)
     arr = np.frombuffer(b"".join(ctxs), dtype=np.uint8).reshape(len(ctxs), -1).copy()
     reps = max(1, 10000 // len(ctxs))
     big = np.tile(arr, (reps, 1))
-    row["jit_batch"] = batch_ns(jb, prog, big)
-    row["jit_all"] = batch_ns(JitBackend(checks="all"), prog, big)
+    row["jit_batch"], row["median"] = batch_ns(jb, prog, big)
+    row["jit_all"], _ = batch_ns(JitBackend(checks="all"), prog, big)
     if ok_kernel:
         kb = kernel.KernelBackend()
         try:
             hk = kb.load(prog)
-            row["kernel_call"] = timeit(lambda: [kb.run(hk, bytearray(b)) for b in bufs[:500]], 1) / min(500, len(bufs))
+            row["kernel"] = timeit(lambda: [kb.run(hk, bytearray(b)) for b in bufs[:500]], 1) / min(500, len(bufs))
+            row["kernel_is_call"] = True
         finally:
             kb.close()
     return row
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     args = ap.parse_args()
     ok, why = kernel.permitted()
     if not ok:
         print(f"kernel backend skipped: {why}")
+    c_fn = c_memsum()
+    if c_fn is None:
+        print("C column skipped: no C compiler (cc, gcc or clang) on PATH")
     n = 200 if args.quick else 2000
-    rows = [bench_loop(label, prog, ok, n) for label, prog, _ in loop_programs()]
+    rows = [bench_loop(label, prog, data, xdp, ok, n, c_fn) for label, prog, data, xdp in loop_programs()]
     rows += [bench_stream(label, prog, ctxs, ok) for label, prog, ctxs in recorded_streams(args.quick)]
-    cols = ["interp", "jit", "jit_batch", "jit_all", "kernel_call", "kernel_duration"]
-    print(f"{'program':<34}" + "".join(f"{c:>16}" for c in cols) + f"{'jit/kernel':>12}{'interp/jit':>12}"
-          f"{'all/unproven':>14}")
+    cols = ["interp", "jit", "jit_batch", "jit_all", "kernel", "C", "compile ms"]
+    print(f"{'program':<34}" + "".join(f"{c:>12}" for c in cols) + f"{'jit/kernel':>12}{'jit/C':>8}"
+          f"{'all/unproven':>14}{'noise':>8}")
     for r in rows:
-        cells = "".join(f"{r[c]:>16.1f}" if c in r else f"{'-':>16}" for c in cols)
-        kern = r.get("kernel_duration") or r.get("kernel_call")
-        mine = r["jit_batch"] if r.get("kernel_duration") else r["jit"]
+        cells = "".join((f"{r[c]:>11.1f}" + ("*" if c == "kernel" and r.get("kernel_is_call") else " "))
+                        if c in r else f"{'-':>11} " for c in cols)
+        kern = r.get("kernel")
+        mine = r["jit"] if r.get("kernel_is_call") else r["jit_batch"]
         ratio_k = f"{mine / kern:>12.2f}" if kern else f"{'-':>12}"
-        print(f"{r['program']:<34}{cells}{ratio_k}{r['interp'] / r['jit']:>12.1f}"
-              f"{r['jit_all'] / r['jit_batch']:>14.2f}")
-    print("\nns per run; kernel_call is wall time per BPF_PROG_TEST_RUN from Python, kernel_duration the kernel's")
-    print("own per-run time with repeat=1000 (loops only, loaded as XDP); jit_batch runs >= 10,000 recorded")
-    print("events (or the loops over 2,000 contexts) in one native call; jit/kernel compares jit_batch with")
-    print("kernel_duration for the loops (both without the Python call) and jit with kernel_call otherwise.")
+        ratio_c = f"{r['jit_batch'] / r['C']:>8.2f}" if "C" in r else f"{'-':>8}"
+        print(f"{r['program']:<34}{cells}{ratio_k}{ratio_c}{r['jit_all'] / r['jit_batch']:>14.2f}"
+              f"{r['median'] / r['jit_batch']:>8.2f}")
+    print("\nns per run (minimum of the repeats); kernel: the kernel's own per-run duration with repeat=1000")
+    print("(loops, as XDP); * the wall time of one BPF_PROG_TEST_RUN from Python (syscall programs take no")
+    print("repeat). jit/kernel compares jit_batch with the kernel's duration, and jit with a * call;")
+    print("noise is the JIT batch's median over its minimum.")
 
 
 if __name__ == "__main__":

@@ -197,6 +197,21 @@ def test_jit_batch_runs_many_contexts_in_one_call():
         b.run_batch(b.load(prog), ctxs)
 
 
+def test_a_batch_keeps_what_its_runs_return():
+    """The batch entry sums r0 over the rows (`batch_r0`), so a program whose only result is r0
+    is not dead code to LLVM; the sum equals the single runs'."""
+    import numpy as np
+
+    from fabric_ext.runtime.machine.jit import JitBackend
+    prog = Program("r0", assemble("ldxdw %r0, [%r1+0]\nmul %r0, 3\nexit"))
+    verify(prog)
+    ctxs = np.arange(1000, dtype=np.uint64).reshape(1000, 1).view(np.uint8).copy()
+    b = JitBackend()
+    h = b.load(prog)
+    assert b.run_batch(h, ctxs) == 1000
+    assert b.batch_r0 == sum(b.run(h, bytearray(row.tobytes())) for row in ctxs) == 3 * 999 * 1000 // 2
+
+
 def test_fault_then_continue():
     """A faulting run raises; the same interpreter runs the next program normally."""
     vm = Interpreter()

@@ -126,6 +126,38 @@ def test_jit_bounds_check_cannot_wrap():
             vm.run(vm.load(prog), mem=bytearray(8))
 
 
+def test_a_pointer_into_run_time_memory_is_checked_against_that_memory_only():
+    """The verifier knows the pointer below derives from the program's memory (r1 plus an
+    offset it cannot bound), so the JIT checks it against that memory (and the context, which a
+    bare program's memory may come as): an offset that lands it in a map's values faults.
+    With --jit-checks all the proof is not used and every region of the program is allowed."""
+    import ctypes
+    import mmap
+
+    from fabric_ext.runtime.machine.jit import JitBackend
+    # both mapped pages apart from the heap, so that they lie within the verifier's 512 MiB
+    table = Map("t", ARRAY, 4, 8, 1, shared=True)
+    table.update(bytes(4), (0x5EC2E7).to_bytes(8, "little"))
+    mem = mmap.mmap(-1, 1 << 20)          # mapped next to the table's pages
+    distance = table.values.ctypes.data - ctypes.addressof((ctypes.c_char * len(mem)).from_buffer(mem))
+    if abs(distance) >= 1 << 29:
+        pytest.skip("the map's values lie too far from the memory for a bounded offset")
+    mem[:8] = abs(distance).to_bytes(8, "little")
+    move = "add" if distance > 0 else "sub"
+    prog = Program("reach", assemble(f"ldxdw %r2, [%r1+0]\nand %r2, 0x1fffffff\n{move} %r1, %r2\n"
+                                     "ldxdw %r0, [%r1+0]\nexit"), [table])
+    verify(prog)
+    assert prog.proof[3] == {"mem"}
+    with pytest.raises(VMFault, match="out-of-bounds"):
+        _run(JitBackend(), prog, mem)
+    assert _run(JitBackend(checks="all"), prog, mem) == 0x5EC2E7
+    table.close()
+
+
+def _run(vm, prog, mem):
+    return vm.run(vm.load(prog), mem=mem)
+
+
 @pytest.mark.parametrize("bad", [
     I.Insn(I.ALU64 | I.NEG, dst=0, imm=1),
     I.Insn(I.ALU64 | I.ADD | I.X, dst=0, src=1, imm=5),

@@ -217,6 +217,7 @@ class JitBackend(Backend):
         self.budget = budget
         self.helpers = Hl.HelperState(clock or (lambda: 0), seed, cpu)
         self.current = None
+        self.batch_r0 = 0                 # the last batch's returns, summed
         self.records: dict[int, tuple] = {}
         self.compiled: dict[tuple, _Compiled] = {}   # per backend: helper callbacks are bound to it
         self.stats = {"compiled": 0, "cached": 0, "reused": 0, "compile_s": 0.0, "load_s": 0.0}
@@ -306,7 +307,8 @@ class JitBackend(Backend):
         return r0
 
     def run_batch(self, c: _Compiled, ctxs: np.ndarray) -> int:
-        """Run the program on every row of a 2-D uint8 array of contexts, in place; returns rows run."""
+        """Run the program on every row of a 2-D uint8 array of contexts, in place; returns rows
+        run (``batch_r0`` is then the sum of what they returned, mod 2^64)."""
         flags = ctxs.flags
         if ctxs.ndim != 2 or ctxs.dtype != np.uint8 or not (flags.c_contiguous and flags.writeable):
             raise ValueError("contexts must be a writable C-contiguous 2-D uint8 array")
@@ -319,9 +321,10 @@ class JitBackend(Backend):
             self._prepare(c, None, None)
             c.fast = True
         e = c.env
-        e.fault, e.ctx_len = 0, ctxs.shape[1]
+        e.fault, e.ctx_len, e.r0_sum = 0, ctxs.shape[1], 0
         base = ctypes.addressof(ctypes.c_char.from_buffer(ctxs))     # a third of ctxs.ctypes.data's cost
         n = c.batch(c.env_addr, base, ctxs.shape[0], ctxs.shape[1])
+        self.batch_r0 = e.r0_sum          # what the rows' runs returned, summed (mod 2^64)
         if e.fault:
             try:
                 self._check(c)

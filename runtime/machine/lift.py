@@ -51,7 +51,7 @@ CRC_TABLE = [_crc_entry(i) for i in range(256)]   # the table of zlib.crc32, whi
 class Env(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint64) for n in (
         "budget", "executed", "fault", "fault_pc", "fault_addr", "stack", "ctx", "ctx_len", "mem", "mem_len",
-        "rec", "rec_len", "addrs")]
+        "rec", "rec_len", "addrs", "r0_sum")]     # r0_sum: what a batch's runs returned, summed
 
 
 ENV_INDEX = {name: i for i, (name, _) in enumerate(Env._fields_)}
@@ -96,6 +96,14 @@ def acyclic(prog: Program) -> bool:
     return True
 
 
+def _env_arg(arg) -> None:
+    """The env is always a whole `Env`, so LLVM may load its fields early.  It is not marked
+    ``noalias``: the helper callback writes fields of it (a fault, a ringbuf record) through
+    its own pointer, which ``noalias`` would make undefined; the fields fixed for a run are
+    loaded once per function instead (`Lifter._function`)."""
+    arg.attributes.dereferenceable = ctypes.sizeof(Env)
+
+
 class Lifter:
     """Builds the LLVM module for one program."""
 
@@ -131,6 +139,7 @@ class Lifter:
             args = [PTR] if e == 0 else [PTR, I64, I64, I64, I64, I64, I64]
             fn = L.Function(self.m, L.FunctionType(I64, args), name=f"{self.name}_f{e}")
             fn.linkage = "internal" if e else "external"
+            _env_arg(fn.args[0])
             self.funcs[e] = fn
         for e in entries:
             self._function(e, entries)
@@ -167,6 +176,9 @@ class Lifter:
         self.count = b.alloca(I64, name="executed")
         b.store(self.env_get("executed"), self.count)
         self.budget = self.env_get("budget")
+        # the regions fixed for a run, loaded once (a ringbuf record's, which a helper call
+        # may change, is loaded at each access)
+        self.fixed = {name: self.env_get(name) for name in ("stack", "ctx", "ctx_len", "mem", "mem_len")}
         if entry == 0:
             b.store(self.env_get("stack"), self.regs[10])
             b.store(b.add(self.env_get("stack"), I64(STACK_SIZE)), self.regs[10])
@@ -270,15 +282,37 @@ class Lifter:
     def checked(self, pc, addr, size, write):
         """Fault unless [addr, addr+size) is memory the program may touch; returns a pointer.
 
-        No check where the verifier proved the access on every path (see `verify`); a
-        pointer into memory given at run time is always checked."""
+        No check where the verifier proved the access on every path (see `verify`).  A pointer
+        into memory given at run time is always checked, against the regions the verifier
+        found the pointer can point into and the context (with no proof, against every
+        region)."""
         b = self.b
         kinds = self.proof.get(pc) if self.proof is not None else None
         if kinds and "mem" not in kinds:
             return b.inttoptr(addr, PTR)
-        ok = self._within(addr, size, self.env_get("stack"), I64(STACK_SIZE * MAX_FRAMES))
-        ctx = self.env_get("ctx")
-        in_ctx = self._within(addr, size, ctx, self.env_get("ctx_len"))
+        # a bare program's memory may come as the context (a batch's rows, a caller's buffer)
+        regions = set(kinds) | {"ctx"} if kinds else {"stack", "ctx", "mem", "record", "map_value"}
+        ok = I1(0)
+        if "stack" in regions:
+            ok = b.or_(ok, self._within(addr, size, self.fixed["stack"], I64(STACK_SIZE * MAX_FRAMES)))
+        if "ctx" in regions:
+            ok = b.or_(ok, self._in_ctx(addr, size, write))
+        ok = b.or_(ok, self._within(addr, size, self.fixed["mem"], self.fixed["mem_len"]))
+        if "record" in regions:
+            ok = b.or_(ok, self._within(addr, size, self.env_get("rec"), self.env_get("rec_len")))
+        if "map_value" in regions:
+            for index, length in self.map_regions:
+                ok = b.or_(ok, self._within(addr, size, self.map_addr(index, "values"), I64(length)))
+        with b.if_then(b.not_(ok), likely=False):
+            self._set_fault(FAULT_OOB, pc, addr)
+            b.ret(I64(0))
+        return b.inttoptr(addr, PTR)
+
+    def _in_ctx(self, addr, size, write):
+        """[addr, addr+size) lies in the context, and a write touches only its writable bytes."""
+        b = self.b
+        ctx = self.fixed["ctx"]
+        in_ctx = self._within(addr, size, ctx, self.fixed["ctx_len"])
         if write and self.mask_g is not None:
             off = b.sub(addr, ctx)
             allowed = I1(1)
@@ -289,15 +323,7 @@ class Lifter:
                 byte = b.load(b.gep(self.mask_g, [I64(0), idx], inbounds=True), typ=I8)
                 allowed = b.and_(allowed, b.icmp_unsigned("!=", byte, I8(0)))
             in_ctx = b.and_(in_ctx, allowed)
-        ok = b.or_(ok, in_ctx)
-        ok = b.or_(ok, self._within(addr, size, self.env_get("mem"), self.env_get("mem_len")))
-        ok = b.or_(ok, self._within(addr, size, self.env_get("rec"), self.env_get("rec_len")))
-        for index, length in self.map_regions:
-            ok = b.or_(ok, self._within(addr, size, self.map_addr(index, "values"), I64(length)))
-        with b.if_then(b.not_(ok), likely=False):
-            self._set_fault(FAULT_OOB, pc, addr)
-            b.ret(I64(0))
-        return b.inttoptr(addr, PTR)
+        return in_ctx
 
     # -- instructions -----------------------------------------------------------------------------
     def _insn(self, pc, ins) -> bool:
@@ -578,7 +604,9 @@ class Lifter:
 
     # -- batch entry ------------------------------------------------------------------------------------
     def _batch(self):
-        """``batch(env, base, n, stride)``: run the program on n contexts, stop at the first fault."""
+        """``batch(env, base, n, stride)``: run the program on n contexts, stop at the first fault;
+        what the runs return is summed into the env's ``r0_sum`` (kept, so that no run's work is
+        dead code to LLVM)."""
         fn = L.Function(self.m, L.FunctionType(I64, [PTR, I64, I64, I64]), name=f"{self.name}_batch")
         env, base, n, stride = fn.args
         b = L.IRBuilder(fn.append_basic_block("entry"))
@@ -593,7 +621,9 @@ class Lifter:
         ctx_p = b.gep(env, [I64(ENV_INDEX["ctx"] * 8)], source_etype=I8)
         b.store(b.add(base, b.mul(i, stride)), ctx_p)
         b.store(I64(0), b.gep(env, [I64(ENV_INDEX["executed"] * 8)], source_etype=I8))  # a budget per run
-        b.call(self.funcs[0], [env])
+        r0 = b.call(self.funcs[0], [env])
+        sum_p = b.gep(env, [I64(ENV_INDEX["r0_sum"] * 8)], source_etype=I8)
+        b.store(b.add(b.load(sum_p, typ=I64), r0), sum_p)
         fault = b.load(b.gep(env, [I64(ENV_INDEX["fault"] * 8)], source_etype=I8), typ=I64)
         nxt = b.add(i, I64(1))
         i.add_incoming(nxt, body)
