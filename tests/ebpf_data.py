@@ -1,5 +1,6 @@
 """The .data test format under tests/ebpf/: sections '-- asm', '-- mem' (hex bytes),
-'-- result' (r0), '-- error' (a verifier message fragment) or '-- fault' (a run-time one)."""
+'-- result' (r0), '-- error' (a verifier message fragment) or '-- fault' (a run-time one), and
+'-- kernel rejects' (why the kernel's verifier rejects a program we accept)."""
 from pathlib import Path
 
 DATA = Path(__file__).parent / "ebpf"

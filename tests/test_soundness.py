@@ -285,3 +285,113 @@ def test_jit_counts_a_second_outstanding_record_as_dropped():
     vm = JitBackend()
     vm.run(vm.load(prog), mem=bytearray(8))
     assert len(rb[0].records) == 1 and rb[0].dropped == 1
+
+
+# ---- widening at loop heads -------------------------------------------------------------------
+PRIME = """
+    mov %r0, 0
+    mov %r1, 2
+outer:
+    mov %r2, 2
+inner:
+    mov %r3, %r2
+    mul %r3, %r2
+    jgt %r3, %r1, prime
+    mov %r4, %r1
+    mod %r4, %r2
+    jeq %r4, 0, next
+    add %r2, 1
+    ja inner
+prime:
+    add %r0, 1
+next:
+    add %r1, 1
+    jlt %r1, {n}, outer
+    exit
+"""
+
+
+def test_a_loop_past_the_exploration_budget_is_proven_by_widening_at_a_cost_that_does_not_grow():
+    """The prime loop with argument 10007 (which the kernel accepts within its 1M limit) ran out
+    the 100,000-instruction exploration; widened at its heads it is proven in a few hundred
+    steps, the same for 10007 and 1,000,000, and it still computes what it computed."""
+    steps = {}
+    for n in (10007, 1_000_000):
+        prog = Program("prime", assemble(PRIME.format(n=n)))
+        steps[n] = verify(prog)
+    assert steps[10007] == steps[1_000_000] < 1000
+    assert Interpreter().run(Program("p", assemble(PRIME.format(n=400))), mem=bytearray(8)) == 78
+
+
+@pytest.mark.parametrize("backend", ["interp", "jit"])
+def test_a_loop_bounded_by_its_input_ends_at_the_run_time_budget(backend):
+    """Accepted by widening, not bounded by the verifier: the instruction budget ends it."""
+    from fabric_ext.runtime.machine.jit import JitBackend
+    prog = Program("spin", assemble("ldxdw %r2, [%r1+0]\nmov %r0, 0\nloop:\nadd %r0, 1\njlt %r0, %r2, loop\nexit"))
+    verify(prog)
+    vm = Interpreter(budget=10_000) if backend == "interp" else JitBackend(budget=10_000)
+    h = vm.load(prog)
+    assert vm.run(h, mem=bytearray((100).to_bytes(8, "little"))) == 100
+    with pytest.raises(VMFault, match="budget"):
+        vm.run(h, mem=bytearray((10**9).to_bytes(8, "little")))
+
+
+@pytest.mark.parametrize("src", [
+    # the stack slot written moves down one every 1,024 iterations: out of the frame after
+    # 65,536, long after the exploration's budget; widened, the offset is unbounded
+    "mov %r2, 0\nloop:\nmov %r4, %r2\nrsh %r4, 10\nlsh %r4, 3\nmov %r3, %r10\nsub %r3, %r4\n"
+    "stdw [%r3-8], 1\nadd %r2, 1\njlt %r2, 100000, loop\nmov %r0, 0\nexit",
+    # a pointer into an 8-byte map value moves one byte per outer iteration, after an inner
+    # loop that spends the budget; widened, its offset runs past the value
+    "mov %r6, 0\nstxw [%r10-4], %r6\nlddw %r1, 0\nmov %r2, %r10\nadd %r2, -4\ncall 1\njeq %r0, 0, out\n"
+    "mov %r7, 0\nouter:\nmov %r2, 0\ninner:\nadd %r2, 1\njlt %r2, 30000, inner\nldxb %r3, [%r0+0]\n"
+    "add %r0, 1\nadd %r7, 1\njlt %r7, 100, outer\nout:\nmov %r0, 0\nexit",
+])
+def test_widening_never_accepts_an_access_the_loop_could_make_out_of_bounds(src):
+    """Both loops leave their memory only after the first exploration's 100,000 instructions,
+    so with no more budget than that only the widened pass sees it; it must reject them."""
+    insns = assemble(src)
+    insns = [I.Insn(i.opcode, i.dst, I.PSEUDO_MAP_FD, i.off, 0) if i.is_lddw else i for i in insns]
+    prog = Program("walk", insns, [Map("m", ARRAY, 4, 8, 1)])
+    with pytest.raises(VerifierError, match="widening"):
+        verify(prog, max_insns=100_000)
+
+
+SUM_MAP_VALUE = """mov %r6, 0
+mov %r7, 0
+stxw [%r10-4], %r6
+lddw %r1, 0
+mov %r2, %r10
+add %r2, -4
+call 1
+jeq %r0, 0, out
+mov %r3, 0
+loop:
+mov %r4, %r0
+add %r4, %r3
+ldxdw %r1, [%r4+0]
+add %r7, %r1
+add %r3, 8
+jlt %r3, 262144, loop
+out:
+mov %r0, %r7
+exit"""
+
+
+def test_a_loop_widening_cannot_prove_is_explored_up_to_the_kernels_budget():
+    """Summing a 256 KiB map value: the index's bound is lost when widened (the access would be
+    unbounded), so the loop is explored iteration by iteration past the first pass, within the
+    kernel's 1M instructions, as the kernel accepts it; it then runs unchecked."""
+    insns = [I.Insn(i.opcode, i.dst, I.PSEUDO_MAP_FD, i.off, 0) if i.is_lddw else i for i in assemble(SUM_MAP_VALUE)]
+    table = Map("m", ARRAY, 4, 262144, 1)
+    table.update(bytes(4), bytes(range(256)) * 1024)
+    prog = Program("sum", insns, [table])
+    assert 100_000 < verify(prog) < 1_000_000
+    assert prog.proof[12] == {"map_value"}
+    assert Interpreter().run(prog, mem=bytearray(8)) == sum(table.values[:262144].view("<u8").tolist()) & I.MASK64
+    if kernel.permitted()[0]:
+        kb = kernel.KernelBackend()
+        try:
+            kb.load(prog)                   # the kernel accepts it too
+        finally:
+            kb.close()

@@ -44,9 +44,9 @@ JMP_SYMBOLS = {JEQ: "==", JGT: ">", JGE: ">=", JSET: "&", JNE: "!=", JSGT: "s>",
 # the machine's limits: a frame's stack, how deep local calls nest
 STACK_SIZE, MAX_FRAMES = 512, 8
 # instructions one run may execute (the interpreter's and the JIT's run-time budget), and
-# instructions the verifier may explore before it gives up on a program
+# instructions the verifier may explore before it gives up on a program (the kernel's limit)
 RUN_BUDGET = 1_000_000
-VERIFY_BUDGET = 100_000
+VERIFY_BUDGET = 1_000_000
 # what `lddw` src 1 leaves in a register at run time: a tag and the map's index
 MAP_HANDLE = 0xFFFF_0000_0000_0000
 MAX_MAP_BYTES = 64 * 2**20     # the largest map (keys and values) the machine creates

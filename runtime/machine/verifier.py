@@ -8,13 +8,13 @@ with an offset range), as the kernel's verifier does: stack and context
 accesses in bounds, context writes only to decision fields of the hook, map
 values only after a null check and within the value size, helper arguments of
 the right kind, no reads of uninitialised registers or stack.  Loops are
-explored iteration by iteration; a loop whose exit the ranges cannot decide
-runs out the complexity budget and is rejected with a message saying so, and
-a state that repeats on its own path is an infinite loop.
+explored iteration by iteration; where that runs out the complexity budget
+(a large or input-dependent trip count), the path pass runs again with states
+widened at loop heads (`widening.py`), whose cost does not grow with the trip
+count; such a loop ends at the run-time instruction budget if not sooner.  A
+state that repeats on its own path is an infinite loop.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from . import helpers as Hl
 from . import isa as I
@@ -22,6 +22,7 @@ from .errors import InputError
 from .insn_rules import ATOMIC_IMMS, VALID_OPCODES, reserved_fields
 from .program import Program
 from .semantics import alu, ctx_write_mask
+from .state import Frame, State
 from .values import (
     OFFSET_POINTERS,
     UNINIT,
@@ -38,6 +39,7 @@ from .values import (
     const,
     is_ptr,
 )
+from .widening import covers, widen
 
 M64, M32 = I.MASK64, I.MASK32
 FULL = (0, M64)
@@ -71,44 +73,14 @@ POINTER_WORDS = {"map_ptr": "a map reference", "map_value_or_null": "a pointer t
                  "released": "a ringbuf record that was already submitted or discarded"}
 
 
-@dataclass
-class Frame:
-    regs: list
-    init: bytearray          # per stack byte: initialised?
-    spills: dict             # 8-aligned offset (from frame bottom) -> register value
-    ret_pc: int = -1
-
-    def copy(self):
-        return Frame(list(self.regs), bytearray(self.init), dict(self.spills), self.ret_pc)
-
-    def key(self):
-        return (tuple(self.regs), bytes(self.init), tuple(sorted(self.spills.items())), self.ret_pc)
+class _TooComplex(VerifierError):
+    """The exploration ran out of its instruction budget."""
 
 
-class State:
-    """One path's abstract machine: its frames, and the ringbuf records it holds (reference
-    id -> pc of the reserve), each of which must be submitted or discarded before exit."""
-    __slots__ = ("frames", "next_id", "refs")
-
-    def __init__(self, frames, next_id=1, refs=None):
-        self.frames, self.next_id = frames, next_id
-        self.refs: dict[int, int] = refs if refs is not None else {}
-
-    @property
-    def top(self) -> Frame:
-        return self.frames[-1]
-
-    def copy(self):
-        return State([f.copy() for f in self.frames], self.next_id, dict(self.refs))
-
-    def key(self):
-        return tuple(f.key() for f in self.frames), tuple(sorted(self.refs.items()))
-
-    def replace_values(self, fix):
-        """Apply ``fix`` to every register and spilled value of every frame."""
-        for f in self.frames:
-            f.regs = [fix(v) for v in f.regs]
-            f.spills = {k: fix(v) for k, v in f.spills.items()}
+#: distinct states a loop head is explored in before the second pass widens them
+WIDEN_AFTER = 8
+#: instructions the first exploration (and the widened one) may take of the budget
+FIRST_PASS = 100_000
 
 
 class Verifier:
@@ -190,7 +162,31 @@ class Verifier:
         return State([Frame(regs, bytearray(STACK), {})])
 
     def run(self):
+        """Explore every path, for up to FIRST_PASS instructions; where loops run past that,
+        explore again with widening at their heads (`widening.py`), which proves them safe
+        whatever their trip count (such a loop ends at the run-time instruction budget if not
+        sooner); where widening loses what a loop needs (an index's relation to its bound),
+        explore iteration by iteration again, up to the whole budget, as the kernel does."""
         self.structural()
+        first = min(self.max_insns, FIRST_PASS)
+        try:
+            return self._explore(False, first)
+        except _TooComplex as e:
+            too_complex = e
+        try:
+            return self._explore(True, first)
+        except VerifierError as e:
+            widened = e
+        if first < self.max_insns:
+            try:
+                return self._explore(False, self.max_insns)
+            except _TooComplex as e:
+                too_complex = e
+        raise VerifierError(self.p, too_complex.pc, f"{too_complex.msg}; explored again with widening at "
+                            f"loop heads, pc {widened.pc} fails: {widened.msg}") from None
+
+    def _explore(self, widening: bool, budget: int) -> int:
+        self.kinds = {}
         slots = self.p.slots
         # Depth-first: the work list is LIFO, so a popped item's path is a prefix of the
         # current one; `on_path` holds the loop-head states of the current path only.
@@ -198,6 +194,7 @@ class Verifier:
         path: list[tuple] = []
         on_path: set = set()
         seen: dict[int, set] = {}
+        widened: dict[int, State] = {}      # loop head -> the widened state explored from it
         processed = 0
         leaders = self._leaders()
         while work:
@@ -206,16 +203,25 @@ class Verifier:
                 on_path.discard(path.pop())
             while True:
                 processed += 1
-                if processed > self.max_insns:
+                if processed > budget:
                     heads = sorted(self.loop_heads)
-                    self.fail(pc, f"program too complex: explored {self.max_insns} instructions; "
-                              f"the loop at pc {heads[0] if heads else pc} is not provably bounded "
-                              "(its exit condition must be decided by constant bounds)")
+                    self.pc = pc
+                    raise _TooComplex(self.p, pc, f"program too complex: explored {budget} "
+                                      f"instructions without leaving the loop at pc {heads[0] if heads else pc}")
                 if pc >= len(slots):
                     self.fail(len(slots) - 1, "execution falls off the end of the program")
+                if widening and pc in self.loop_heads:
+                    w = widened.get(pc)
+                    if w is not None and covers(w, st):
+                        break                   # the widened state's paths include this one's
+                    if w is not None or len(seen.get(pc, ())) >= WIDEN_AFTER:
+                        joined = widen(w, st) if w is not None else st.copy()
+                        if joined is not None:
+                            widened[pc] = joined
+                            st = joined.copy()
                 if pc in leaders:
                     k = st.key()
-                    if pc in self.loop_heads:
+                    if pc in self.loop_heads and pc not in widened:
                         if (pc, k) in on_path:
                             self.fail(pc, "infinite loop: the same state repeats on one path")
                         path.append((pc, k))
