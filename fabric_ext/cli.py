@@ -95,6 +95,20 @@ def cmd_compile(args) -> int:
     return EXIT_OK
 
 
+def cmd_hooks(args) -> int:
+    from .contract.hooks import HOOK_NAMES, HOOKS, listing, matching
+    from .diagnostics import did_you_mean
+    found = matching(args.pattern)
+    if not found:
+        names = [f"{k}.{n}" for k, n in HOOKS] + sorted({k for k, _ in HOOKS}) + HOOK_NAMES
+        hint = did_you_mean(args.pattern, names)
+        print(f"fabricc: no hook matches '{args.pattern}'" + (f"; {hint}" if hint else "")
+              + " (fabricc hooks lists them all)", file=sys.stderr)
+        return EXIT_INPUT
+    print(listing(found, args.verbose))
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="fabricc", description="Compile .fx data-movement policies to per-island eBPF.")
     p.add_argument("--version", action="version", version=f"fabricc {__version__}")
@@ -110,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--format", choices=("json", "dot"), default="json")
     g.add_argument("-o", "--output", metavar="OUT", help="write to OUT instead of standard output")
     g.set_defaults(func=cmd_graph)
+    h = sub.add_parser("hooks", help="list the hooks a policy can attach to (-v: their fields and decisions)")
+    h.add_argument("pattern", nargs="?", metavar="KIND[.HOOK]", help="an island kind, a hook, or a pattern (*.tick)")
+    h.add_argument("-v", "--verbose", action="store_true", help="context fields, decisions, defaults and effects")
+    h.set_defaults(func=cmd_hooks)
     k = sub.add_parser("compile", help="compile a policy to eBPF objects and runtime artifacts")
     k.add_argument("file", metavar="FILE")
     k.add_argument("-o", "--output", metavar="DIR", required=True, help="output folder")

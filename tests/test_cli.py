@@ -118,3 +118,29 @@ def test_a_closed_stdout_loses_no_file_and_is_no_internal_error(tmp_path):
     assert run.wait(timeout=120) == 0, err
     assert "internal error" not in err and "Traceback" not in err, err
     assert json.loads(out.read_text())["ttft_ms"] > 0 and json.loads(trace.read_text())["traceEvents"]
+
+
+# ---- fabricc hooks ----------------------------------------------------------------------------
+def test_fabricc_hooks_lists_every_hook_of_the_catalogue():
+    from fabric_ext.contract.hooks import HOOKS
+    r = fabricc("hooks")
+    assert r.returncode == 0
+    listed = [line.split()[0].removesuffix("(PERIOD)") for line in r.stdout.splitlines()]
+    assert listed == [f"{k}.{n}" for k, n in HOOKS]
+    assert fabricc("hooks", "*.tick").stdout.count("(PERIOD)") == sum(n == "tick" for _, n in HOOKS)
+
+
+def test_fabricc_hooks_verbose_shows_each_field_and_decision_as_the_catalogue_has_it():
+    from fabric_ext.contract.hooks import HOOKS
+    h = HOOKS["cxl_switch", "forward"]
+    out = fabricc("hooks", "cxl_switch.forward", "-v").stdout
+    assert f"{h.ctx_size} bytes" in out
+    for f in h.fields:
+        line = next(x for x in out.splitlines() if x.split()[:1] == [f.name])
+        assert f.ctype in line
+        assert (f"default {f.default}" in line and f.effect in line) if f.decision else f.doc in line
+
+
+def test_fabricc_hooks_names_the_closest_hook_for_a_typo():
+    r = fabricc("hooks", "cxl_switch.forwad")
+    assert r.returncode == 1 and "did you mean 'cxl_switch.forward'" in r.stderr and not r.stdout

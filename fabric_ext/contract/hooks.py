@@ -299,6 +299,49 @@ def markdown() -> str:
     return "\n".join(rows)
 
 
+def matching(pattern: str | None) -> list[Hook]:
+    """The hooks ``KIND``, ``KIND.HOOK`` or a shell pattern (``*.tick``) names, in catalogue order."""
+    from fnmatch import fnmatchcase
+    if not pattern:
+        return list(_ALL)
+    if "." not in pattern and not any(c in pattern for c in "*?["):
+        pattern += ".*"
+    return [h for h in _ALL if fnmatchcase(f"{h.island_kind}.{h.name}", pattern)]
+
+
+def listing(hooks: list[Hook], verbose: bool = False) -> str:
+    """What `fabricc hooks` prints: a line per hook, or with ``verbose`` when it fires, its
+    context fields (name, type, dimension, what it holds) and its decisions (default, effect)."""
+    if not verbose:
+        width = max(len(_label(h)) for h in hooks) + 2
+        return "\n".join(f"{_label(h):<{width}}{h.doc}" for h in hooks)
+    return "\n\n".join(_verbose(h) for h in hooks)
+
+
+def _label(h: Hook) -> str:
+    return f"{h.island_kind}.{h.name}{'(PERIOD)' if h.scope == 'tick' else ''}"
+
+
+def _verbose(h: Hook) -> str:
+    roles = {"src": "at its source", "dst": "at its destination", "transit": "on its way"}
+    out = [f"{_label(h)}: {h.doc}", f"  fires when {MOMENTS[h.moment]}" if h.moment else ""]
+    if h.roles:
+        out.append("  on a movement's path: " + ", ".join(roles[r] for r in h.roles))
+    out.append(f"  context struct {h.struct_name} ({h.ctx_size} bytes), read as ev.NAME:")
+    rows = [(f.name, f.ctype, _dim_word(f) if f.dim else "-", f.doc) for f in h.fields if not f.decision]
+    rows += [(f.name, f.ctype, _dim_word(f) if f.dim else "-", f.doc) for f in CONSTANTS.values()]
+    out += _rows(rows)
+    if h.decisions:
+        out.append("  decisions, written as NAME = value:")
+        out += _rows([(f.name, f.ctype, f"default {f.default}", f.effect) for f in h.decisions])
+    return "\n".join(line for line in out if line)
+
+
+def _rows(rows) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return [f"    {a:<{widths[0]}}  {b:<{widths[1]}}  {c:<{widths[2]}}  {d}" for a, b, c, d in rows]
+
+
 def update_docs(path) -> bool:
     """Rewrite the generated part of ``path``; whether it changed."""
     from pathlib import Path
