@@ -4,7 +4,9 @@ An entry is a compiled bundle (every artifact, the compiler's summary and its wa
 shown), named by a digest of the policy's path, its text and the compile options, salted with
 every source file of the installed package (a new compiler, catalogue or figure makes every
 older entry a miss).  Imports are checked on reading: the manifest lists each source with its
-sha256, and an entry whose sources changed since is a miss.  The store is the JIT's
+sha256, and an entry whose sources changed since is a miss (a file added earlier in the
+import search path, which would now shadow one the entry was compiled from, is not noticed:
+`FABRIC_EXT_BUNDLE_CACHE=off`, or delete the folder).  The store is the JIT's
 (`machine.codecache.CodeCache`): entries written whole, each authenticated with an HMAC under
 a per-user key, a folder others can write not used.  It lives in ``$FABRIC_EXT_BUNDLE_CACHE``,
 else ``~/.cache/fabric_ext/bundles``; ``off`` keeps nothing.

@@ -29,10 +29,18 @@ def _existing(path: str) -> Path:
     return p
 
 
-def _analyze(path: Path, werror: bool = False):
+def include_dirs(dirs) -> tuple[Path, ...]:
+    """The -I folders, each of which must exist."""
+    for d in dirs:
+        if not Path(d).is_dir():
+            raise UsageError(f"-I {d}: no such folder")
+    return tuple(Path(d) for d in dirs)
+
+
+def _analyze(path: Path, werror: bool = False, include=()):
     from .frontend import analyze
     from .runtime.simulation.workload import check_declaration
-    a = analyze(path)
+    a = analyze(path, include=include)
     if not a.program.unread:                    # (a missing import says it all)
         check_declaration(a.symbols, a.diags)   # the workload against the models the runtime knows
     if werror:
@@ -44,7 +52,7 @@ def _analyze(path: Path, werror: bool = False):
 def cmd_check(args) -> int:
     status = EXIT_OK
     for f in args.files:
-        a = _analyze(_existing(f), args.Werror)
+        a = _analyze(_existing(f), args.Werror, include_dirs(args.include))
         n = len(a.diags.errors)
         if n:
             status = EXIT_INPUT
@@ -56,7 +64,7 @@ def cmd_check(args) -> int:
 
 def cmd_graph(args) -> int:
     from .graph_export import to_dot, to_json
-    a = _analyze(_existing(args.file))
+    a = _analyze(_existing(args.file), include=include_dirs(args.include))
     if not a.ok:
         return EXIT_INPUT
     text = json.dumps(to_json(a), indent=2) + "\n" if args.format == "json" else to_dot(a)
@@ -76,7 +84,8 @@ def cmd_compile(args) -> int:
     path, out = _existing(args.file), Path(args.output)
     try:
         bundle = api.compile(path, opt=args.O, mcpu=args.mcpu, emit=args.emit or [],
-                             kernel_verify=args.kernel_verify, werror=args.Werror)
+                             kernel_verify=args.kernel_verify, werror=args.Werror,
+                             include=include_dirs(args.include))
     except api.PolicyError as e:
         e.diagnostics.print(sys.stderr)
         n = len(e.diagnostics.errors)
@@ -109,6 +118,11 @@ def cmd_hooks(args) -> int:
     return EXIT_OK
 
 
+def _include_option(p) -> None:
+    p.add_argument("-I", dest="include", action="append", default=[], metavar="DIR",
+                   help="also look for imports in DIR (after the importing file's folder; bundled fabrics last)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="fabricc", description="Compile .fx data-movement policies to per-island eBPF.")
     p.add_argument("--version", action="version", version=f"fabricc {__version__}")
@@ -119,11 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-q", "--quiet", action="store_true", help="print nothing when a file is clean")
     c.add_argument("--Werror", action="store_true", help="treat warnings as errors")
     c.set_defaults(func=cmd_check)
+    _include_option(c)
     g = sub.add_parser("graph", help="print the semantic movement graph")
     g.add_argument("file", metavar="FILE")
     g.add_argument("--format", choices=("json", "dot"), default="json")
     g.add_argument("-o", "--output", metavar="OUT", help="write to OUT instead of standard output")
     g.set_defaults(func=cmd_graph)
+    _include_option(g)
     h = sub.add_parser("hooks", help="list the hooks a policy can attach to (-v: their fields and decisions)")
     h.add_argument("pattern", nargs="?", metavar="KIND[.HOOK]", help="an island kind, a hook, or a pattern (*.tick)")
     h.add_argument("-v", "--verbose", action="store_true", help="context fields, decisions, defaults and effects")
@@ -137,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--kernel-verify", action="store_true", help="also load each program into the running kernel")
     k.add_argument("--Werror", action="store_true", help="treat warnings as errors (nothing is written)")
     k.set_defaults(func=cmd_compile)
+    _include_option(k)
     return p
 
 

@@ -25,14 +25,14 @@ class Analysis:
         return not self.diags.has_errors()
 
 
-def analyze(path: str | Path, diags: Diagnostics | None = None, text: str | None = None) -> Analysis:
+def analyze(path: str | Path, diags: Diagnostics | None = None, text: str | None = None, include=()) -> Analysis:
     """Run every front-end pass over ``path`` (with ``text``: over that source, named ``path``);
     errors are in ``.diags``, never raised.
 
     A missing root file raises ``OSError`` (a usage error, not a policy error).
     """
     diags = diags or Diagnostics()
-    prog = load(path, diags, text)
+    prog = load(path, diags, text, include)
     # an import that could not be read leaves its declarations missing: what the later passes
     # would say about them is a consequence of that one error, so they report into a scratch list
     later = diags if not prog.unread else Diagnostics()

@@ -1,7 +1,10 @@
 """Pass 2: resolve ``import`` declarations and gather one program (`load`).
 
-Imports are resolved relative to the importing file; each file is read once,
-and a cycle is reported with the chain of files that forms it.  A source is
+An import names a ``.fx`` file relative to the importing file, or a bare name
+(``import "dgx_cxl"``) meaning ``NAME.fx``; either is looked for next to the
+importing file, then in each include folder (``-I``) in order, then among the
+bundled policies and fabrics (`BUNDLED`).  Each file is read once, and a cycle
+is reported with the chain of files that forms it.  A source is
 untrusted input: only a regular file of at most `MAX_SOURCE` bytes of UTF-8 is
 read (an import must name a ``.fx`` file), so no path can make the compiler
 hang on a device, echo a file that is not a policy, or read without bound.
@@ -19,6 +22,33 @@ from .diagnostics import Diagnostics, Span
 from .parser import parse
 
 MAX_SOURCE = 1 << 20       # bytes in one .fx file
+
+
+def bundled() -> list[Path]:
+    """The folders of the policies and fabrics that ship with the package."""
+    import fabric_ext.policies as pkg
+    here = Path(pkg.__file__).parent
+    return [here / "fabrics", here]
+
+
+def is_bare_name(name: str) -> bool:
+    """``import "dgx_cxl"``: a name (no folder, no suffix), meaning ``NAME.fx``."""
+    return "/" not in name and not Path(name).suffix
+
+
+def resolve(name: str, importer: Path, include: tuple[Path, ...] = ()) -> Path | None:
+    """The file an import of ``name`` in ``importer`` reads: ``name`` (``NAME.fx`` for a bare
+    name) next to the importer, in an include folder, or bundled; None where none is."""
+    rel = Path(f"{name}.fx" if is_bare_name(name) else name)
+    for folder in (importer.parent, *include, *bundled()):
+        candidate = folder / rel
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _bundled_names() -> list[str]:
+    return sorted({p.stem for folder in bundled() for p in folder.glob("*.fx")})
 
 
 class SourceError(InputError):
@@ -69,10 +99,12 @@ def display_path(path: Path) -> str:
         return str(path)
 
 
-def load(root: str | Path, diags: Diagnostics, text: str | None = None) -> Program:
+def load(root: str | Path, diags: Diagnostics, text: str | None = None, include=()) -> Program:
     """Parse ``root`` and everything it imports; errors go to ``diags``.  With ``text``, that is
-    the root's source (no file is read for it; its imports are relative to ``root``'s folder)."""
+    the root's source (no file is read for it; its imports are relative to ``root``'s folder).
+    ``include``: folders searched for imports after the importing file's own."""
     root = Path(root)
+    include = tuple(Path(d) for d in include)
     prog = Program(root=display_path(root))
     done: set[Path] = set()
 
@@ -87,7 +119,7 @@ def load(root: str | Path, diags: Diagnostics, text: str | None = None) -> Progr
         name = display_path(path)
         if at is not None and path.suffix != ".fx":
             diags.error(at, f"cannot import '{display_path(path)}': imports name .fx policy sources",
-                        "import paths are relative to the importing file")
+                        "name a .fx file, or a bundled fabric by its name (import \"dgx_cxl\")")
             prog.unread += 1
             return
         try:
@@ -116,7 +148,11 @@ def load(root: str | Path, diags: Diagnostics, text: str | None = None) -> Progr
             return
         for item in module.items:
             if isinstance(item, A.Import):
-                visit(path.parent / item.path, chain + [real], item.span)
+                found = resolve(item.path, path, include)
+                if found is None and is_bare_name(item.path):
+                    _not_found(item, path, include)
+                    continue
+                visit(found or path.parent / item.path, chain + [real], item.span)
         done.add(real)
         prog.modules.append(module)
         for item in module.items:
@@ -125,6 +161,15 @@ def load(root: str | Path, diags: Diagnostics, text: str | None = None) -> Progr
                       A.Policy: prog.policies}.get(type(item))
             if bucket is not None:
                 bucket.append(item)
+
+    def _not_found(item, importer, include):
+        from .diagnostics import did_you_mean
+        where = ", ".join(display_path(p) for p in (importer.parent, *include))
+        hint = did_you_mean(item.path, _bundled_names())
+        diags.error(item.span, f"cannot import '{item.path}': no {item.path}.fx in {where} or among the "
+                    f"bundled fabrics and policies ({', '.join(_bundled_names())})",
+                    hint or "add the folder that holds it with -I DIR")
+        prog.unread += 1
 
     visit(root, [], None)
     return prog

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import EXAMPLES, FABRIC
+from conftest import EXAMPLES, FABRIC, POLICIES
 
 
 def fabricc(*args, cwd=None):
@@ -144,3 +144,21 @@ def test_fabricc_hooks_verbose_shows_each_field_and_decision_as_the_catalogue_ha
 def test_fabricc_hooks_names_the_closest_hook_for_a_typo():
     r = fabricc("hooks", "cxl_switch.forwad")
     assert r.returncode == 1 and "did you mean 'cxl_switch.forward'" in r.stderr and not r.stdout
+
+
+def test_include_folders_on_both_command_lines(tmp_path):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "fab.fx").write_text((POLICIES / "fabrics" / "dgx_h100.fx").read_text())
+    policy = tmp_path / "p.fx"
+    policy.write_text('import "fab"\nworkload w { model: "llama3-8b"; prompt: 128; tp: 2 }\n')
+    assert fabricc("check", policy).returncode == 1
+    assert fabricc("check", "-I", lib, policy).returncode == 0
+    assert fabricc("check", "-I", tmp_path / "nope", policy).returncode == 2
+    run = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.cli", "-I", str(lib), "--policy",
+                          str(policy), "-q", "--json", str(tmp_path / "r.json")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["gpu"] == "h100_sxm"
+    bad = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.cli", "-I", str(tmp_path / "nope"),
+                          "--policy", str(policy), "-q"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "no such folder" in bad.stderr

@@ -318,3 +318,34 @@ def test_shortest_paths_are_those_networkx_finds(links, src, dst):
         expected = None
     assert shortest_path(ours, f"d{src}", f"d{dst}", _weight) == expected
     assert list(ours.edges(data=True)) == list(theirs.edges(data=True))
+
+
+# ---- where imports are found -----------------------------------------------------------------
+def test_a_bundled_fabric_imports_by_name_from_any_folder(tmp_path):
+    from fabric_ext.frontend import analyze
+    (tmp_path / "p.fx").write_text('import "dgx_cxl"\nworkload w { model: "llama3-8b"; prompt: 256; tp: 2 }\n')
+    a = analyze(tmp_path / "p.fx")
+    assert a.ok and "pool0" in a.symbols.devices
+
+
+def test_imports_are_looked_for_next_to_the_importer_then_in_include_folders_then_bundled(tmp_path):
+    from fabric_ext.frontend import analyze
+    lib, mine = tmp_path / "lib", tmp_path / "mine"
+    lib.mkdir()
+    mine.mkdir()
+    (lib / "fab.fx").write_text('fabric f { gpu lib_gpu { } }\n')
+    (mine / "dgx_cxl.fx").write_text('fabric f { gpu my_gpu { } }\n')       # shadows the bundled one
+    (mine / "p.fx").write_text('import "fab"\n')
+    (mine / "q.fx").write_text('import "dgx_cxl"\n')
+    missing = analyze(mine / "p.fx")
+    assert "cannot import 'fab'" in missing.diags.errors[0].message
+    assert "lib_gpu" in analyze(mine / "p.fx", include=[lib]).symbols.devices
+    assert "my_gpu" in analyze(mine / "q.fx").symbols.devices
+
+
+def test_an_import_found_nowhere_names_where_it_looked_and_the_closest_bundled_name(tmp_path):
+    from fabric_ext.frontend import analyze
+    (tmp_path / "p.fx").write_text('import "dgx_h10"\n')
+    [e] = analyze(tmp_path / "p.fx").diags.errors
+    assert "no dgx_h10.fx in" in e.message and "dgx_h100" in e.message
+    assert e.hints == ["did you mean 'dgx_h100'?"] and (e.span.line, e.span.col) == (1, 1)

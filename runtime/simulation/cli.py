@@ -37,6 +37,8 @@ def build_parser():
     p.add_argument("--policy", metavar="DIR_OR_FX",
                    help="a folder from 'fabricc compile', or a .fx file to compile first "
                         "(default: the bundled policies/prefill_qos.fx)")
+    p.add_argument("-I", dest="include", action="append", default=[], metavar="DIR",
+                   help="also look for a .fx policy's imports in DIR (after its own folder; bundled fabrics last)")
     p.add_argument("--backend", choices=("interp", "jit", "kernel"), default=None,
                    help="VM backend for the programs (default: jit where it works, else interp)")
     p.add_argument("--jit-checks", choices=JIT_CHECKS, default=None,
@@ -93,8 +95,9 @@ def run(args) -> int:
             print(f"fabric-run: no such file: {policy}", file=sys.stderr)
             return EXIT_USAGE
         from fabric_ext.bundle_cache import compile_cached
+        from fabric_ext.cli import include_dirs
         try:      # in memory, or from the compiled-policy cache: nothing is written for the run
-            bundle, warnings = compile_cached(policy)
+            bundle, warnings = compile_cached(policy, include=[str(d.resolve()) for d in include_dirs(args.include)])
         except api.PolicyError as e:
             e.diagnostics.print(sys.stderr)
             return EXIT_INPUT
@@ -132,7 +135,7 @@ def main(argv=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) is signal.SIG_DFL:
             signal.signal(sig, _exit_on_signal)
-    from ..machine.errors import InputError
+    from ..machine.errors import InputError, UsageError
     from ..machine.kernel import KernelError, KernelVerifierError
     from .fabric_model import EventLimit
     if args.max_events is not None and args.max_events < 0:
@@ -140,6 +143,9 @@ def main(argv=None) -> int:
         return EXIT_USAGE
     try:
         return run(args)
+    except UsageError as e:
+        print(f"fabric-run: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except EventLimit as e:
         print(f"fabric-run: {e}; the workload makes more events than the limit allows (small transfer "
               "chunks, a long prompt): use larger chunks, or raise --max-events (0: no limit)", file=sys.stderr)
