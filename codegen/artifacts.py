@@ -86,6 +86,7 @@ def manifest(analysis, ids, compiled, opt: int, mcpu: str, files: dict[str, byte
         "fabric": {"name": sym.fabric.name.name if sym.fabric else None, "devices": devices,
                    "links": g["links"], "islands": g["islands"]},
         "workload": _props(sym.workload.props) if sym.workload else {},
+        "params": dict(analysis.params),
         "movements": movements, "programs": programs, "maps": maps,
         "ids": ids.to_json(), "hooks": hook_layouts(sorted(hooks, key=lambda h: (h.island_kind, h.name))),
         "placements": g["placements"], "line_map": line_map,

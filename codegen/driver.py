@@ -43,21 +43,23 @@ def _span_of(spec, pc, fallback):
 
 
 def build(path: Path, opt: int = 2, mcpu: str = "v3", emit=(), kernel_verify: bool = False,
-          diags: Diagnostics | None = None, text: str | None = None, include=()) -> CompileResult | None:
+          diags: Diagnostics | None = None, text: str | None = None, include=(),
+          defines: dict[str, str] | None = None) -> CompileResult | None:
     """Compile ``path`` (with ``text``: that source, named ``path``) in memory; returns None
-    when ``diags`` has errors.  ``include``: folders imports are searched in (`loader`)."""
+    when ``diags`` has errors.  ``include``: folders imports are searched in (`loader`);
+    ``defines``: param values over the declared ones (`params`)."""
     diags = diags if diags is not None else Diagnostics()
     try:
-        return _build(path, opt, mcpu, emit, kernel_verify, diags, text, include)
+        return _build(path, opt, mcpu, emit, kernel_verify, diags, text, include, defines)
     except RecursionError:      # the parser's limits should keep every pass far from this
         diags.error(Span(display_path(Path(path)), 1, 1, 1, 2), "the policy nests too deeply to compile",
                     "split deep expressions and blocks into smaller ones")
         return None
 
 
-def _build(path, opt, mcpu, emit, kernel_verify, diags, text=None, include=()) -> CompileResult | None:
+def _build(path, opt, mcpu, emit, kernel_verify, diags, text=None, include=(), defines=None) -> CompileResult | None:
     from fabric_ext.runtime.simulation.workload import check_declaration
-    a = analyze(path, diags, text, include)
+    a = analyze(path, diags, text, include, defines)
     if not a.program.unread:
         check_declaration(a.symbols, diags)
     if not a.ok:

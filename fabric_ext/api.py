@@ -64,18 +64,19 @@ class Bundle:
 
 
 def compile(source: str | Path, *, opt: int = 2, mcpu: str = "v3", emit=(), kernel_verify: bool = False,
-            werror: bool = False, include=()) -> Bundle:
+            werror: bool = False, include=(), params: dict[str, str] | None = None) -> Bundle:
     """Compile a policy: ``source`` is the path of a .fx file, or the text of one (its imports
     relative to the working folder).  ``emit`` adds listings ("llvm", "asm"); ``kernel_verify``
     also loads each program into the running kernel; ``werror`` makes warnings errors;
-    ``include`` lists folders imports are looked for in (after the importing file's).  Raises
+    ``include`` lists folders imports are looked for in (after the importing file's); ``params``
+    overrides the policy's params ({"quota": "1GB/s"}, as ``-D``).  Raises
     `PolicyError` with every diagnostic."""
     from fabric_ext.codegen.driver import build
     diags = Diagnostics()
     path, text = Path(source), None
     if isinstance(source, str) and ("\n" in source or not source.endswith(".fx")):
         path, text = Path.cwd() / "<policy>.fx", source
-    res = build(path, opt, mcpu, emit, kernel_verify, diags, text, tuple(str(d) for d in include))
+    res = build(path, opt, mcpu, emit, kernel_verify, diags, text, tuple(str(d) for d in include), params)
     if werror:
         diags.warnings_as_errors()
     if res is None or diags.has_errors():

@@ -187,6 +187,14 @@ class Import(Node):
 
 
 @dataclass(eq=False)
+class Param(Node):
+    """``param quota : bandwidth = 2GB/s``: a value the command line may override (``-D``)."""
+    name: Ident
+    dim: Ident
+    value: Node
+
+
+@dataclass(eq=False)
 class Device(Node):
     kind: str
     name: Ident

@@ -15,6 +15,7 @@ from fabric_ext.exits import EXIT_INPUT, EXIT_OK, EXIT_USAGE, internal_error, st
 from fabric_ext.runtime.machine.errors import UsageError
 
 from . import __version__
+from .params import parse_defines
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,10 +38,10 @@ def include_dirs(dirs) -> tuple[Path, ...]:
     return tuple(Path(d) for d in dirs)
 
 
-def _analyze(path: Path, werror: bool = False, include=()):
+def _analyze(path: Path, werror: bool = False, include=(), defines=None):
     from .frontend import analyze
     from .runtime.simulation.workload import check_declaration
-    a = analyze(path, include=include)
+    a = analyze(path, include=include, defines=defines)
     if not a.program.unread:                    # (a missing import says it all)
         check_declaration(a.symbols, a.diags)   # the workload against the models the runtime knows
     if werror:
@@ -52,7 +53,7 @@ def _analyze(path: Path, werror: bool = False, include=()):
 def cmd_check(args) -> int:
     status = EXIT_OK
     for f in args.files:
-        a = _analyze(_existing(f), args.Werror, include_dirs(args.include))
+        a = _analyze(_existing(f), args.Werror, include_dirs(args.include), parse_defines(args.define))
         n = len(a.diags.errors)
         if n:
             status = EXIT_INPUT
@@ -64,7 +65,7 @@ def cmd_check(args) -> int:
 
 def cmd_graph(args) -> int:
     from .graph_export import to_dot, to_json
-    a = _analyze(_existing(args.file), include=include_dirs(args.include))
+    a = _analyze(_existing(args.file), include=include_dirs(args.include), defines=parse_defines(args.define))
     if not a.ok:
         return EXIT_INPUT
     text = json.dumps(to_json(a), indent=2) + "\n" if args.format == "json" else to_dot(a)
@@ -85,7 +86,7 @@ def cmd_compile(args) -> int:
     try:
         bundle = api.compile(path, opt=args.O, mcpu=args.mcpu, emit=args.emit or [],
                              kernel_verify=args.kernel_verify, werror=args.Werror,
-                             include=include_dirs(args.include))
+                             include=include_dirs(args.include), params=parse_defines(args.define))
     except api.PolicyError as e:
         e.diagnostics.print(sys.stderr)
         n = len(e.diagnostics.errors)
@@ -121,6 +122,8 @@ def cmd_hooks(args) -> int:
 def _include_option(p) -> None:
     p.add_argument("-I", dest="include", action="append", default=[], metavar="DIR",
                    help="also look for imports in DIR (after the importing file's folder; bundled fabrics last)")
+    p.add_argument("-D", dest="define", action="append", default=[], metavar="NAME=VALUE",
+                   help="set a param of the policy (param NAME : DIM = VALUE), e.g. -D quota=1GB/s")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
         return args.func(args)
     except UsageError as e:
-        print(e, file=sys.stderr)
+        print(e if str(e).startswith("fabricc") else f"fabricc: {e}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:
         return stdout_closed()

@@ -83,6 +83,7 @@ class Program:
     movements: list[A.Movement] = field(default_factory=list)
     maps: list[A.MapDecl] = field(default_factory=list)
     policies: list[A.Policy] = field(default_factory=list)
+    params: list[A.Param] = field(default_factory=list)
     sources: dict[str, str] = field(default_factory=dict)  # file -> text
     unread: int = 0        # imports that could not be read: what they declare is missing
 
@@ -158,7 +159,7 @@ def load(root: str | Path, diags: Diagnostics, text: str | None = None, include=
         for item in module.items:
             bucket = {A.Fabric: prog.fabrics, A.Workload: prog.workloads,
                       A.Movement: prog.movements, A.MapDecl: prog.maps,
-                      A.Policy: prog.policies}.get(type(item))
+                      A.Policy: prog.policies, A.Param: prog.params}.get(type(item))
             if bucket is not None:
                 bucket.append(item)
 

@@ -212,6 +212,10 @@ class _Build(Transformer):
         return A.Import(str(items[0])[1:-1], span=self._span(meta))
 
     @v_args(meta=True)
+    def param_decl(self, meta, items):
+        return A.Param(self._id(items[0]), self._id(items[1]), items[2], span=self._span(meta))
+
+    @v_args(meta=True)
     def prop(self, meta, items):
         return A.Prop(self._id(items[0]), items[1], span=self._span(meta))
 

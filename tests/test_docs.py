@@ -7,7 +7,7 @@ import shutil
 from conftest import POLICIES, ROOT
 from fabric_ext.frontend import analyze
 
-DECLARATION = re.compile(r"^(fabric|workload|movement|map|import)\b")
+DECLARATION = re.compile(r"^(fabric|workload|movement|map|import|param)\b")
 
 
 def blocks(path):

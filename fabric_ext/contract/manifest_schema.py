@@ -172,6 +172,7 @@ SCHEMA = record({
     "sources": list_of(record({"file": text(), "path": text(), "sha256": text(SHA256)})),
     "line_map": mapping(list_of(record({"insn": COUNT, "file": text(), "line": COUNT, "col": COUNT}))),
     "hooks": mapping(anything),
+    "params": mapping(number(0, float(1 << 64))),
     "bpftime_shm": record({"name": text(NAME), "islands": NAMES}),
 })
 

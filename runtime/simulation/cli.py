@@ -14,6 +14,7 @@ from pathlib import Path
 from fabric_ext import __version__
 from fabric_ext.exits import EXIT_INPUT, EXIT_OK, EXIT_USAGE, internal_error, stdout_closed
 
+from ..machine.errors import UsageError
 from ..machine.program import JIT_CHECKS
 
 
@@ -39,6 +40,8 @@ def build_parser():
                         "(default: the bundled policies/prefill_qos.fx)")
     p.add_argument("-I", dest="include", action="append", default=[], metavar="DIR",
                    help="also look for a .fx policy's imports in DIR (after its own folder; bundled fabrics last)")
+    p.add_argument("-D", dest="define", action="append", default=[], metavar="NAME=VALUE",
+                   help="set a param of a .fx policy (param NAME : DIM = VALUE), e.g. -D quota=1GB/s")
     p.add_argument("--backend", choices=("interp", "jit", "kernel"), default=None,
                    help="VM backend for the programs (default: jit where it works, else interp)")
     p.add_argument("--jit-checks", choices=JIT_CHECKS, default=None,
@@ -96,13 +99,18 @@ def run(args) -> int:
             return EXIT_USAGE
         from fabric_ext.bundle_cache import compile_cached
         from fabric_ext.cli import include_dirs
+        from fabric_ext.params import parse_defines
         try:      # in memory, or from the compiled-policy cache: nothing is written for the run
-            bundle, warnings = compile_cached(policy, include=[str(d.resolve()) for d in include_dirs(args.include)])
+            bundle, warnings = compile_cached(policy, include=[str(d.resolve()) for d in include_dirs(args.include)],
+                                              params=parse_defines(args.define))
         except api.PolicyError as e:
             e.diagnostics.print(sys.stderr)
             return EXIT_INPUT
         sys.stderr.write(warnings)
     else:
+        if args.define:
+            raise UsageError(f"-D: {policy} is compiled already, its params bound; recompile it with "
+                             "fabricc compile -D NAME=VALUE, or run the .fx policy")
         bundle = api.Bundle.read_folder(policy)
     show = _progress()
     report = api.run(bundle, model=args.model, prompt=args.prompt, batch=args.batch, tp=args.tp,
@@ -135,7 +143,7 @@ def main(argv=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) is signal.SIG_DFL:
             signal.signal(sig, _exit_on_signal)
-    from ..machine.errors import InputError, UsageError
+    from ..machine.errors import InputError
     from ..machine.kernel import KernelError, KernelVerifierError
     from .fabric_model import EventLimit
     if args.max_events is not None and args.max_events < 0:

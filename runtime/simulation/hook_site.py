@@ -56,8 +56,8 @@ class ShimHookSite(HookSite):
         if operator == "collective":
             t.pace, t.fixed_cost = pace, not pace
         ids = self.ids
-        t.ctx = dict(zip(TRANSFER_FIELDS, (t.movement_id, ids["classes"].get(cls, 0),
-                                           ids["operators"].get(t.operator, 0), ids["devices"].get(src, 0),
+        t.ctx = dict(zip(TRANSFER_FIELDS, (t.movement_id, ids.get("classes", {}).get(cls, 0),
+                                           ids.get("operators", {}).get(t.operator, 0), ids["devices"].get(src, 0),
                                            ids["devices"].get(dst, 0), layer, int(t.critical))))
         self.fabric.start(t)
         return t

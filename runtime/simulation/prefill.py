@@ -54,7 +54,7 @@ class Prefill:
                     m = self.site.movement_of("weights", op, w.weights, self.gpus[0]) \
                         if w.weights in self.e.devices else None
                     known = self.site.decide(host, "alloc", {"now": 0, "movement": m["id"] if m else 0,
-                                                          "class": self.e.ids["classes"]["weights"], "layer": layer,
+                                                          "class": self.e.ids.get("classes", {}).get("weights", 0), "layer": layer,
                                                           "bytes": w.weight_bytes(op)})
                     tier = self.site.dev_by_id.get(known.decisions.get("tier")) if known is not None else None
                     if tier and tier not in self.e.fabric.memories:
@@ -121,7 +121,7 @@ class Prefill:
         if stall > 0:      # charged to the input that arrived last
             self.stall_by_movement[self.last_input.get((g, u), f"(weights/{op})")] += stall
         known = self.site.decide(g, "launch", {"now": int(self.sim.now), "layer": layer,
-                                        "operator": self.e.ids["operators"][op],
+                                        "operator": self.e.ids.get("operators", {}).get(op, 0),
                                         "flops": int(sum(o.flops for o in ops)),
                                         "bytes": int(sum(o.bytes for o in ops)), "stall": int(stall)})
         if known is not None and known.decisions.get("prefetch"):

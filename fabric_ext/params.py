@@ -1,0 +1,111 @@
+"""Pass 2b: bind each ``param`` to its value (`bind`), the declared one or the command line's.
+
+``param quota : bandwidth = 2GB/s`` declares a value the policy uses by name, in expressions
+and in properties; ``-D quota=1GB/s`` (on `fabricc` and `fabric-run`) overrides it, checked
+against the declared dimension.  Each use becomes the literal of its bound value, so the
+later passes see plain numbers (and fold them); the manifest records every bound value.
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+
+from fabric_ext.runtime.machine.errors import UsageError
+
+from . import ast as A
+from .diagnostics import Diagnostics, did_you_mean
+from .units import BANDWIDTH, DIM_NAMES, FLOPS, PERCENT, SIZE, TIME, UnitError, parse_quantity
+
+#: the dimension a param declares -> its units' dimension (count: a plain number)
+DIMS = {"size": SIZE, "bandwidth": BANDWIDTH, "time": TIME, "flops": FLOPS, "percent": PERCENT, "count": None}
+U64_MAX = (1 << 64) - 1
+
+
+def parse_defines(items) -> dict[str, str]:
+    """``-D NAME=VALUE`` options as {name: value text}."""
+    out = {}
+    for item in items or ():
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip() or not value.strip():
+            raise UsageError(f"-D {item}: write -D NAME=VALUE (a param of the policy and its value, e.g. quota=1GB/s)")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def bind(program, defines: dict[str, str], diags: Diagnostics) -> dict[str, int | float]:
+    """Every param's value (``defines`` over the declared ones), substituted for its uses in
+    ``program``; a bad declaration is an error in ``diags``, a bad ``-D`` a `UsageError`."""
+    declared: dict[str, tuple[A.Param, str | None]] = {}
+    for p in program.params:
+        dim = _declared_dim(p, diags)
+        if p.name.name in declared:
+            diags.error(p.name.span, f"param '{p.name.name}' is declared twice")
+        elif dim is not False:
+            declared[p.name.name] = (p, dim)
+    values = {name: (p.value.value, p.value.text) for name, (p, _) in declared.items()}
+    for name, text in defines.items():
+        if name not in declared:
+            hint = did_you_mean(name, declared)
+            raise UsageError(f"-D {name}={text}: the policy declares no param '{name}'"
+                             + (f"; {hint}" if hint else f" (its params: {', '.join(declared) or 'none'})"))
+        values[name] = (_defined(name, text, declared[name][1]), text)
+    if values:
+        _substitute(program, {name: (value, declared[name][1], text) for name, (value, text) in values.items()},
+                    diags)
+    return {name: value for name, (value, _) in values.items()}
+
+
+def _declared_dim(p: A.Param, diags):
+    """The declared dimension (None: a count), or False where the declaration is wrong."""
+    if p.dim.name not in DIMS:
+        diags.error(p.dim.span, f"unknown dimension '{p.dim.name}' for param '{p.name.name}'",
+                    f"a param is one of {', '.join(DIMS)}")
+        return False
+    dim = DIMS[p.dim.name]
+    v = p.value
+    if not isinstance(v, A.Num) or (v.dim != dim and not (v.dim is None and v.value == 0)):
+        got = DIM_NAMES[v.dim] if isinstance(v, A.Num) else "not a number"
+        diags.error(v.span, f"param '{p.name.name}' is {DIM_NAMES[dim]}, and its value is {got}",
+                    f"give it a value in units of {p.dim.name}" if dim else "give it a plain number")
+        return False
+    return dim
+
+
+def _defined(name: str, text: str, dim):
+    try:
+        value, got = parse_quantity(text)
+    except UnitError as e:
+        raise UsageError(f"-D {name}={text}: unknown unit '{e.unit}'"
+                         + (f"; did you mean '{e.suggestion}'?" if e.suggestion else "")) from None
+    if got != dim and not (got is None and value == 0):
+        raise UsageError(f"-D {name}={text}: '{name}' is {DIM_NAMES[dim]}, not {DIM_NAMES[got]}")
+    if not 0 <= value <= U64_MAX:
+        raise UsageError(f"-D {name}={text}: more than fits in 64 bits")
+    return value
+
+
+def _substitute(node, values, diags) -> None:
+    """Each ``Name`` of a param becomes the literal of its value, in place; a variable named
+    like a param is an error (its uses would be ambiguous)."""
+    for f in fields(node) if isinstance(node, A.Node) else ():
+        v = getattr(node, f.name)
+        if isinstance(v, list):
+            setattr(node, f.name, [_replaced(x, values) for x in v])
+            for x in v:
+                _substitute(x, values, diags)
+        elif isinstance(v, A.Node):
+            setattr(node, f.name, _replaced(v, values))
+            _substitute(v, values, diags)
+    if isinstance(node, (A.Let, A.For)):
+        var = node.name if isinstance(node, A.Let) else node.var
+        if var.name in values:
+            diags.error(var.span, f"'{var.name}' is a param of the policy; name the variable differently")
+    if hasattr(node, "modules"):
+        for m in node.modules:
+            _substitute(m, values, diags)
+
+
+def _replaced(node, values):
+    if isinstance(node, A.Name) and node.id in values:
+        value, dim, text = values[node.id]
+        return A.Num(value, dim, text, span=node.span)
+    return node
