@@ -163,7 +163,8 @@ def run(bundle: Bundle | str | Path, *, model: str | None = None, prompt: int | 
         max_events: int | None = None, progress=None) -> Report:
     """Run a compiled policy (a `Bundle`, or the path of a policy folder) on its fabric's
     prefill; the workload's properties unless given here.  ``baseline`` also runs the same
-    prefill with no programs attached (``Report.baseline``)."""
+    prefill with no programs attached (``Report.baseline``).  ``progress`` is called after each
+    block of the schedule with a `Progress` (fraction, events, simulated_ms)."""
     from fabric_ext.contract.bundle import create_maps
     from fabric_ext.runtime.machine.backends import get_backend
     from fabric_ext.runtime.simulation import stats

@@ -58,3 +58,19 @@ def test_the_report_is_built_from_the_runs_record_alone():
     assert mv["avg_gbps"] == 1.0 and mv["stall_ms"] == 0.25 and mv["queue_p50_us"] == 10.0
     assert ln["util_avg"] == 0.5 and ln["util_peak"] == 1.0
     assert ln["timeline"][:50] == [1.0] * 50 and ln["timeline"][50:] == [0.0] * 50
+
+
+def test_a_run_reports_its_progress_and_the_command_line_shows_it():
+    """`progress` gets the fraction of blocks begun, the events and the simulated time so far,
+    each growing; fabric-run renders them with an ETA (on a terminal, after a second)."""
+    from fabric_ext.runtime.simulation.cli import progress_line
+    from fabric_ext.runtime.simulation.engine import Progress
+    seen = []
+    report = fabric_ext.run(fabric_ext.compile(POLICIES / "prefill_qos.fx"), prompt=512, progress=seen.append)
+    assert len(seen) > 10 and all(isinstance(p, Progress) for p in seen)
+    assert [p.fraction for p in seen] == sorted(p.fraction for p in seen) and seen[-1].fraction > 0.95
+    assert seen[-1].events <= report.data["events"] and seen[-1].simulated_ms <= report.ttft_ms
+    assert all(a.events <= b.events and a.simulated_ms <= b.simulated_ms for a, b in zip(seen, seen[1:]))
+    line = progress_line(Progress(0.25, 1_234_567, 812.34), elapsed_s=2.0)
+    assert line.startswith("[######") and " 25%" in line and "1,234,567 events" in line
+    assert "812.3 ms simulated" in line and line.endswith("ETA 6 s")

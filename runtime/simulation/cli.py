@@ -73,19 +73,32 @@ def _exit_on_signal(signum, frame):
     raise SystemExit(128 + signum)      # unwinds what the run holds (backends, shared maps)
 
 
-def _progress():
-    if not sys.stderr.isatty():
-        return None
-    state = {"last": -1}
+PROGRESS_AFTER_S = 1.0      # a run shorter than this shows no progress
 
-    def show(frac):
-        pct = int(frac * 100)
-        if pct != state["last"]:
-            state["last"] = pct
-            bar = "#" * (pct // 4)
-            sys.stderr.write(f"\r[{bar:<25}] {pct:3d}%")
+
+def _progress(quiet: bool):
+    """A progress line on standard error for a run longer than PROGRESS_AFTER_S, where it is a
+    terminal and the run is not -q (None otherwise)."""
+    if quiet or not sys.stderr.isatty():
+        return None
+    import time
+    start, state = time.monotonic(), {"last": None}
+
+    def show(p):
+        elapsed = time.monotonic() - start
+        line = progress_line(p, elapsed)
+        if elapsed >= PROGRESS_AFTER_S and line != state["last"]:
+            state["last"] = line
+            sys.stderr.write("\r" + line)
             sys.stderr.flush()
     return show
+
+
+def progress_line(p, elapsed_s: float) -> str:
+    """``[#####      ]  40%  1,234,567 events  812.3 ms simulated  ETA 3 s``."""
+    pct = int(p.fraction * 100)
+    eta = f"ETA {elapsed_s * (1 - p.fraction) / p.fraction:.0f} s" if p.fraction > 0 else "ETA -"
+    return f"[{'#' * (pct // 4):<25}] {pct:3d}%  {p.events:,} events  {p.simulated_ms:,.1f} ms simulated  {eta}"
 
 
 def run(args) -> int:
@@ -112,13 +125,13 @@ def run(args) -> int:
             raise UsageError(f"-D: {policy} is compiled already, its params bound; recompile it with "
                              "fabricc compile -D NAME=VALUE, or run the .fx policy")
         bundle = api.Bundle.read_folder(policy)
-    show = _progress()
+    show = _progress(args.quiet)
     report = api.run(bundle, model=args.model, prompt=args.prompt, batch=args.batch, tp=args.tp,
                      chunk=args.chunk, stack=args.stack, backend=args.backend or "auto",
                      jit_checks=args.jit_checks, baseline=args.baseline, trace=bool(args.trace),
                      max_events=args.max_events, progress=show)
     if show:
-        sys.stderr.write("\r" + " " * 40 + "\r")
+        sys.stderr.write("\r\033[K")
     data = report.to_dict()
     data["policy"] = str(policy)
     if args.json:                # the files first: a reader that stops early (| head) loses none

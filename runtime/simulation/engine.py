@@ -14,6 +14,7 @@ import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from fabric_ext.contract.bundle import Folder
 from fabric_ext.contract.digraph import DiGraph
@@ -50,6 +51,13 @@ def _fewer_collections():
 LINK_FIGURE = {"nvlink": "nvlink4", "pcie": "pcie5_x16", "cxl": "cxl2_x16"}
 
 
+class Progress(NamedTuple):
+    """How far a run is, as the schedule reports it after each block."""
+    fraction: float          # of the prefill's blocks begun
+    events: int              # simulated events so far
+    simulated_ms: float      # simulated time so far
+
+
 @dataclass
 class RunOptions:
     model: str | None = None
@@ -58,7 +66,7 @@ class RunOptions:
     tp: int | None = None
     chunk_tokens: int | None = None
     attach: bool = True              # False: the baseline, every island on its defaults
-    progress: object = None          # callable(fraction) or None
+    progress: object = None          # callable(Progress) or None
     trace: bool = False              # record spans for a Perfetto trace
     eager_ticks: bool = False        # run each tick at its time instead of lazily (tests compare the two)
     max_events: int | None = DEFAULT_MAX_EVENTS   # a run that passes this many events stops (None: no limit)

@@ -112,7 +112,8 @@ class Prefill:
             else:
                 self.waiting[g] = u
         if self.e.opts.progress:
-            self.e.opts.progress(u / len(self.units))
+            from .engine import Progress
+            self.e.opts.progress(Progress(u / len(self.units), self.sim.events, self.sim.now / 1e6))
 
     def _compute(self, g, u):
         p, layer, op = self.units[u]
