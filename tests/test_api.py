@@ -74,3 +74,18 @@ def test_a_run_reports_its_progress_and_the_command_line_shows_it():
     line = progress_line(Progress(0.25, 1_234_567, 812.34), elapsed_s=2.0)
     assert line.startswith("[######") and " 25%" in line and "1,234,567 events" in line
     assert "812.3 ms simulated" in line and line.endswith("ETA 6 s")
+
+
+def test_the_summary_lists_the_links_asked_for_with_the_baselines_beside():
+    from fabric_ext.runtime.simulation import stats
+    report = fabric_ext.run(fabric_ext.compile(POLICIES / "prefill_qos.fx"), prompt=256, baseline=True)
+    data = report.to_dict()
+
+    def listed(text):
+        table = text.split("\nlink ")[1].split("\n\n")[0].splitlines()[2:]
+        return [row.split("  ")[0].strip() for row in table if not row.startswith("...")]
+    used = [x["name"] for x in sorted(data["links"], key=lambda x: (-x["util_avg"], x["name"])) if x["bytes"]]
+    two = stats.render(data, data["baseline"], links=2)
+    assert listed(two) == used[:2] and f"and {len(used) - 2} more links" in two and "baseline util avg" in two
+    everything = stats.render(data, links=None)
+    assert sorted(listed(everything)) == sorted(x["name"] for x in data["links"]) and "more link" not in everything

@@ -16,6 +16,7 @@ from fabric_ext.exits import EXIT_INPUT, EXIT_OK, EXIT_USAGE, internal_error, st
 
 from ..machine.errors import UsageError
 from ..machine.program import JIT_CHECKS
+from .stats import LINKS_SHOWN
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,9 +65,19 @@ def build_parser():
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib: pip install fabric-ext[plot])")
+    p.add_argument("--links", type=_link_count, default=LINKS_SHOWN, metavar="all|N",
+                   help=f"links the summary lists: the N busiest that carried bytes (default {LINKS_SHOWN}), or all")
     p.add_argument("-q", "--quiet", action="store_true", help="no summary on standard output")
     p.add_argument("--debug", action="store_true", help="print tracebacks of internal errors")
     return p
+
+
+def _link_count(text: str) -> int | None:
+    if text == "all":
+        return None
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"'{text}': a number of links, or all")
 
 
 def _exit_on_signal(signum, frame):
@@ -146,7 +157,7 @@ def run(args) -> int:
             print("fabric-run: --plot needs matplotlib: pip install 'fabric-ext[plot]'", file=sys.stderr)
             return EXIT_INPUT
     if not args.quiet:
-        print(stats.render(data, data.get("baseline")))
+        print(stats.render(data, data.get("baseline"), args.links))
     return EXIT_OK
 
 

@@ -109,6 +109,21 @@ def _jsonable(maps):
             for k, v in maps.items()}
 
 
+def _links(report, baseline, shown):
+    """The links table: busiest first, with the baseline's utilisation beside where there is one."""
+    ranked = sorted(report["links"], key=lambda x: (-x["util_avg"], x["name"]))
+    used = [x for x in ranked if x["bytes"]]
+    rows = ranked if shown is None else used[:shown]
+    base = {x["name"]: x for x in (baseline or {}).get("links", [])}
+    table = _table([[x["name"], f"{x['bytes'] / 2**20:.1f}", f"{x['util_avg'] * 100:.1f}%", f"{x['util_peak'] * 100:.1f}%"]
+                    + ([f"{base[x['name']]['util_avg'] * 100:.1f}%" if x["name"] in base else "-"] if baseline else [])
+                    for x in rows],
+                   ["link", "MiB", "util avg", "util peak"] + (["baseline util avg"] if baseline else []))
+    left = len(used) - len(rows)
+    return [table] + ([f"... and {left} more link{'s' * (left != 1)} that carried bytes (--links all, or --links N)"]
+                      if shown is not None and left > 0 else [])
+
+
 def _table(rows, headers):
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     line = "  ".join(f"{h:<{w}}" for h, w in zip(headers, widths))
@@ -127,8 +142,13 @@ def _load_line(load: dict | None) -> str:
     return f" ({', '.join(how) or 'no programs'}; ready in {load['load_ms']:.1f} ms)"
 
 
-def render(report: dict, baseline: dict | None = None) -> str:
-    """The terminal summary: time to first token, movements, busiest links, islands, faults."""
+LINKS_SHOWN = 8       # links the summary lists unless asked for more (`render`'s ``links``)
+
+
+def render(report: dict, baseline: dict | None = None, links: int | None = LINKS_SHOWN) -> str:
+    """The terminal summary: time to first token, movements, busiest links, islands, faults.
+    ``links``: how many of the links that carried bytes to list, busiest first (None: every
+    link, idle ones too)."""
     w = report["workload"]
     out = [f"prefill of {w['model']}: {w['prompt']} tokens x {w['batch']}, TP {w['tp']}; weights on {w['weights']}, "
            f"KV to {w['kv']}" + (f", exported through {w['kv_export']}" if w['kv_export'] else ""),
@@ -150,10 +170,7 @@ def render(report: dict, baseline: dict | None = None) -> str:
     out.append(_table(rows, ["movement", "class", "MiB", "GB/s", "queue p50 us", "queue p99 us", "GPU stall ms"]
                       + (["baseline GPU stall ms"] if baseline else [])))
     out.append("")
-    busy = sorted(report["links"], key=lambda x: -x["util_avg"])[:8]
-    out.append(_table([[l["name"], f"{l['bytes'] / 2**20:.1f}", f"{l['util_avg'] * 100:.1f}%",
-                        f"{l['util_peak'] * 100:.1f}%"] for l in busy],
-                      ["link", "MiB", "util avg", "util peak"]))
+    out += _links(report, baseline, links)
     if report["islands"]:
         out.append("")
         out.append(_table([[i["name"], i["kind"], i["runtime"], i["events"], i["invocations"],
