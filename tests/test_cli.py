@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +163,24 @@ def test_include_folders_on_both_command_lines(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.cli", "-I", str(tmp_path / "nope"),
                           "--policy", str(policy), "-q"], capture_output=True, text=True)
     assert bad.returncode == 2 and "no such folder" in bad.stderr
+
+
+def test_two_policies_run_on_one_workload_side_by_side(tmp_path):
+    """fabric-run --policy a --policy b: each run on the same workload, one table, one JSON."""
+    out = tmp_path / "cmp.json"
+    r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.cli", "--policy",
+                        str(POLICIES / "prefill_qos.fx"), "--policy", str(POLICIES / "nic_pacing.fx"),
+                        "--model", "llama3-8b", "--prompt", "512", "--tp", "2", "--json", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "fabric-run-compare/1"
+    assert [Path(x["policy"]).stem for x in doc["runs"]] == ["prefill_qos", "nic_pacing"]
+    assert doc["runs"][0]["workload"]["prompt"] == doc["runs"][1]["workload"]["prompt"] == 512
+    row = next(line for line in r.stdout.splitlines() if line.startswith("nic_pacing "))
+    assert f"{doc['runs'][1]['ttft_ms']:.3f}" in row
+    assert "prefill_qos GB/s" in r.stdout and "nic_pacing stall ms" in r.stdout
+    traced = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.cli", "--policy",
+                             str(POLICIES / "prefill_qos.fx"), "--policy", str(POLICIES / "nic_pacing.fx"),
+                             "--trace", str(tmp_path / "t.json")], capture_output=True, text=True)
+    assert traced.returncode == 2 and "take one policy" in traced.stderr

@@ -14,7 +14,7 @@ from pathlib import Path
 from fabric_ext import __version__
 from fabric_ext.exits import EXIT_INPUT, EXIT_OK, EXIT_USAGE, internal_error, stdout_closed
 
-from ..machine.errors import UsageError
+from ..machine.errors import InputError, UsageError
 from ..machine.program import JIT_CHECKS
 from .stats import LINKS_SHOWN
 
@@ -36,9 +36,10 @@ def build_parser():
     p = _Parser(prog="fabric-run", description="Run compiled fabric policies on an LLM prefill and report "
                                                  "its dataflow statistics.")
     p.add_argument("--version", action="version", version=f"fabric-run {__version__}")
-    p.add_argument("--policy", metavar="DIR_OR_FX",
+    p.add_argument("--policy", metavar="DIR_OR_FX", action="append",
                    help="a folder from 'fabricc compile', or a .fx file to compile first "
-                        "(default: the bundled policies/prefill_qos.fx)")
+                        "(default: the bundled policies/prefill_qos.fx); given more than once, each runs "
+                        "on the same workload and one table compares them")
     p.add_argument("-I", dest="include", action="append", default=[], metavar="DIR",
                    help="also look for a .fx policy's imports in DIR (after its own folder; bundled fabrics last)")
     p.add_argument("-D", dest="define", action="append", default=[], metavar="NAME=VALUE",
@@ -112,39 +113,58 @@ def progress_line(p, elapsed_s: float) -> str:
     return f"[{'#' * (pct // 4):<25}] {pct:3d}%  {p.events:,} events  {p.simulated_ms:,.1f} ms simulated  {eta}"
 
 
-def run(args) -> int:
-    from fabric_ext import api
+class _PolicyFailed(InputError):
+    """A policy that did not compile; its diagnostics are printed already (`run` ends on it)."""
 
-    from . import stats
-    policy = Path(args.policy) if args.policy else reference_policy()
+
+def _bundle(policy: Path, args):
+    """The policy to run: a .fx file compiled (in memory, or from the compiled-policy cache:
+    nothing is written for the run), or a compiled folder."""
+    from fabric_ext import api
     if policy.suffix == ".fx" or policy.is_file():
         if not policy.is_file():
-            print(f"fabric-run: no such file: {policy}", file=sys.stderr)
-            return EXIT_USAGE
+            raise UsageError(f"no such file: {policy}")
         from fabric_ext.bundle_cache import compile_cached
         from fabric_ext.cli import include_dirs
         from fabric_ext.params import parse_defines
-        try:      # in memory, or from the compiled-policy cache: nothing is written for the run
+        try:
             bundle, warnings = compile_cached(policy, include=[str(d.resolve()) for d in include_dirs(args.include)],
                                               params=parse_defines(args.define))
         except api.PolicyError as e:
             e.diagnostics.print(sys.stderr)
-            return EXIT_INPUT
+            raise _PolicyFailed() from None
         sys.stderr.write(warnings)
-    else:
-        if args.define:
-            raise UsageError(f"-D: {policy} is compiled already, its params bound; recompile it with "
-                             "fabricc compile -D NAME=VALUE, or run the .fx policy")
-        bundle = api.Bundle.read_folder(policy)
+        return bundle
+    if args.define:
+        raise UsageError(f"-D: {policy} is compiled already, its params bound; recompile it with "
+                         "fabricc compile -D NAME=VALUE, or run the .fx policy")
+    return api.Bundle.read_folder(policy)
+
+
+def _run_one(policy: Path, args, trace: bool = False):
+    from fabric_ext import api
+    bundle = _bundle(policy, args)
     show = _progress(args.quiet)
     report = api.run(bundle, model=args.model, prompt=args.prompt, batch=args.batch, tp=args.tp,
                      chunk=args.chunk, stack=args.stack, backend=args.backend or "auto",
-                     jit_checks=args.jit_checks, baseline=args.baseline, trace=bool(args.trace),
+                     jit_checks=args.jit_checks, baseline=args.baseline, trace=trace,
                      max_events=args.max_events, progress=show)
     if show:
         sys.stderr.write("\r\033[K")
     data = report.to_dict()
     data["policy"] = str(policy)
+    return report, data
+
+
+def run(args) -> int:
+    from . import stats
+    policies = [Path(p) for p in args.policy] if args.policy else [reference_policy()]
+    if len(policies) > 1:
+        return _compare(policies, args)
+    try:
+        report, data = _run_one(policies[0], args, trace=bool(args.trace))
+    except _PolicyFailed:
+        return EXIT_INPUT
     if args.json:                # the files first: a reader that stops early (| head) loses none
         stats.write_json(args.json, data)
     if args.trace:
@@ -161,13 +181,30 @@ def run(args) -> int:
     return EXIT_OK
 
 
+def _compare(policies: list[Path], args) -> int:
+    """Each policy on the same workload, one table side by side (and one JSON)."""
+    from . import stats
+    if args.trace or args.plot:
+        raise UsageError("--trace and --plot take one policy; run each policy on its own for them")
+    runs = []
+    for policy in policies:
+        try:
+            runs.append(_run_one(policy, args)[1])
+        except _PolicyFailed:
+            return EXIT_INPUT
+    if args.json:
+        stats.write_json(args.json, {"schema": stats.COMPARE_SCHEMA, "runs": runs})
+    if not args.quiet:
+        print(stats.render_comparison(runs))
+    return EXIT_OK
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) is signal.SIG_DFL:
             signal.signal(sig, _exit_on_signal)
-    from ..machine.errors import InputError
     from ..machine.kernel import KernelError, KernelVerifierError
     from .fabric_model import EventLimit
     if args.max_events is not None and args.max_events < 0:

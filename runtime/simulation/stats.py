@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from .workload import Workload
 
 SCHEMA = "fabric-run/2"   # 2: islands report events and runs (invocations) apart
+COMPARE_SCHEMA = "fabric-run-compare/1"   # {"schema", "runs": [a fabric-run/2 report per policy]}
 TIMELINE_BINS = 100
 
 
@@ -107,6 +109,35 @@ def _link(srv, horizon: float) -> dict:
 def _jsonable(maps):
     return {k: ({str(kk): vv for kk, vv in v.items()} if isinstance(v, dict) and "records" not in v else v)
             for k, v in maps.items()}
+
+
+def render_comparison(runs: list[dict]) -> str:
+    """Policies side by side on one workload: time to first token (and its baseline's), then
+    each movement's GB/s and GPU stall under each policy."""
+    names = [Path(r["policy"]).stem if r["policy"] else f"run {i}" for i, r in enumerate(runs, 1)]
+    w = runs[0]["workload"]
+    out = [f"prefill of {w['model']}: {w['prompt']} tokens x {w['batch']}, TP {w['tp']}"]
+    if any(r["workload"] != w for r in runs):
+        out.append("note: the policies' workloads differ (their own declarations); give --model, --prompt, "
+                   "--batch, --tp to run them all on one")
+    out.append("")
+    rows = [[n, f"{r['ttft_ms']:.3f}", f"{r['kv_done_ms']:.3f}"]
+            + ([f"{r['baseline']['ttft_ms']:.3f}", f"{r['policy_speedup']:.3f}x"] if "baseline" in r else [])
+            for n, r in zip(names, runs)]
+    with_base = any("baseline" in r for r in runs)
+    rows = [row + (["-", "-"] if with_base and len(row) == 3 else []) for row in rows]
+    out.append(_table(rows, ["policy", "TTFT ms", "KV done ms"] + (["baseline TTFT ms", "speedup"] if with_base else [])))
+    movements = sorted({m["name"] for r in runs for m in r["movements"]})
+    by = [{m["name"]: m for m in r["movements"]} for r in runs]
+    table = []
+    for mv in movements:
+        cells = []
+        for b in by:
+            m = b.get(mv)
+            cells += [f"{m['avg_gbps']:.2f}", f"{m['stall_ms']:.3f}"] if m else ["-", "-"]
+        table.append([mv] + cells)
+    out += ["", _table(table, ["movement"] + [f"{n} {what}" for n in names for what in ("GB/s", "stall ms")])]
+    return "\n".join(out)
 
 
 def _links(report, baseline, shown):
