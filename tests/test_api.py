@@ -89,3 +89,17 @@ def test_the_summary_lists_the_links_asked_for_with_the_baselines_beside():
     assert listed(two) == used[:2] and f"and {len(used) - 2} more links" in two and "baseline util avg" in two
     everything = stats.render(data, links=None)
     assert sorted(listed(everything)) == sorted(x["name"] for x in data["links"]) and "more link" not in everything
+
+
+def test_maps_at_the_end_of_a_run_are_shown_with_their_declared_types():
+    """A device-keyed map by device name, a size-valued one with its unit, in the summary and
+    the JSON (map_entries), from the same contents as the raw maps."""
+    from fabric_ext.runtime.simulation import stats
+    report = fabric_ext.run(fabric_ext.compile(POLICIES / "prefill_qos.fx"), prompt=512)
+    data = report.to_dict()
+    entries = data["map_entries"]["kv_bytes"]
+    assert {e["key_text"] for e in entries} == {f"gpu{i}" for i in range(8)}
+    raw = data["maps"]["kv_bytes"]
+    assert all(raw[str(e["key"])] == e["value"] and e["text"].endswith("B") for e in entries)
+    text = stats.render(data)
+    assert "map kv_bytes:" in text and f"gpu3  {entries[3]['text']}" in text

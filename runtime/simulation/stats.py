@@ -45,6 +45,8 @@ class RunRecord:
     copy_engines: list[dict]
     refused: dict[str, int]             # decisions the fabric refused, by reason
     spans: list[tuple[str, str, float, float]] = field(default_factory=list)   # (track, name, start, dur) ns
+    map_types: dict[str, tuple] = field(default_factory=dict)   # name -> (kind, key type, value type), as declared
+    device_names: dict[int, str] = field(default_factory=dict)  # device id -> name, for device-typed keys and values
 
 
 def collect(r: RunRecord) -> dict:
@@ -82,7 +84,7 @@ def collect(r: RunRecord) -> dict:
             "operators": {name: round(ms, 4) for name, ms in r.operator_ms.items()},
             "events": r.events, "layers": layers, "movements": movements,
             "links": sorted(links, key=lambda x: x["name"]), "islands": r.islands,
-            "copy_engines": r.copy_engines, "maps": _jsonable(r.maps),
+            "copy_engines": r.copy_engines, "maps": _jsonable(r.maps), "map_entries": decoded_maps(r),
             "faults": r.faults, "refused": r.refused}
 
 
@@ -104,6 +106,27 @@ def _link(srv, horizon: float) -> dict:
             "util_avg": round(float(sum(b - a for a, b, _ in srv.intervals) / horizon), 4),
             "util_peak": round(float(util.max()) if len(util) else 0.0, 4),
             "timeline": [round(float(x), 3) for x in util]}
+
+
+def decoded_maps(r: RunRecord) -> dict[str, list[dict]]:
+    """Each hash or array map's entries at the run's end with their declared types: a device
+    key or value by its name, a value with its unit (``{"key", "value", "text"}``)."""
+    from fabric_ext.units import format_quantity
+    out = {}
+    for name, entries in r.maps.items():
+        kind, key_type, value_type = r.map_types.get(name, ("?", None, None))
+        if kind == "ringbuf" or not isinstance(entries, dict):
+            continue
+
+        def show(v, t):
+            return r.device_names.get(v, str(v)) if t == "device" else format_quantity(v, _DIMS.get(t))
+        out[name] = [{"key": k, "value": v, "key_text": show(k, key_type), "text": show(v, value_type)}
+                     for k, v in sorted(entries.items())]
+    return out
+
+
+#: a map's declared value type -> the dimension its numbers have (u32/u64: plain numbers)
+_DIMS = {"size": "size", "bandwidth": "bandwidth", "time": "time", "percent": "percent", "flops": "flops"}
 
 
 def _jsonable(maps):
@@ -174,6 +197,7 @@ def _load_line(load: dict | None) -> str:
 
 
 LINKS_SHOWN = 8       # links the summary lists unless asked for more (`render`'s ``links``)
+MAP_ROWS = 16         # entries of a map the summary shows
 
 
 def render(report: dict, baseline: dict | None = None, links: int | None = LINKS_SHOWN) -> str:
@@ -209,6 +233,11 @@ def render(report: dict, baseline: dict | None = None, links: int | None = LINKS
                             ", ".join(f"{k}={'/'.join(v)}" for k, v in i["decisions"].items())[:70]]
                            for i in report["islands"] if i["events"]],
                           ["island", "kind", "runtime", "events", "runs", "ns/run", "decisions"]))
+    for name, entries in report.get("map_entries", {}).items():
+        if entries:
+            out += ["", f"map {name}:", _table([[e["key_text"], e["text"]] for e in entries[:MAP_ROWS]], ["key", "value"])]
+            if len(entries) > MAP_ROWS:
+                out.append(f"... and {len(entries) - MAP_ROWS} more entries (--json has them all)")
     drops = [(name, m) for name, m in report["maps"].items() if isinstance(m, dict) and m.get("dropped")]
     if drops:
         out.append("")
