@@ -103,3 +103,16 @@ def test_maps_at_the_end_of_a_run_are_shown_with_their_declared_types():
     assert all(raw[str(e["key"])] == e["value"] and e["text"].endswith("B") for e in entries)
     text = stats.render(data)
     assert "map kv_bytes:" in text and f"gpu3  {entries[3]['text']}" in text
+
+
+def test_the_summary_gives_each_decisions_share_of_events_and_kv_timing_only_when_kv_moves():
+    from fabric_ext.runtime.simulation import stats
+    data = fabric_ext.run(fabric_ext.compile(POLICIES / "prefill_qos.fx"), prompt=512).to_dict()
+    sw0 = next(i for i in data["islands"] if i["name"] == "sw0")
+    prio = sw0["decisions"]["forward.priority"]
+    top = max(prio, key=prio.get)
+    text = stats.render(data)
+    assert f"forward.priority={top} {prio[top] / sw0['per_hook']['forward']:.0%}" in text
+    assert "KV all written by" in text
+    plain = fabric_ext.run(fabric_ext.compile(POLICIES / "fabrics" / "dgx_h100.fx"), prompt=128).to_dict()
+    assert "KV all written by" not in stats.render(plain)

@@ -163,6 +163,17 @@ def render_comparison(runs: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _decision_shares(island: dict, width: int = 90) -> str:
+    """``forward.priority=7 62%/1 38%``: each decision's values by their share of the hook's events."""
+    parts = []
+    for key, counts in island["decisions"].items():
+        events = island["per_hook"].get(key.split(".")[0]) or sum(counts.values())
+        ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+        parts.append(f"{key}=" + "/".join(f"{v} {c / events:.0%}" for v, c in ranked))
+    text = ", ".join(parts)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def _links(report, baseline, shown):
     """The links table: busiest first, with the baseline's utilisation beside where there is one."""
     ranked = sorted(report["links"], key=lambda x: (-x["util_avg"], x["name"]))
@@ -213,7 +224,9 @@ def render(report: dict, baseline: dict | None = None, links: int | None = LINKS
         out.append(f"time to first token: {report['ttft_ms']:.3f} ms with the policy, "
                    f"{baseline['ttft_ms']:.3f} ms baseline ({gain:.3f}x)")
     else:
-        out.append(f"time to first token: {report['ttft_ms']:.3f} ms (KV all written by {report['kv_done_ms']:.3f} ms)")
+        kv_moves = any(m["class"] == "kv" and m["bytes"] for m in report["movements"])
+        out.append(f"time to first token: {report['ttft_ms']:.3f} ms"
+                   + (f" (KV all written by {report['kv_done_ms']:.3f} ms)" if kv_moves else ""))
     out.append("")
     base_mv = {m["name"]: m for m in (baseline or {}).get("movements", [])}
     rows = []
@@ -229,8 +242,7 @@ def render(report: dict, baseline: dict | None = None, links: int | None = LINKS
     if report["islands"]:
         out.append("")
         out.append(_table([[i["name"], i["kind"], i["runtime"], i["events"], i["invocations"],
-                            i["ns_per_invocation"],
-                            ", ".join(f"{k}={'/'.join(v)}" for k, v in i["decisions"].items())[:70]]
+                            i["ns_per_invocation"], _decision_shares(i)]
                            for i in report["islands"] if i["events"]],
                           ["island", "kind", "runtime", "events", "runs", "ns/run", "decisions"]))
     for name, entries in report.get("map_entries", {}).items():
