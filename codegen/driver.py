@@ -90,8 +90,7 @@ def _build(path, opt, mcpu, emit, kernel_verify, diags, text=None, include=(), d
                 diags.error(_span_of(specs[prog.name], e.pc, pir.handlers[0].span if pir.handlers else a.program.modules[0].span),
                             f"the program for {island}.{pir.hook.name} does not verify: {e.msg}",
                             f"at {prog.where(e.pc)}")
-        if kernel_verify:
-            _kernel_verify(loaded, hooks, progs, specs, island, diags)
+        verified = _kernel_verify(loaded, hooks, progs, specs, island, diags) if kernel_verify else None
         compiled.append((island, pairs))
         kind = a.graph.islands[island].kind
         res.files[f"{island}.bpf.o"] = obj
@@ -110,6 +109,8 @@ def _build(path, opt, mcpu, emit, kernel_verify, diags, text=None, include=(), d
         res.summary.append(f"{island:<8} {kind:<10} {a.graph.islands[island].runtime:<8} "
                            f"{len(progs)} program{'s' * (len(progs) != 1)}, {n_insns} instructions, "
                            f"{len(loaded.maps)} map{'s' * (len(loaded.maps) != 1)}")
+        if verified:
+            res.summary.append(f"{'':<8} {verified}")
     if diags.has_errors():
         return None
     from fabric_ext.graph_export import to_json
@@ -120,17 +121,23 @@ def _build(path, opt, mcpu, emit, kernel_verify, diags, text=None, include=(), d
     return res
 
 
-def _kernel_verify(loaded, hooks, progs, specs, island, diags):
+def _kernel_verify(loaded, hooks, progs, specs, island, diags) -> str | None:
+    """Load each program of the island into the running kernel; what was verified, for the
+    summary (None where nothing was)."""
+    import platform
+
     from fabric_ext.runtime.machine import kernel
     ok, why = kernel.permitted()
     if not ok:
         diags.warning(progs[0].handlers[0].span, f"--kernel-verify skipped: {why}")
-        return
+        return None
     backend = kernel.KernelBackend()
+    accepted = 0
     try:
         for prog in loaded.instantiate(hooks=hooks):
             try:
                 backend.load(prog)
+                accepted += 1
             except kernel.KernelVerifierError as e:
                 pc = e.failing_insn() or 0
                 pir = next(p for p in progs if p.name == prog.name)
@@ -139,3 +146,5 @@ def _kernel_verify(loaded, hooks, progs, specs, island, diags):
                             f"the kernel verifier rejects {island}.{pir.hook.name}: {tail}")
     finally:
         backend.close()
+    return (f"kernel verifier of Linux {platform.release()}: {accepted} of {len(progs)} "
+            f"program{'s' * (len(progs) != 1)} accepted (loaded as BPF_PROG_TYPE_SYSCALL, maps created)")

@@ -170,6 +170,19 @@ def test_fabricc_kernel_verify(tmp_path):
     r = subprocess.run([sys.executable, "-m", "fabric_ext.cli", "compile", POLICIES / "prefill_qos.fx", "-o",
                         tmp_path / "out", "--kernel-verify"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+    said = [line for line in r.stdout.splitlines() if "kernel verifier of Linux" in line]
+    assert len(said) == 10 and all("1 of 1 program accepted" in x or "2 of 2 programs accepted" in x for x in said)
+
+
+@pytest.mark.skipif(shutil.which("clang") is None, reason="clang is not installed")
+def test_the_listings_own_build_command_works(tmp_path):
+    """The command a .bpf.c listing's header gives builds it as written, in a shell."""
+    out = compiled("prefill_qos")
+    header = (out / "sw0.bpf.c").read_text().splitlines()[3]
+    command = header.removeprefix(" *").strip().removesuffix("*/").strip()
+    r = subprocess.run(f"{command} -o {tmp_path / 'sw0.o'}", shell=True, cwd=out, capture_output=True, text=True)
+    assert r.returncode == 0, (command, r.stderr)
+    assert (tmp_path / "sw0.o").read_bytes()[:4] == b"\x7fELF"
 
 
 @pytest.mark.skipif(shutil.which("bpftool") is None or not KERNEL_OK, reason="bpftool or bpf(2) not available")
