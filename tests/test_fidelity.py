@@ -82,6 +82,14 @@ def test_bloom_and_llama_configs_from_hugging_face(tmp_path):
     up = next(op for op in ffn_block(m, 1, 64, 8) if op.name == "mlp_up_proj")
     assert up.gemm == (14336, 4 * 14336 // 8)          # one up projection, no gate
     assert load_model("bloom-176b").shape == m.shape
+    assert m.name == "bloom (bloom)"
+    snapshot = tmp_path / "Llama-3.2-1B"
+    snapshot.mkdir()
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 16,
+                                                      "hidden_size": 2048, "num_attention_heads": 32,
+                                                      "num_key_value_heads": 8, "intermediate_size": 8192,
+                                                      "vocab_size": 128256}))
+    assert load_model(str(snapshot / "config.json")).name == "Llama-3.2-1B (llama)"     # not "config"
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"model_type": "bloom", "n_layer": 2}))
     with pytest.raises(WorkloadError, match="not a usable Hugging Face config"):

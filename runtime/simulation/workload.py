@@ -75,7 +75,7 @@ def load_model(name_or_path: str) -> ModelConfig:
         close = difflib.get_close_matches(name_or_path, list(models), n=1, cutoff=0.6)
         raise UnknownModel(name_or_path, close[0] if close else None)
     try:
-        cfg = _from_hf_config(json.loads(read_bounded(p, MAX_CONFIG)), p.stem)
+        cfg = _from_hf_config(json.loads(read_bounded(p, MAX_CONFIG)), _file_name(p))
         numbers = (cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn, cfg.vocab)
         if not all(type(v) is int and 0 < v < 1 << 24 for v in numbers):
             raise ValueError("its shape must be positive whole numbers")
@@ -84,12 +84,19 @@ def load_model(name_or_path: str) -> ModelConfig:
         raise WorkloadError(f"{p}: not a usable Hugging Face config ({type(e).__name__}: {e})") from None
 
 
+def _file_name(p: Path) -> str:
+    """What names a config file's model when the config does not: its folder for a file called
+    ``config.json`` (a Hugging Face snapshot's), else its own name."""
+    return p.resolve().parent.name if p.stem == "config" and p.resolve().parent.name else p.stem
+
+
 def _from_hf_config(c: dict, stem: str) -> ModelConfig:
     """A Llama-style config (num_hidden_layers, num_attention_heads, num_key_value_heads,
     intermediate_size: gated FFN, RoPE) or a BLOOM one (model_type bloom; n_layer, n_head:
     multi-head attention with ALiBi, a 4x FFN with GeLU)."""
     dtype = {"float32": 4}.get(c.get("torch_dtype"), 2)
-    name = c.get("_name_or_path", stem)
+    # the config's own name for the model, else its file's, with the architecture it declares
+    name = c.get("_name_or_path") or (f"{stem} ({c['model_type']})" if isinstance(c.get("model_type"), str) else stem)
     if c.get("model_type") == "bloom":
         hidden = c.get("hidden_size", c.get("n_embed"))
         heads = c.get("n_head", c.get("num_attention_heads"))
