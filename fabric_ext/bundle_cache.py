@@ -20,6 +20,7 @@ import struct
 from functools import lru_cache
 from pathlib import Path
 
+from fabric_ext.contract.bundle import source_states
 from fabric_ext.runtime.machine.codecache import CodeCache, default_dir
 
 from .api import Bundle, compile
@@ -49,7 +50,7 @@ def compile_cached(path: Path, cache: CodeCache | None = None, **options) -> tup
     cache = cache if cache is not None else open_cache()
     key = cache.key(str(path).encode(), path.read_bytes(), json.dumps(options, sort_keys=True).encode())
     hit = _unpack(cache.get(key), str(path))
-    if hit is not None and _sources_current(hit[0].manifest):
+    if hit is not None and all(state == "same" for _, state in source_states(hit[0].manifest)):
         return hit
     bundle = compile(path, **options)
     warnings = bundle.diagnostics.rendered() if bundle.diagnostics else ""
@@ -60,16 +61,6 @@ def compile_cached(path: Path, cache: CodeCache | None = None, **options) -> tup
 def open_cache() -> CodeCache:
     return CodeCache(default_dir(ENV, "bundles"), _salt(), what="the compiled-policy cache", env=ENV,
                      suffix=".bundle")
-
-
-def _sources_current(manifest: dict) -> bool:
-    for src in manifest.get("sources", []):
-        try:
-            if hashlib.sha256(Path(src["path"]).read_bytes()).hexdigest() != src["sha256"]:
-                return False
-        except OSError:
-            return False
-    return True
 
 
 def _pack(bundle: Bundle, warnings: str) -> bytes:

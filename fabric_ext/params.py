@@ -13,10 +13,10 @@ from fabric_ext.runtime.machine.errors import UsageError
 
 from . import ast as A
 from .diagnostics import Diagnostics, did_you_mean
-from .units import BANDWIDTH, DIM_NAMES, FLOPS, PERCENT, SIZE, TIME, UnitError, parse_quantity
+from .units import BASE_UNIT, DIM_NAMES, UnitError, parse_quantity
 
-#: the dimension a param declares -> its units' dimension (count: a plain number)
-DIMS = {"size": SIZE, "bandwidth": BANDWIDTH, "time": TIME, "flops": FLOPS, "percent": PERCENT, "count": None}
+#: the dimension a param declares -> its values' dimension: one with a unit, or count (a plain number)
+DIMS = {**{dim: dim for dim in BASE_UNIT}, "count": None}
 U64_MAX = (1 << 64) - 1
 
 
@@ -49,8 +49,9 @@ def bind(program, defines: dict[str, str], diags: Diagnostics) -> dict[str, int 
                              + (f"; {hint}" if hint else f" (its params: {', '.join(declared) or 'none'})"))
         values[name] = (_defined(name, text, declared[name][1]), text)
     if values:
-        _substitute(program, {name: (value, declared[name][1], text) for name, (value, text) in values.items()},
-                    diags)
+        bound = {name: (value, declared[name][1], text) for name, (value, text) in values.items()}
+        for module in program.modules:
+            _substitute(module, bound, diags)
     return {name: value for name, (value, _) in values.items()}
 
 
@@ -86,22 +87,17 @@ def _defined(name: str, text: str, dim):
 def _substitute(node, values, diags) -> None:
     """Each ``Name`` of a param becomes the literal of its value, in place; a variable named
     like a param is an error (its uses would be ambiguous)."""
-    for f in fields(node) if isinstance(node, A.Node) else ():
+    for f in fields(node):
         v = getattr(node, f.name)
         if isinstance(v, list):
             setattr(node, f.name, [_replaced(x, values) for x in v])
-            for x in v:
-                _substitute(x, values, diags)
         elif isinstance(v, A.Node):
             setattr(node, f.name, _replaced(v, values))
-            _substitute(v, values, diags)
-    if isinstance(node, (A.Let, A.For)):
-        var = node.name if isinstance(node, A.Let) else node.var
-        if var.name in values:
-            diags.error(var.span, f"'{var.name}' is a param of the policy; name the variable differently")
-    if hasattr(node, "modules"):
-        for m in node.modules:
-            _substitute(m, values, diags)
+    for child in node.children():
+        _substitute(child, values, diags)
+    var = node.name if isinstance(node, A.Let) else node.var if isinstance(node, A.For) else None
+    if var is not None and var.name in values:
+        diags.error(var.span, f"'{var.name}' is a param of the policy; name the variable differently")
 
 
 def _replaced(node, values):

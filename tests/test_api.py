@@ -116,3 +116,20 @@ def test_the_summary_gives_each_decisions_share_of_events_and_kv_timing_only_whe
     assert "KV all written by" in text
     plain = fabric_ext.run(fabric_ext.compile(POLICIES / "fabrics" / "dgx_h100.fx"), prompt=128).to_dict()
     assert "KV all written by" not in stats.render(plain)
+
+
+def test_progress_is_shown_only_on_a_terminal_and_not_with_quiet(monkeypatch):
+    import io
+
+    from fabric_ext.runtime.simulation import cli
+    assert cli._progress(quiet=True) is None
+    monkeypatch.setattr("sys.stderr", io.StringIO())          # not a terminal
+    assert cli._progress(quiet=False) is None
+
+
+def test_a_comparison_says_when_the_policies_workloads_differ():
+    from fabric_ext.runtime.simulation import stats
+    run = fabric_ext.run(fabric_ext.compile(POLICIES / "kv_tiering.fx"), prompt=128).to_dict()
+    other = dict(run, policy="other.fx", workload=dict(run["workload"], prompt=256))
+    assert "workloads differ" in stats.render_comparison([run, other])
+    assert "workloads differ" not in stats.render_comparison([run, dict(run, policy="same.fx")])

@@ -90,15 +90,25 @@ def load_manifest(folder: Path) -> dict:
         p = folder / name
         if hashlib.sha256(read_artifact(p, "artifact")).hexdigest() != digest:
             raise BundleError(f"{p}: does not match manifest.json (changed or corrupt); recompile the policy")
+    for src, state in source_states(man):      # checked only where still a policy source of sane size
+        if state == "changed":
+            raise BundleError(f"{src['file']}: changed since {folder} was compiled; recompile it")
+    return man
+
+
+def source_states(man: dict):
+    """(source, "same" | "changed" | "gone") for each policy source the manifest lists: whether
+    the file is still there with the digest it was compiled from."""
     for src in man.get("sources", []):
-        p = Path(src["path"])      # checked only where it is still a policy source of sane size
+        p = Path(src["path"])
         try:
             text = read_bounded(p, MAX_ARTIFACT) if p.suffix == ".fx" else None
         except (OSError, UnreadableFile):
             text = None
-        if text is not None and hashlib.sha256(text).hexdigest() != src["sha256"]:
-            raise BundleError(f"{src['file']}: changed since {folder} was compiled; recompile it")
-    return man
+        if text is None:
+            yield src, "gone"
+        else:
+            yield src, "same" if hashlib.sha256(text).hexdigest() == src["sha256"] else "changed"
 
 
 def check_manifest(man, path) -> None:

@@ -14,7 +14,6 @@ import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 from fabric_ext.contract.bundle import Folder
 from fabric_ext.contract.digraph import DiGraph
@@ -23,7 +22,7 @@ from fabric_ext.contract.schema import PROP_RANGES
 from .fabric_model import DEFAULT_MAX_EVENTS, Fabric, Sim
 from .figures import default, figures
 from .hook_site import ShimHookSite
-from .prefill import Prefill
+from .prefill import Prefill, Progress  # noqa: F401  (Progress: what RunOptions.progress is called with)
 from .shims import SHIMS
 from .stats import RunRecord
 from .ticks import BLOCK, TickSource, catch_up_together
@@ -49,13 +48,6 @@ def _fewer_collections():
 
 #: the figure (runtime/simulation/data/figures.json "links") each kind of link takes its fixed costs from
 LINK_FIGURE = {"nvlink": "nvlink4", "pcie": "pcie5_x16", "cxl": "cxl2_x16"}
-
-
-class Progress(NamedTuple):
-    """How far a run is, as the schedule reports it after each block."""
-    fraction: float          # of the prefill's blocks begun
-    events: int              # simulated events so far
-    simulated_ms: float      # simulated time so far
 
 
 @dataclass

@@ -8,6 +8,14 @@ decided).  It moves data and asks hooks only through the engine's hook site.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import NamedTuple
+
+
+class Progress(NamedTuple):
+    """How far a run is, as the schedule reports it after each block."""
+    fraction: float          # of the prefill's blocks begun
+    events: int              # simulated events so far
+    simulated_ms: float      # simulated time so far
 
 
 class Prefill:
@@ -112,7 +120,6 @@ class Prefill:
             else:
                 self.waiting[g] = u
         if self.e.opts.progress:
-            from .engine import Progress
             self.e.opts.progress(Progress(u / len(self.units), self.sim.events, self.sim.now / 1e6))
 
     def _compute(self, g, u):

@@ -111,22 +111,17 @@ def _link(srv, horizon: float) -> dict:
 def decoded_maps(r: RunRecord) -> dict[str, list[dict]]:
     """Each hash or array map's entries at the run's end with their declared types: a device
     key or value by its name, a value with its unit (``{"key", "value", "text"}``)."""
-    from fabric_ext.units import format_quantity
+    from fabric_ext.units import BASE_UNIT, DEVICE, format_quantity
+
+    def show(v, t):       # a declared type is a dimension (with a unit), a device, or u32/u64
+        return r.device_names.get(v, str(v)) if t == DEVICE else format_quantity(v, t if t in BASE_UNIT else None)
     out = {}
     for name, entries in r.maps.items():
         kind, key_type, value_type = r.map_types.get(name, ("?", None, None))
-        if kind == "ringbuf" or not isinstance(entries, dict):
-            continue
-
-        def show(v, t):
-            return r.device_names.get(v, str(v)) if t == "device" else format_quantity(v, _DIMS.get(t))
-        out[name] = [{"key": k, "value": v, "key_text": show(k, key_type), "text": show(v, value_type)}
-                     for k, v in sorted(entries.items())]
+        if kind != "ringbuf" and isinstance(entries, dict):
+            out[name] = [{"key": k, "value": v, "key_text": show(k, key_type), "text": show(v, value_type)}
+                         for k, v in sorted(entries.items())]
     return out
-
-
-#: a map's declared value type -> the dimension its numbers have (u32/u64: plain numbers)
-_DIMS = {"size": "size", "bandwidth": "bandwidth", "time": "time", "percent": "percent", "flops": "flops"}
 
 
 def _jsonable(maps):
@@ -144,11 +139,11 @@ def render_comparison(runs: list[dict]) -> str:
         out.append("note: the policies' workloads differ (their own declarations); give --model, --prompt, "
                    "--batch, --tp to run them all on one")
     out.append("")
-    rows = [[n, f"{r['ttft_ms']:.3f}", f"{r['kv_done_ms']:.3f}"]
-            + ([f"{r['baseline']['ttft_ms']:.3f}", f"{r['policy_speedup']:.3f}x"] if "baseline" in r else [])
-            for n, r in zip(names, runs)]
     with_base = any("baseline" in r for r in runs)
-    rows = [row + (["-", "-"] if with_base and len(row) == 3 else []) for row in rows]
+    rows = [[n, f"{r['ttft_ms']:.3f}", f"{r['kv_done_ms']:.3f}"]
+            + (([f"{r['baseline']['ttft_ms']:.3f}", f"{r['policy_speedup']:.3f}x"] if "baseline" in r else ["-", "-"])
+               if with_base else [])
+            for n, r in zip(names, runs)]
     out.append(_table(rows, ["policy", "TTFT ms", "KV done ms"] + (["baseline TTFT ms", "speedup"] if with_base else [])))
     movements = sorted({m["name"] for r in runs for m in r["movements"]})
     by = [{m["name"]: m for m in r["movements"]} for r in runs]
