@@ -131,13 +131,23 @@ class Chunk:
 class Server:
     """A transmission resource: one directed link, or a memory channel both directions share.
     Each chunk costs ``overhead`` ns on top of its bytes: the link's fixed cost per transfer
-    (DMA descriptor and doorbell on PCIe/CXL, one message on NVLink, a frame on a wire)."""
+    (DMA descriptor and doorbell on PCIe/CXL, one message on NVLink, a frame on a wire).
 
-    def __init__(self, sim: Sim, name: str, bw: float, overhead: float = 0.0):
+    A chunk's end of transmission is an event only where something must happen then: a
+    chunk queued behind it starts, its copy engine is freed, it is delivered.  A chunk that
+    starts with nothing queued behind it and was enqueued with ``sent_at`` is handed on when
+    it starts (``sent_at(chunk, end)`` schedules what follows its end) and the link stays
+    busy until ``free_at``; a chunk enqueued before then waits for it as for a finish.
+    Transmission is never preempted, so this is the per-chunk model with fewer events
+    (``finish_events`` restores an event at every end; the tests compare the two)."""
+
+    def __init__(self, sim: Sim, name: str, bw: float, overhead: float = 0.0, finish_events: bool = False):
         self.sim, self.name, self.bw, self.overhead = sim, name, bw, overhead
         self.queues: dict[int, OrderedDict] = {}   # class -> flow -> chunks, only classes with chunks
         self.classes: list[int] = []               # those classes, negated and sorted: highest first
-        self.busy = False
+        self.busy = False              # a finish (or the end of free_at) is scheduled
+        self.free_at = 0.0             # the end of a transmission that has no event of its own
+        self.finish_events = finish_events
         self.bytes = 0
         self.intervals: list[tuple[float, float, int]] = []
         self.queued_bytes = 0          # bytes waiting, not yet on the link
@@ -152,18 +162,27 @@ class Server:
         self.record, self.sent_lane = record, sent_lane
         self.enqueued_lane = enqueued_lane if record is not None else None
 
-    def enqueue(self, chunk: Chunk, done) -> None:
-        chunk.enqueued = self.sim.now
+    def enqueue(self, chunk: Chunk, done, sent_at=None) -> None:
+        """Queue a chunk; ``done(chunk)`` runs at its end of transmission, or, where
+        ``sent_at`` is given, maybe ``sent_at(chunk, end)`` at its start instead (see above)."""
+        now = chunk.enqueued = self.sim.now
         self.queued_bytes += chunk.bytes
         if self.enqueued_lane is not None:
-            self.record.extend((chunk.enqueued, self.enqueued_lane, chunk.bytes))
+            self.record.extend((now, self.enqueued_lane, chunk.bytes))
+        if not self.busy and not self.classes and now >= self.free_at:
+            self._transmit(chunk, done, sent_at)    # an idle link: it goes at once, past the queues
+            return
         q = self.queues.get(chunk.priority)
         if q is None:
             q = self.queues[chunk.priority] = OrderedDict()
             bisect.insort(self.classes, -chunk.priority)
-        q.setdefault(chunk.queue or chunk.transfer.flow, deque()).append((chunk, done))
+        q.setdefault(chunk.queue or chunk.transfer.flow, deque()).append((chunk, done, sent_at))
         if not self.busy:
-            self._start()
+            if self.sim.now < self.free_at:        # the link is still sending a handed-on chunk
+                self.busy = True
+                self.sim.at(self.free_at, self._start)
+            else:
+                self._start()
 
     def _start(self) -> None:
         if not self.classes:
@@ -172,13 +191,16 @@ class Server:
         prio = -self.classes[0]                # the highest class with a chunk waiting
         q = self.queues[prio]
         flow, d = next(iter(q.items()))
-        chunk, done = d.popleft()
+        chunk, done, sent_at = d.popleft()
         q.move_to_end(flow)                    # round robin between flows of one class
         if not d:
             del q[flow]
             if not q:
                 del self.queues[prio]
                 self.classes.pop(0)
+        self._transmit(chunk, done, sent_at)
+
+    def _transmit(self, chunk: Chunk, done, sent_at) -> None:
         self.busy = True
         now = self.sim.now
         chunk.waited += now - chunk.enqueued
@@ -192,7 +214,11 @@ class Server:
         self.intervals.append((now, now + dt, chunk.bytes))
         if self.record is not None:
             self.record.extend((now, self.sent_lane, chunk.bytes))
-        self.sim.at(now + dt, self._finish, chunk, done)
+        if sent_at is not None and not self.classes and chunk.engine is None and not self.finish_events:
+            self.busy, self.free_at = False, now + dt
+            sent_at(chunk, now + dt)
+        else:
+            self.sim.at(now + dt, self._finish, chunk, done)
 
     def _finish(self, chunk, done) -> None:
         done(chunk)
@@ -273,7 +299,7 @@ class Fabric:
     def __init__(self, sim: Sim, graph: DiGraph, device_island: dict[str, str],
                  island_kind: dict[str, str], wires: dict[str, tuple[float, float]],
                  memory_channels: dict[str, float], hooks: HookSite | None = None,
-                 copy_engines: dict[str, int] | None = None):
+                 copy_engines: dict[str, int] | None = None, finish_events: bool = False):
         self.sim, self.g = sim, graph
         self.device_island, self.island_kind = device_island, island_kind
         self.hooks = hooks or HookSite()
@@ -283,10 +309,10 @@ class Fabric:
             mem = u if u in memory_channels else v if v in memory_channels else None
             if mem is not None and e.get("kind") == "internal":
                 if mem not in shared:
-                    shared[mem] = Server(sim, f"{mem} memory", memory_channels[mem])
+                    shared[mem] = Server(sim, f"{mem} memory", memory_channels[mem], finish_events=finish_events)
                 self.servers[(u, v)] = shared[mem]
             else:
-                self.servers[(u, v)] = Server(sim, f"{u}->{v}", e["bw"], e.get("setup") or 0.0)
+                self.servers[(u, v)] = Server(sim, f"{u}->{v}", e["bw"], e.get("setup") or 0.0, finish_events)
         self.wires = {dev: Server(sim, f"{dev}->wire", bw, overhead) for dev, (bw, overhead) in wires.items()}
         self.engines = {dev: [CopyEngine(sim, f"{dev} copy engine {i}", self._taken) for i in range(n)]
                         for dev, n in (copy_engines or {}).items() if n > 0}
@@ -489,7 +515,7 @@ class Fabric:
     def _forward(self, chunk: Chunk) -> None:
         path, hop = chunk.path, chunk.hop
         if hop + 1 < len(path):
-            self.servers[(path[hop], path[hop + 1])].enqueue(chunk, self._sent)
+            self.servers[(path[hop], path[hop + 1])].enqueue(chunk, self._sent, self._sent_at)
         elif path[hop] in self.wires and chunk.island is not None:
             chunk.island = None  # leaves on the wire once
             self.wires[path[hop]].enqueue(chunk, self._delivered)
@@ -497,12 +523,16 @@ class Fabric:
             self._delivered(chunk)
 
     def _sent(self, chunk: Chunk) -> None:
+        if chunk.engine is not None:
+            self._free_engine(chunk)
+        self._sent_at(chunk, self.sim.now)
+
+    def _sent_at(self, chunk: Chunk, end: float) -> None:
+        """The chunk leaves its link at ``end``: it arrives at the next device a latency later."""
         u, v = chunk.path[chunk.hop], chunk.path[chunk.hop + 1]
         chunk.hop += 1
         chunk.queue = None          # a transmit queue holds at the NIC it was chosen at
-        if chunk.engine is not None:
-            self._free_engine(chunk)
-        self.sim.at(self.sim.now + (self.g.edges[u, v].get("latency") or 0), self._arrive, chunk)
+        self.sim.at(end + (self.g.edges[u, v].get("latency") or 0), self._arrive, chunk)
 
     def _delivered(self, chunk: Chunk) -> None:
         now = self.sim.now
