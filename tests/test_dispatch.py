@@ -2,6 +2,8 @@
 handler acts on are skipped, decisions of map-free handlers are remembered.  Both must be
 invisible: the program really does nothing for the skipped events, and a run that remembers
 nothing gives the same report."""
+from collections import Counter
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -66,6 +68,31 @@ def test_remembering_decisions_changes_nothing_but_the_runs(name, monkeypatch):
     assert sum(fewer.values()) < sum(runs.values())
 
 
+def test_issue_decisions_stand_for_the_transfer_and_still_act(monkeypatch):
+    """prefill_qos's GPU issue handlers for weights decide from the movement alone: the shim is
+    asked once per transfer, each later chunk takes the standing decisions, and those still
+    act: every chunk counts as delivered to the hook, and prefetch 2 holds (weights two layers
+    ahead).  KV write-back's handler reads the chunk's bytes: asked for every chunk."""
+    from fabric_ext.runtime.machine.jit import JitBackend
+    from fabric_ext.runtime.simulation.shims import Shim
+    asked = Counter()
+    decide = Shim.decide
+    monkeypatch.setattr(Shim, "decide", lambda self, hook, fields, now=0.0:
+                        asked.update([(hook, fields["movement"])]) or decide(self, hook, fields, now))
+    report, eng = run_engine(compiled("prefill_qos"), backend=JitBackend())
+    ids = load_manifest(compiled("prefill_qos"))["ids"]["movements"]
+    by_name = Counter()
+    for t in eng.fabric.transfers:
+        by_name[t.name, "transfers"] += 1
+        by_name[t.name, "chunks"] += t.chunks_total
+    for weights in ("attn_weights", "ffn_weights"):
+        assert asked["issue", ids[weights]] == by_name[weights, "transfers"] < by_name[weights, "chunks"]
+    assert asked["issue", ids["kv_writeback"]] == by_name["kv_writeback", "chunks"]
+    issued = sum(i["per_hook"].get("issue", 0) for i in report["islands"] if i["name"].startswith("gpu"))
+    assert issued == sum(by_name[m, "chunks"] for m in ("attn_weights", "ffn_weights", "kv_writeback"))
+    assert all(eng.site.prefetch[g] == 2 for g in eng.gpus)
+
+
 def test_remembered_decisions_follow_the_fields_the_handler_reads(tmp_path):
     out = compile_text(tmp_path, """
 import "fabrics/dgx_cxl.fx"
@@ -85,10 +112,10 @@ def test_decisions_standing_for_a_transfer_are_dropped_when_their_program_is_det
     is detached (after a fault) they no longer hold, and its later chunks ask again."""
     from fabric_ext.runtime.machine.jit import JitBackend
     report, eng = run_engine(compiled("prefill_qos"), backend=JitBackend())
-    standing = [s for (t, island), s in eng.site.remembered.standing.items() if island == "sw0"]
+    standing = [s for (t, island, _), s in eng.site.remembered.standing.items() if island == "sw0"]
     assert standing and all(s.decisions.get("priority") for s in standing)
     eng.shims["sw0"].detach("forward")
-    assert not any(island == "sw0" for _, island in eng.site.remembered.standing)
+    assert not any(island == "sw0" for _, island, _ in eng.site.remembered.standing)
 
 
 def test_decisions_remembered_per_map_entry_follow_the_entry(tmp_path):
@@ -141,3 +168,14 @@ def test_the_context_tracer_sees_what_the_programs_are_given():
         <= sum(per_hook["sw0"].values())
     size = eng.shims["sw0"].codecs["forward"].size
     assert all(len(c) == size for c in forward) and len(set(forward)) > 1
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_ends_of_transmission_without_events_change_nothing_but_the_events(name):
+    """Every bundled policy gives the same report, hook deliveries and map contents included,
+    with an event at every chunk's end of transmission and without (`fabric_model.Server`)."""
+    from fabric_ext.runtime.machine.jit import JitBackend
+    fewer, _ = run_engine(compiled(name), backend=JitBackend())
+    every, _ = run_engine(compiled(name), backend=JitBackend(), finish_events=True)
+    assert {**_timeless(fewer), "events": 0} == {**_timeless(every), "events": 0}
+    assert fewer["events"] < every["events"]

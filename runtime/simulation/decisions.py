@@ -6,9 +6,10 @@ fields a program reads):
 - a `HookPlan` per place an event happens (island, the transfer's ends, movement): which hooks
   there have a program acting on the movement, and whether all of them decide from the
   transfer's own fields alone;
-- a `Standing` per (transfer, island) where the plan is static: the decisions hold for every
-  chunk of the transfer that enters the island on the transfer's path, so later chunks take
-  them without asking the shims.  Their uses are counted as hits of the decisions they
+- a `Standing` per (transfer, island, moment) where the plan is static: the decisions hold for
+  every chunk of the transfer issued at the island (moment "issue/src" or "issue/dst") or
+  entering it on the transfer's path ("enter"), so later chunks take them without asking the
+  shims.  Their uses are counted as hits of the decisions they
   repeat when the run's report is drawn (`settle`).
 
 A program detached after a fault takes its island's standing decisions with it (`forget`).
@@ -37,12 +38,12 @@ class Standing:
 @dataclass
 class DecisionCache:
     plans: dict[tuple, HookPlan] = field(default_factory=dict)
-    standing: dict[tuple, Standing] = field(default_factory=dict)    # (transfer, island) -> Standing
+    standing: dict[tuple, Standing] = field(default_factory=dict)    # (transfer, island, moment) -> Standing
     _settled: list[Standing] = field(default_factory=list)
 
-    def stand(self, transfer, island: str, decisions: dict, repeats: list[Known]) -> None:
-        """``decisions`` hold for the transfer's later chunks entering ``island``."""
-        self.standing[transfer, island] = s = Standing(decisions, repeats)
+    def stand(self, transfer, island: str, moment: str, decisions: dict, repeats: list[Known]) -> None:
+        """``decisions`` hold for the transfer's later chunks at ``island`` at ``moment``."""
+        self.standing[transfer, island, moment] = s = Standing(decisions, repeats)
         self._settled.append(s)
 
     def forget(self, island: str) -> None:

@@ -91,9 +91,15 @@ class ShimHookSite(HookSite):
         return d
 
     def on_issue(self, chunk, island, role):
-        shim = self.shims.get(island)
         t = chunk.transfer
-        if shim is None or shim.maps_for("issue", t.movement_id) is None:
+        moment = "issue/" + role
+        standing = self.remembered.standing.get((t, island, moment))
+        if standing is not None:
+            standing.uses += 1
+            return self._issued(island, standing.decisions)
+        where = (island, "issue", t.movement_id)
+        plan = self.remembered.plans.get(where) or self._plan(where, island, ("issue",), t.movement_id)
+        if not plan.hooks:
             return None
         fields = self._chunk_fields(chunk)
         path = chunk.path
@@ -103,7 +109,12 @@ class ShimHookSite(HookSite):
         known = self.decide(island, "issue", fields)
         if known is None:
             return None
-        d = known.decisions
+        if plan.static and not self.trace and known.kept:    # the same for every chunk of the transfer
+            self.remembered.stand(t, island, moment, known.decisions, [known])
+        return self._issued(island, known.decisions)
+
+    def _issued(self, island, d):
+        """What the fabric applies of an issue hook's decisions; ``prefetch`` is the hook site's."""
         if d.get("prefetch"):
             self.prefetch[island] = d["prefetch"]       # the latest chunk's word holds
         return self._devices(d) if not APPLIED.isdisjoint(d) else None
@@ -111,7 +122,7 @@ class ShimHookSite(HookSite):
     def on_enter(self, chunk, island):
         t, path, hop = chunk.transfer, chunk.path, chunk.hop
         if path is t.path:
-            standing = self.remembered.standing.get((t, island))
+            standing = self.remembered.standing.get((t, island, "enter"))
             if standing is not None:
                 standing.uses += 1
                 return standing.decisions
@@ -142,7 +153,7 @@ class ShimHookSite(HookSite):
         merged = self._devices(merged)
         if plan.static and path is t.path and not self.trace and all(k is not None and k.kept for k in each):
             # the same for every chunk of this transfer here (None: the program faulted)
-            self.remembered.stand(t, island, merged, each)
+            self.remembered.stand(t, island, "enter", merged, each)
         return merged
 
     def _plan(self, where, island, hooks, movement) -> HookPlan:
