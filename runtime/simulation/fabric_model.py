@@ -145,7 +145,7 @@ class Server:
         self.sim, self.name, self.bw, self.overhead = sim, name, bw, overhead
         self.queues: dict[int, OrderedDict] = {}   # class -> flow -> chunks, only classes with chunks
         self.classes: list[int] = []               # those classes, negated and sorted: highest first
-        self.busy = False              # a finish (or the end of free_at) is scheduled
+        self.busy = False              # True while a finish, or the start at free_at, is scheduled
         self.free_at = 0.0             # the end of a transmission that has no event of its own
         self.finish_events = finish_events
         self.bytes = 0
