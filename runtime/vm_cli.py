@@ -1,6 +1,7 @@
 """`fabric-vm` (run and disassemble eBPF) and `fabric-vm-plugin` (the bpf_conformance plugin).
 
-    fabric-vm run OBJECT_OR_ASM [--program NAME] [--ctx HEX|@file] [--mem HEX] [--backend interp]
+    fabric-vm run OBJECT_OR_ASM [--program NAME] [--hook KIND.HOOK] [--ctx HEX|@file|FIELD=VALUE,...]
+                  [--mem HEX] [--backend interp]
     fabric-vm disasm OBJECT
     fabric-vm-plugin [MEMORY_HEX] [--backend NAME] [--elf] [--program HEX] < program_hex
 """
@@ -31,12 +32,12 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def _hex(text: str, what: str) -> bytes:
+def _hex(text: str, what: str, hint: str = "") -> bytes:
     clean = "".join(text.split())
     try:
         return bytes.fromhex(clean)
     except ValueError:
-        raise SystemExit(_fail(f"{what} is not hex bytes: {text[:40]!r}", 2)) from None
+        raise SystemExit(_fail(f"{what} is not hex bytes: {text[:40]!r}{hint}", 2)) from None
 
 
 def _fail(msg: str, code: int = 1) -> int:
@@ -71,8 +72,16 @@ def cmd_run(args) -> int:
         prog.hook = HOOKS[kind, name]
         prog.ctx_size = prog.hook.ctx_size
     ctx = None
-    if args.ctx:
-        raw = Path(args.ctx[1:]).read_bytes() if args.ctx.startswith("@") else _hex(args.ctx, "--ctx")
+    if args.ctx and "=" in args.ctx:
+        if prog.hook is None:
+            raise SystemExit(_fail("fabric-vm: --ctx by field names needs --hook KIND.HOOK (its fields)", 2))
+        from fabric_ext.contract.context import ContextCodec, fields_from_text
+        try:
+            ctx = ContextCodec(prog.hook).pack(fields_from_text(prog.hook, args.ctx, _id_tables(args.file)))
+        except ValueError as e:
+            raise SystemExit(_fail(f"fabric-vm: --ctx: {e}", 2)) from None
+    elif args.ctx:
+        raw = Path(args.ctx[1:]).read_bytes() if args.ctx.startswith("@") else _hex(args.ctx, "--ctx", " (or FIELD=VALUE,... with --hook)")
         ctx = bytearray(raw)
         if prog.hook is not None and len(ctx) != prog.hook.ctx_size:
             raise SystemExit(_fail(f"fabric-vm: --ctx has {len(ctx)} bytes; {args.hook} needs {prog.hook.ctx_size}", 2))
@@ -103,6 +112,23 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _id_tables(obj_path: str):
+    """The id tables of the policy folder an object is in (None: not in a policy folder); the
+    manifest is read, and checked, only if a name is asked for."""
+    folder = Path(obj_path).parent
+    if not (folder / "manifest.json").is_file():
+        return None
+
+    def table(what: str) -> dict[str, int]:
+        from fabric_ext.contract.bundle import load_manifest
+        from fabric_ext.contract.runtime_json import BundleError
+        try:
+            return load_manifest(folder)["ids"][what]
+        except BundleError as e:
+            raise ValueError(str(e)) from None
+    return table
+
+
 def cmd_disasm(args) -> int:
     p = Path(args.file)
     if not p.exists():
@@ -121,7 +147,8 @@ def main(argv=None) -> int:
     r = sub.add_parser("run", help="verify and run a program (ELF object or assembly)")
     r.add_argument("file", metavar="OBJECT_OR_ASM")
     r.add_argument("--program", help="program (function) name in an object")
-    r.add_argument("--ctx", help="context bytes as hex, or @FILE")
+    r.add_argument("--ctx", help="context bytes as hex, @FILE, or with --hook by field names: "
+                   "bytes=2MiB,out_port=3 (a unit is checked against the field's dimension)")
     r.add_argument("--mem", help="memory bytes as hex (r1 = memory, r2 = length)")
     r.add_argument("--hook", metavar="KIND.HOOK", help="the hook the program is for (e.g. dpu.tx): its "
                    "context rules apply and its decisions are printed by name")

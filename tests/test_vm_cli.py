@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from fabric_ext.contract.bundle import load_manifest
 from fabric_ext.runtime.machine import kernel
 
 BACKENDS = ["interp", "jit"] + (["kernel"] if kernel.permitted()[0] else [])
@@ -115,3 +116,44 @@ def test_fabric_vm_reads_only_bounded_regular_files(tmp_path):
     for cmd in ("run", "disasm"):
         r = vm(cmd, "/dev/zero")
         assert r.returncode == 1 and "not a regular file" in r.stderr, r.stderr
+
+
+def test_fabric_vm_run_packs_the_context_by_field_names(tmp_path):
+    """--ctx FIELD=VALUE,... with --hook: units converted (4KiB is 4096 bytes; 1GiB of queue
+    picks the lower rate, 1KiB the higher), names looked up in the policy's manifest beside
+    the object, the same decisions as for the id."""
+    from policy_helpers import compiled
+    obj = compiled("nic_pacing") / "nic0.bpf.o"
+    ids = load_manifest(compiled("nic_pacing"))["ids"]
+    base = ["run", obj, "--program", "nic0_tx", "--hook", "dpu.tx", "--backend", "jit", "--ctx"]
+    full = vm(*base, "movement=kv_export, bytes=4KiB, queue_bytes=1GiB, chunk=6, src=gpu1")
+    assert full.returncode == 0, full.stderr
+    assert "decision rate = 20000000000" in full.stdout and "decision queue = 2" in full.stdout
+    assert "map tx_bytes (percpu_array): {0: 4096}" in full.stdout
+    light = vm(*base, f"movement={ids['movements']['kv_export']},bytes=4096,queue_bytes=1KiB")
+    assert "decision rate = 36000000000" in light.stdout, light.stderr
+    (tmp_path / "nic0.bpf.o").write_bytes(obj.read_bytes())      # no manifest beside it
+    alone = vm("run", tmp_path / "nic0.bpf.o", "--hook", "dpu.tx", "--ctx", "movement=kv_export")
+    assert alone.returncode == 2 and "names need the policy's manifest.json beside the object" in alone.stderr
+    (tmp_path / "manifest.json").write_text("{")
+    corrupt = vm("run", tmp_path / "nic0.bpf.o", "--hook", "dpu.tx", "--ctx", "src=gpu0")
+    assert corrupt.returncode == 2 and "corrupt manifest.json" in corrupt.stderr
+
+
+@pytest.mark.parametrize("ctx, hook, says", [
+    ("bytes=4KiB", None, "needs --hook"),
+    ("bytez=4KiB", "dpu.tx", "has no field 'bytez'"),
+    ("bytes=4GB/s", "dpu.tx", "'bytes' is a size, not a bandwidth"),
+    ("bytes=4Kib", "dpu.tx", "unknown unit 'Kib'"),
+    ("bytes", "dpu.tx", "not hex bytes: 'bytes' (or FIELD=VALUE,... with --hook)"),
+    ("bytes=", "dpu.tx", "'bytes=' is not FIELD=VALUE"),
+    ("bytes=1.5", "dpu.tx", "not a whole number"),
+    ("chunk=99999999999", "dpu.tx", "fits in its u32"),
+    ("bytes=big", "dpu.tx", "'bytes' takes a number"),
+    ("movement=kv_exp", "dpu.tx", "no such name (the policy has: kv_export)"),
+    ("src=gpu99", "dpu.tx", "src=gpu99: no such name"),
+])
+def test_fabric_vm_run_ctx_by_names_errors(ctx, hook, says):
+    from policy_helpers import compiled
+    r = vm("run", compiled("nic_pacing") / "nic0.bpf.o", *(["--hook", hook] if hook else []), "--ctx", ctx)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -7,6 +7,8 @@ import struct
 
 import numpy as np
 
+from ..units import DEVICE, DIM_NAMES, UnitError, parse_quantity
+
 _FMT = {"u32": "<I", "u64": "<Q"}
 SHARED_LIMIT = 1024     # distinct decision outcomes (and batch sizes) a codec keeps structures for
 _MASK = {"<I": 0xFFFFFFFF, "<Q": 0xFFFFFFFFFFFFFFFF}
@@ -189,3 +191,50 @@ class ContextCodec:
             if len(self._outcomes) < SHARED_LIMIT:
                 self._outcomes[values] = out
         return out
+
+
+def fields_from_text(hook, text: str, ids=None) -> dict[str, int]:
+    """A context given by field names, as ``fabric-vm run --ctx`` takes it:
+    ``movement=kv_export,bytes=2MiB,src=gpu0``.  A value with a unit must be of the field's
+    dimension and is converted to the context's base unit (bytes, ns, B/s, %); a bare whole
+    number is taken as it is; a movement's or a device field's name is looked up in
+    ``ids("movements")`` or ``ids("devices")``, the id tables (name -> id) of the policy the
+    program is from (``ids`` None: there is none).  ValueError says which field is wrong and why."""
+    values = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, eq, raw = item.partition("=")
+        name, raw = name.strip(), raw.strip()
+        field = hook.field(name)
+        if not eq or not raw:
+            raise ValueError(f"'{item}' is not FIELD=VALUE")
+        if field is None:
+            raise ValueError(f"{hook.island_kind}.{hook.name} has no field '{name}' "
+                             f"(it has: {', '.join(hook.layout)})")
+        if raw[0].isalpha() or raw[0] == "_":
+            values[name] = _named(hook, field, raw, ids)
+            continue
+        try:
+            value, dim = parse_quantity(raw)
+        except UnitError as e:
+            raise ValueError(f"{name}={raw}: unknown unit '{e.unit}'"
+                             + (f"; did you mean '{e.suggestion}'?" if e.suggestion else "")) from None
+        if dim is not None and dim != field.dim:
+            raise ValueError(f"{name}={raw}: '{name}' is {DIM_NAMES.get(field.dim, field.dim)}, "
+                             f"not {DIM_NAMES[dim]}")
+        if value != int(value) or not 0 <= value < 1 << (8 * field.size):
+            raise ValueError(f"{name}={raw}: not a whole number that fits in its {field.ctype}")
+        values[name] = int(value)
+    return values
+
+
+def _named(hook, field, name: str, ids) -> int:
+    what = "movements" if field.name == "movement" else "devices" if field.dim == DEVICE else None
+    if what is None:
+        raise ValueError(f"{field.name}={name}: {hook.island_kind}.{hook.name}'s '{field.name}' takes a number")
+    if ids is None:
+        raise ValueError(f"{field.name}={name}: names need the policy's manifest.json beside the object; "
+                         "give the id instead")
+    table = ids(what)
+    if name not in table:
+        raise ValueError(f"{field.name}={name}: no such name (the policy has: {', '.join(sorted(table)) or 'none'})")
+    return table[name]
