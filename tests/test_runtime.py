@@ -250,12 +250,31 @@ def test_models_and_overrides(tmp_path):
     assert chunked["workload"]["chunk_tokens"] == 256
 
 
-def test_plots(tmp_path):
+def test_plots(tmp_path, monkeypatch):
+    """PNGs; with a baseline, each link's baseline dotted in the link's colour and the
+    baseline's per-layer total over the bars; every policy line told apart by colour or style."""
     pytest.importorskip("matplotlib")
-    from fabric_ext.runtime.simulation.stats import plots
+    from fabric_ext.runtime.simulation import stats
     report, _ = run_engine(compiled("prefill_qos"))
-    files = plots(report, tmp_path)
+    baseline, _ = run_engine(compiled("prefill_qos"), attach=False)
+    files = stats.plots(report, tmp_path / "alone")
     assert all(open(f, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for f in files)
+    figures, save = [], stats._save
+    monkeypatch.setattr(stats, "_save", lambda plt, fig, path: figures.append(fig) or save(plt, fig, path))
+    stats.plots({**report, "baseline": baseline}, tmp_path / "both")
+    links, layers = (fig.axes[0] for fig in figures)
+    lines = {line.get_label(): line for line in links.get_lines()}
+    policy = [l for name, l in lines.items() if not name.endswith("(baseline)")]
+    assert len({(l.get_color(), l.get_linestyle()) for l in policy}) == len(policy) > 6
+    for name, line in lines.items():
+        if name.endswith(" (baseline)"):
+            mine = lines[name.removesuffix(" (baseline)")]
+            assert line.get_linestyle() == ":" and line.get_color() == mine.get_color()
+            base_link = next(b for b in baseline["links"] if b["name"] == mine.get_label())
+            assert list(line.get_ydata()) == [u * 100 for u in base_link["timeline"]]
+    assert any(name.endswith("(baseline)") for name in lines)
+    total = next(l for l in layers.get_lines() if l.get_label() == "baseline total")
+    assert len(total.get_ydata()) == len(baseline["layers"])
 
 
 @pytest.mark.parametrize("vm", ["interp", "jit"])

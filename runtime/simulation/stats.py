@@ -290,7 +290,9 @@ def trace(report: dict, record: RunRecord) -> dict:
 
 
 def plots(report: dict, folder) -> list[str]:
-    """PNG plots: link utilisation over time and per-layer compute vs stall (needs matplotlib)."""
+    """PNG plots: link utilisation over time and per-layer compute vs stall (needs matplotlib).
+    A report with a baseline (``--baseline``) has it overlaid: each link's baseline dashed in
+    its colour, the baseline's per-layer total as a line over the policy's bars."""
     import matplotlib
     matplotlib.use("Agg")
     from pathlib import Path
@@ -298,16 +300,22 @@ def plots(report: dict, folder) -> list[str]:
     import matplotlib.pyplot as plt
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    base = report.get("baseline")
     out = []
     fig, ax = plt.subplots(figsize=(10, 4))
-    ms = report["ttft_ms"]
-    for l in sorted(report["links"], key=lambda x: -x["util_avg"])[:6]:
-        xs = np.linspace(0, max(ms, report["kv_done_ms"]), len(l["timeline"]))
-        ax.plot(xs, np.array(l["timeline"]) * 100, label=l["name"])
+    colours = plt.get_cmap("tab10").colors
+    styles = ("-", "-.")         # 12 links: colour and style tell each apart
+    base_links = {l["name"]: l for l in base["links"]} if base else {}
+    for i, l in enumerate(sorted(report["links"], key=lambda x: -x["util_avg"])[:12]):
+        look = {"color": colours[i % len(colours)], "linestyle": styles[i // len(colours)]}
+        ax.plot(*_timeline(report, l), label=l["name"], **look)
+        if l["name"] in base_links:
+            ax.plot(*_timeline(base, base_links[l["name"]]), label=f"{l['name']} (baseline)",
+                    **look | {"linestyle": ":", "alpha": 0.8})
     ax.set_xlabel("time (ms)")
     ax.set_ylabel("utilisation (%)")
-    ax.legend(fontsize=7)
-    ax.set_title("link utilisation")
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("link utilisation" + (" (dotted: baseline, no programs)" if base else ""))
     out.append(_save(plt, fig, folder / "link_utilisation.png"))
     fig, ax = plt.subplots(figsize=(10, 4))
     L = [x["layer"] for x in report["layers"]]
@@ -318,12 +326,21 @@ def plots(report: dict, folder) -> list[str]:
         vals = np.array([x.get(key, 0.0) for x in report["layers"]])
         ax.bar(L, vals, bottom=bottom, label=label)
         bottom += vals
+    if base:
+        total = [sum(x.get(key, 0.0) for key, _ in parts) for x in base["layers"]]
+        ax.step([x["layer"] for x in base["layers"]], total, where="mid", color="black", label="baseline total")
     ax.set_xlabel("layer")
     ax.set_ylabel("ms")
     ax.legend(fontsize=7)
     ax.set_title("per-layer compute and stall")
     out.append(_save(plt, fig, folder / "layers.png"))
     return out
+
+
+def _timeline(report: dict, link: dict):
+    """A link's utilisation samples (%) against time (ms) over the run."""
+    xs = np.linspace(0, max(report["ttft_ms"], report["kv_done_ms"]), len(link["timeline"]))
+    return xs, np.array(link["timeline"]) * 100
 
 
 def _save(plt, fig, path) -> str:
