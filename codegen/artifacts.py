@@ -66,7 +66,8 @@ def manifest(analysis, ids, compiled, opt: int, mcpu: str, files: dict[str, byte
                      "value_size": info.value_size, "max_entries": info.max_entries,
                      "key_type": decl.key_type.name if decl.key_type else None,
                      "value_type": decl.value_type.name if decl.value_type else None,
-                     "islands": used, "shared": len(used) > 1})
+                     "islands": used, "shared": len(used) > 1,
+                     **({"records": info.records} if info.kind == "ringbuf" else {})})
     movements = []
     for m in g["movements"]:
         decl = sym.movements[m["name"]]

@@ -40,6 +40,7 @@ class MapInfo:
     value_size: int = 8
     max_entries: int = 1
     signed_value: bool = False
+    records: list = field(default_factory=list)    # a ringbuf's: each emit's line and fields (`s_Emit`)
 
 
 @dataclass
@@ -596,12 +597,16 @@ class BodyChecker:
         self._key(info, s.key)
 
     def s_Emit(self, s):
-        self._map(s.map, want_ringbuf=True)
-        for a in s.args:
-            if self.expr(a) == BOOL:
+        info = self._map(s.map, want_ringbuf=True)
+        dims = [self.expr(a) for a in s.args]
+        for a, dim in zip(s.args, dims):
+            if dim == BOOL:
                 self.diags.error(a.span, "emit records numbers, not conditions")
         if not s.args:
             self.diags.error(s.span, "emit needs at least one value")
+        if info is not None and info.kind == "ringbuf":     # how the run's report decodes its records
+            info.records.append({"line": s.span.line, "fields": [
+                {"name": _field_name(a, i), "dim": dim} for i, (a, dim) in enumerate(zip(s.args, dims))]})
 
     def s_For(self, s):
         lo, hi = const_value(s.lo), const_value(s.hi)
@@ -627,3 +632,12 @@ def check_handler(h: A.Handler, hooks: list[Hook], sym: Symbols, diags: Diagnost
 
 
 __all__ = ["Symbols", "MapInfo", "check_declarations", "check_handler", "const_value", "compatible", "closest"]
+
+
+def _field_name(e: A.Node, i: int) -> str:
+    """A record field's name: the context field or name it records, else its position."""
+    if isinstance(e, A.FieldRef):
+        return e.name.name
+    if isinstance(e, A.Name):
+        return e.id
+    return f"value{i + 1}"

@@ -297,6 +297,36 @@ policy p { on w_in.forward at sw0 { emit ring(now, ev.bytes) } }""")
     assert f"ringbuf ring: {ring['dropped']} records dropped, {kept} kept" in stats.render(report)
 
 
+def test_ringbuf_records_are_decoded_into_their_emits_fields(tmp_path):
+    """Each record comes back as the fields of the emit that wrote it (named after what it
+    records, with units and device names), told apart by length, in the JSON and the summary."""
+    from fabric_ext.runtime.simulation import stats
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0 }
+movement w_in = weights : pool0 -> gpu*
+map ring : ringbuf[1MiB]
+policy p {
+  on w_in.forward at sw0 {
+    emit ring(now, ev.bytes, ev.dst)
+    if ev.chunk == 0 { emit ring(ev.layer, ev.chunk * 2) }
+  }
+}""")
+    report, eng = run_engine(out)
+    rows = report["map_records"]["ring"]
+    assert len(rows) == len(report["maps"]["ring"]["records"]) > 2
+    wide = [r for r in rows if r["line"] == "8"]
+    narrow = [r for r in rows if r["line"] == "9"]
+    assert wide and narrow and len(wide) + len(narrow) == len(rows)
+    first = wide[0]["fields"]
+    assert list(first) == ["now", "bytes", "dst"] and list(narrow[0]["fields"]) == ["layer", "value2"]
+    assert first["bytes"]["text"] == "2 MiB" and first["dst"]["text"] in ("gpu0", "gpu1")
+    assert first["now"]["text"].endswith("s") and narrow[0]["fields"]["value2"]["value"] == 0
+    assert sorted({r["fields"]["layer"]["value"] for r in narrow}) == list(range(eng.workload.model.layers))
+    text = stats.render(report)
+    assert "ringbuf ring:" in text and "now" in text and "emit line" in text and "2 MiB" in text
+
+
 KV_RELOAD = """
 import "fabrics/dgx_cxl.fx"
 workload w {{ model: "llama3-8b"; prompt: 8192; tp: 2; weights: hbm; kv: pool0 }}

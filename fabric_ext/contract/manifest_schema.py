@@ -160,7 +160,10 @@ SCHEMA = record({
         "handlers": nullable(list_of(HANDLER))})),
     "maps": list_of(record({"name": text(NAME), "kind": text(choices=MAP_KINDS), "key_size": integer(0, 512),
                             "value_size": integer(0, 1 << 26), "max_entries": integer(1, max(MAX_ENTRIES, 1 << 26))},
-                           {"islands": NAMES, "shared": boolean})),
+                           {"islands": NAMES, "shared": boolean, "key_type": nullable(text()),
+                            "value_type": nullable(text()), "records": list_of(record(
+                                {"line": COUNT, "fields": list_of(record({"name": text(max_len=256)},
+                                                                         {"dim": nullable(text(max_len=64))}), 64)}))})),
     "ids": record({what: mapping(ID) for what in ("movements", "devices", "islands")},
                   {what: mapping(ID) for what in ("classes", "operators")}),
 }, {

@@ -46,6 +46,7 @@ class RunRecord:
     refused: dict[str, int]             # decisions the fabric refused, by reason
     spans: list[tuple[str, str, float, float]] = field(default_factory=list)   # (track, name, start, dur) ns
     map_types: dict[str, tuple] = field(default_factory=dict)   # name -> (kind, key type, value type), as declared
+    record_layouts: dict[str, list] = field(default_factory=dict)   # ringbuf name -> its emits' fields (manifest)
     device_names: dict[int, str] = field(default_factory=dict)  # device id -> name, for device-typed keys and values
 
 
@@ -85,6 +86,7 @@ def collect(r: RunRecord) -> dict:
             "events": r.events, "layers": layers, "movements": movements,
             "links": sorted(links, key=lambda x: x["name"]), "islands": r.islands,
             "copy_engines": r.copy_engines, "maps": _jsonable(r.maps), "map_entries": decoded_maps(r),
+            "map_records": decoded_records(r),
             "faults": r.faults, "refused": r.refused}
 
 
@@ -111,10 +113,8 @@ def _link(srv, horizon: float) -> dict:
 def decoded_maps(r: RunRecord) -> dict[str, list[dict]]:
     """Each hash or array map's entries at the run's end with their declared types: a device
     key or value by its name, a value with its unit (``{"key", "value", "text"}``)."""
-    from fabric_ext.units import BASE_UNIT, DEVICE, format_quantity
-
-    def show(v, t):       # a declared type is a dimension (with a unit), a device, or u32/u64
-        return r.device_names.get(v, str(v)) if t == DEVICE else format_quantity(v, t if t in BASE_UNIT else None)
+    def show(v, t):
+        return _shown(v, t, r.device_names)
     out = {}
     for name, entries in r.maps.items():
         kind, key_type, value_type = r.map_types.get(name, ("?", None, None))
@@ -124,9 +124,54 @@ def decoded_maps(r: RunRecord) -> dict[str, list[dict]]:
     return out
 
 
+def _shown(v: int, dim: str | None, device_names: dict) -> str:
+    """A value as its declared type says: a dimension with its unit, a device by its name, a
+    number in full (u32/u64, a count)."""
+    from fabric_ext.units import BASE_UNIT, DEVICE, format_quantity
+    if dim == DEVICE:
+        return device_names.get(v, str(v))
+    return format_quantity(v, dim) if dim in BASE_UNIT else str(v)
+
+
+def decoded_records(r: RunRecord) -> dict[str, list[dict]]:
+    """Each ringbuf's records as the fields of the ``emit`` that wrote them (its line, each
+    field by name with its value and, where it has a dimension, its unit).  A record is known
+    by its length: where emits of the same length share the map, the first one's names are
+    used and the line says which emits it may be."""
+    out = {}
+    for name, layouts in r.record_layouts.items():
+        dump = r.maps.get(name)
+        if not isinstance(dump, dict) or not dump.get("records"):
+            continue
+        by_size: dict[int, list[dict]] = {}
+        for layout in layouts:
+            by_size.setdefault(8 * len(layout["fields"]), []).append(layout)
+        rows = []
+        for rec in dump["records"]:
+            raw = bytes.fromhex(rec)
+            found = by_size.get(len(raw))
+            if not found:
+                rows.append({"line": None, "fields": {}, "hex": rec})
+                continue
+            values = [int.from_bytes(raw[i:i + 8], "little") for i in range(0, len(raw), 8)]
+            fields = {}
+            for f, v in zip(found[0]["fields"], values):
+                fields[f["name"]] = {"value": v, "text": _shown(v, f.get("dim"), r.device_names)}
+            rows.append({"line": "/".join(str(x["line"]) for x in found), "fields": fields})
+        out[name] = rows
+    return out
+
+
 def _jsonable(maps):
     return {k: ({str(kk): vv for kk, vv in v.items()} if isinstance(v, dict) and "records" not in v else v)
             for k, v in maps.items()}
+
+
+def _records_table(rows: list[dict]) -> str:
+    """Records as a table: one column per field name (of every emit shown), then the line."""
+    names = list(dict.fromkeys(n for row in rows for n in row["fields"]))
+    return _table([[row["fields"][n]["text"] if n in row["fields"] else "" for n in names]
+                   + [row["line"] or f"? ({row['hex']})"] for row in rows], names + ["emit line"])
 
 
 def render_comparison(runs: list[dict]) -> str:
@@ -245,6 +290,10 @@ def render(report: dict, baseline: dict | None = None, links: int | None = LINKS
             out += ["", f"map {name}:", _table([[e["key_text"], e["text"]] for e in entries[:MAP_ROWS]], ["key", "value"])]
             if len(entries) > MAP_ROWS:
                 out.append(f"... and {len(entries) - MAP_ROWS} more entries (--json has them all)")
+    for name, rows in report.get("map_records", {}).items():
+        out += ["", f"ringbuf {name}:", _records_table(rows[:MAP_ROWS])]
+        if len(rows) > MAP_ROWS:
+            out.append(f"... and {len(rows) - MAP_ROWS} more records (--json has them all)")
     drops = [(name, m) for name, m in report["maps"].items() if isinstance(m, dict) and m.get("dropped")]
     if drops:
         out.append("")
