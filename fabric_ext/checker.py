@@ -631,9 +631,6 @@ def check_handler(h: A.Handler, hooks: list[Hook], sym: Symbols, diags: Diagnost
     bc.stmts(h.body)
 
 
-__all__ = ["Symbols", "MapInfo", "check_declarations", "check_handler", "const_value", "compatible", "closest"]
-
-
 def _field_name(e: A.Node, i: int) -> str:
     """A record field's name: the context field or name it records, else its position."""
     if isinstance(e, A.FieldRef):
@@ -641,3 +638,6 @@ def _field_name(e: A.Node, i: int) -> str:
     if isinstance(e, A.Name):
         return e.id
     return f"value{i + 1}"
+
+
+__all__ = ["Symbols", "MapInfo", "check_declarations", "check_handler", "const_value", "compatible", "closest"]

@@ -113,13 +113,12 @@ def _link(srv, horizon: float) -> dict:
 def decoded_maps(r: RunRecord) -> dict[str, list[dict]]:
     """Each hash or array map's entries at the run's end with their declared types: a device
     key or value by its name, a value with its unit (``{"key", "value", "text"}``)."""
-    def show(v, t):
-        return _shown(v, t, r.device_names)
-    out = {}
+    out, names = {}, r.device_names
     for name, entries in r.maps.items():
         kind, key_type, value_type = r.map_types.get(name, ("?", None, None))
         if kind != "ringbuf" and isinstance(entries, dict):
-            out[name] = [{"key": k, "value": v, "key_text": show(k, key_type), "text": show(v, value_type)}
+            out[name] = [{"key": k, "value": v, "key_text": _shown(k, key_type, names),
+                          "text": _shown(v, value_type, names)}
                          for k, v in sorted(entries.items())]
     return out
 
@@ -340,7 +339,7 @@ def trace(report: dict, record: RunRecord) -> dict:
 
 def plots(report: dict, folder) -> list[str]:
     """PNG plots: link utilisation over time and per-layer compute vs stall (needs matplotlib).
-    A report with a baseline (``--baseline``) has it overlaid: each link's baseline dashed in
+    A report with a baseline (``--baseline``) has it overlaid: each link's baseline dotted in
     its colour, the baseline's per-layer total as a line over the policy's bars."""
     import matplotlib
     matplotlib.use("Agg")
