@@ -157,7 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--Werror", action="store_true", help="treat warnings as errors (nothing is written)")
     k.set_defaults(func=cmd_compile)
     _include_option(k)
+    s = sub.add_parser("completion", help="print shell completion for fabricc, fabric-run and fabric-vm "
+                       "(eval \"$(fabricc completion bash)\")")
+    s.add_argument("shell", choices=("bash",), help="bash (zsh: after bashcompinit)")
+    s.set_defaults(func=cmd_completion)
     return p
+
+
+def cmd_completion(args) -> int:
+    from .completion import bash, tool_parsers
+    sys.stdout.write(bash(tool_parsers()))
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -141,7 +141,7 @@ def cmd_disasm(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="fabric-vm", description="Run and disassemble eBPF programs.")
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
     r = sub.add_parser("run", help="verify and run a program (ELF object or assembly)")
@@ -159,6 +159,11 @@ def main(argv=None) -> int:
     d = sub.add_parser("disasm", help="disassemble every program of an object")
     d.add_argument("file", metavar="OBJECT")
     d.set_defaults(func=cmd_disasm)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.cmd is None:
         ap.print_help(sys.stderr)

@@ -1,5 +1,6 @@
 """fabricc's exit codes, diagnostics format and outputs."""
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -184,3 +185,34 @@ def test_two_policies_run_on_one_workload_side_by_side(tmp_path):
                              str(POLICIES / "prefill_qos.fx"), "--policy", str(POLICIES / "nic_pacing.fx"),
                              "--trace", str(tmp_path / "t.json")], capture_output=True, text=True)
     assert traced.returncode == 2 and "take one policy" in traced.stderr
+
+
+def _complete(script_path, *words):
+    """What bash completes for the command line ``words`` (the last one being typed)."""
+    line = " ".join(f"'{w}'" for w in words)
+    out = subprocess.run(["bash", "-c", f'source {script_path}; COMP_WORDS=({line}); COMP_CWORD={len(words) - 1}; '
+                          f'_fx_{words[0].replace("-", "_")}; printf "%s\\n" "${{COMPREPLY[@]}}"'],
+                         capture_output=True, text=True, cwd=script_path.parent)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash to complete in")
+def test_bash_completion_follows_the_parsers(tmp_path):
+    """`fabricc completion bash`: subcommands, each one's options, an option's choices, files
+    elsewhere, for all three tools; what it lists is what the parsers take."""
+    r = subprocess.run([sys.executable, "-m", "fabric_ext.cli", "completion", "bash"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    script = tmp_path / "fx.bash"
+    script.write_text(r.stdout)
+    (tmp_path / "policy.fx").write_text("")
+    assert _complete(script, "fabricc", "c") == ["check", "compile", "completion"]
+    assert _complete(script, "fabricc", "compile", "--m") == ["--mcpu"]
+    assert _complete(script, "fabricc", "compile", "--mcpu", "") == ["v1", "v2", "v3", "v4"]
+    assert _complete(script, "fabricc", "check", "pol") == ["policy.fx"]
+    assert _complete(script, "fabric-run", "--backend", "") == ["interp", "jit", "kernel"]
+    assert "--baseline" in _complete(script, "fabric-run", "--b")
+    assert _complete(script, "fabric-vm", "") == ["run", "disasm"]
+    assert _complete(script, "fabric-vm", "run", "--h") == ["--help", "--hook"]
+    bad = subprocess.run([sys.executable, "-m", "fabric_ext.cli", "completion", "fish"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
