@@ -34,9 +34,9 @@ def bash(parsers: dict[str, argparse.ArgumentParser]) -> str:
         subs = _subcommands(parser)
         top_opts, top_choices = _options(parser)
         by_cmd = {name: _options(sp) for name, sp in subs.items()}
+        choices = {"": top_choices, **{name: ch for name, (_, ch) in by_cmd.items()}}   # "": before a subcommand
         choice_cases = [f'    "{cmd}:{opt}") words="{" ".join(vals)}";;'
-                        for cmd, (_, ch) in [("", (top_opts, top_choices)), *by_cmd.items()]
-                        for opt, vals in ch.items()]
+                        for cmd, ch in choices.items() for opt, vals in ch.items()]
         opt_cases = [f'    {cmd}) words="{" ".join(opts)}";;' for cmd, (opts, _) in by_cmd.items()]
         out += [
             f"{fn}() {{",

@@ -13,7 +13,7 @@ from fabric_ext.runtime.machine.errors import UsageError
 
 from . import ast as A
 from .diagnostics import Diagnostics, did_you_mean
-from .units import BASE_UNIT, DIM_NAMES, UnitError, parse_quantity
+from .units import BASE_UNIT, DIM_NAMES, quantity_as
 
 #: the dimension a param declares -> its values' dimension: one with a unit, or count (a plain number)
 DIMS = {**{dim: dim for dim in BASE_UNIT}, "count": None}
@@ -73,12 +73,9 @@ def _declared_dim(p: A.Param, diags):
 
 def _defined(name: str, text: str, dim):
     try:
-        value, got = parse_quantity(text)
-    except UnitError as e:
-        raise UsageError(f"-D {name}={text}: unknown unit '{e.unit}'"
-                         + (f"; did you mean '{e.suggestion}'?" if e.suggestion else "")) from None
-    if got != dim and not (got is None and value == 0):
-        raise UsageError(f"-D {name}={text}: '{name}' is {DIM_NAMES[dim]}, not {DIM_NAMES[got]}")
+        value = quantity_as(text, dim, name, bare=False)
+    except ValueError as e:
+        raise UsageError(f"-D {name}={text}: {e}") from None
     if not 0 <= value <= U64_MAX:
         raise UsageError(f"-D {name}={text}: more than fits in 64 bits")
     return value

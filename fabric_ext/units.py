@@ -76,6 +76,21 @@ def parse_quantity(text: str) -> tuple[float, str | None]:
     return (int(scaled) if float(scaled).is_integer() else scaled), dim
 
 
+def quantity_as(text: str, dim: str | None, what: str, bare: bool = True) -> int | float:
+    """``text`` ('1GB/s', '12') as a value of dimension ``dim``, in its base unit, for
+    ``what`` (the name the message gives).  A bare number is taken where ``bare`` (else only
+    0, which is every dimension's).  ValueError says why not: an unknown unit (and the likely
+    one meant), or a quantity of another dimension."""
+    try:
+        value, got = parse_quantity(text)
+    except UnitError as e:
+        raise ValueError(f"unknown unit '{e.unit}'"
+                         + (f"; did you mean '{e.suggestion}'?" if e.suggestion else "")) from None
+    if got != dim and not (got is None and (bare or value == 0)):
+        raise ValueError(f"'{what}' is {DIM_NAMES.get(dim, dim)}, not {DIM_NAMES[got]}")
+    return value
+
+
 def format_quantity(value: float, dim: str | None) -> str:
     """Render a base-unit value for humans: 64000000000, bandwidth -> '64 GB/s'."""
     if dim == SIZE and value and value == int(value):

@@ -119,13 +119,17 @@ def _id_tables(obj_path: str):
     if not (folder / "manifest.json").is_file():
         return None
 
+    ids: dict = {}
+
     def table(what: str) -> dict[str, int]:
-        from fabric_ext.contract.bundle import load_manifest
-        from fabric_ext.contract.runtime_json import BundleError
-        try:
-            return load_manifest(folder)["ids"][what]
-        except BundleError as e:
-            raise ValueError(str(e)) from None
+        if not ids:
+            from fabric_ext.contract.bundle import load_manifest
+            from fabric_ext.contract.runtime_json import BundleError
+            try:
+                ids.update(load_manifest(folder)["ids"])
+            except BundleError as e:
+                raise ValueError(str(e)) from None
+        return ids[what]
     return table
 
 

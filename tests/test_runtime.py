@@ -327,6 +327,22 @@ policy p {
     assert "ringbuf ring:" in text and "now" in text and "emit line" in text and "2 MiB" in text
 
 
+def test_ringbuf_records_of_emits_alike_in_length_name_both_lines():
+    """Two emits of one length share a ringbuf: their records take the first one's names and
+    name both lines; a record of a length no emit writes is kept as hex."""
+    from types import SimpleNamespace
+
+    from fabric_ext.runtime.simulation.stats import _records_table, decoded_records
+    layouts = [{"line": 8, "fields": [{"name": "bytes", "dim": "size"}]},
+               {"line": 12, "fields": [{"name": "layer", "dim": None}]}]
+    record = SimpleNamespace(record_layouts={"ring": layouts}, device_names={},
+                             maps={"ring": {"records": [(4096).to_bytes(8, "little").hex(), "01" * 12]}})
+    alike, odd = decoded_records(record)["ring"]
+    assert alike == {"line": "8/12", "fields": {"bytes": {"value": 4096, "text": "4 KiB"}}}
+    assert odd == {"line": None, "fields": {}, "hex": "01" * 12}
+    assert f"? ({'01' * 12})" in _records_table([alike, odd])
+
+
 KV_RELOAD = """
 import "fabrics/dgx_cxl.fx"
 workload w {{ model: "llama3-8b"; prompt: 8192; tp: 2; weights: hbm; kv: pool0 }}

@@ -7,7 +7,7 @@ import struct
 
 import numpy as np
 
-from ..units import DEVICE, DIM_NAMES, UnitError, parse_quantity
+from ..units import DEVICE, quantity_as
 
 _FMT = {"u32": "<I", "u64": "<Q"}
 SHARED_LIMIT = 1024     # distinct decision outcomes (and batch sizes) a codec keeps structures for
@@ -214,13 +214,9 @@ def fields_from_text(hook, text: str, ids=None) -> dict[str, int]:
             values[name] = _named(hook, field, raw, ids)
             continue
         try:
-            value, dim = parse_quantity(raw)
-        except UnitError as e:
-            raise ValueError(f"{name}={raw}: unknown unit '{e.unit}'"
-                             + (f"; did you mean '{e.suggestion}'?" if e.suggestion else "")) from None
-        if dim is not None and dim != field.dim:
-            raise ValueError(f"{name}={raw}: '{name}' is {DIM_NAMES.get(field.dim, field.dim)}, "
-                             f"not {DIM_NAMES[dim]}")
+            value = quantity_as(raw, field.dim, name)
+        except ValueError as e:
+            raise ValueError(f"{name}={raw}: {e}") from None
         if value != int(value) or not 0 <= value < 1 << (8 * field.size):
             raise ValueError(f"{name}={raw}: not a whole number that fits in its {field.ctype}")
         values[name] = int(value)

@@ -178,7 +178,7 @@ class Server:
             bisect.insort(self.classes, -chunk.priority)
         q.setdefault(chunk.queue or chunk.transfer.flow, deque()).append((chunk, done, sent_at))
         if not self.busy:
-            if self.sim.now < self.free_at:        # the link is still sending a handed-on chunk
+            if now < self.free_at:        # the link is still sending a handed-on chunk
                 self.busy = True
                 self.sim.at(self.free_at, self._start)
             else:
