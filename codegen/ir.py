@@ -121,6 +121,14 @@ class Loop:
     span: Span
 
 
+def statements(body: list):
+    """Every statement of a body, nested ones (an if's branches, a loop's body) after their parent."""
+    for s in body:
+        yield s
+        for sub in ("then", "orelse", "body"):
+            yield from statements(getattr(s, sub, None) or [])
+
+
 @dataclass
 class HandlerIR:
     policy: str
@@ -133,6 +141,14 @@ class HandlerIR:
     reads: list[str] = field(default_factory=list)  # context fields the guard and body read, sorted
     last_wins: bool = False     # tick handlers: runs in a row leave only the last one's effect
     map_reads: list | None = None   # (map, key) entries its decisions read, when it only reads maps so
+
+    def decides(self) -> dict[str, list[int]]:
+        """The decisions it may make, each with the lines that set it."""
+        out: dict[str, list[int]] = {}
+        for s in statements(self.body):
+            if isinstance(s, SetField) and s.span.line not in out.setdefault(s.field.name, []):
+                out[s.field.name].append(s.span.line)
+        return out
 
 
 @dataclass

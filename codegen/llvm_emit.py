@@ -116,7 +116,7 @@ class _FnEmitter:
         self.vars = {v: self.b.alloca(I64, name=v.name) for v in prog.vars}
         self.keys = {n: self.b.alloca(INT[n], name=f"key{n}") for n in (1, 2, 4, 8)}
         self.vals = {n: self.b.alloca(INT[n], name=f"val{n}") for n in (1, 2, 4, 8)}
-        n_emit = max([len(s.args) for h in prog.handlers for s in _walk(h.body) if isinstance(s, ir.Emit)] or [1])
+        n_emit = max([len(s.args) for h in prog.handlers for s in ir.statements(h.body) if isinstance(s, ir.Emit)] or [1])
         self.emit_buf = self.b.alloca(L.ArrayType(I64, n_emit), name="record")
 
     def subprogram(self, line):
@@ -374,13 +374,6 @@ def _close_cycle(node, key, target):
 
 class _NoSpan:
     line, col = 1, 1
-
-
-def _walk(body):
-    for s in body:
-        yield s
-        for sub in ("then", "orelse", "body"):
-            yield from _walk(getattr(s, sub, []) or [])
 
 
 class _ModuleEmitter:

@@ -133,7 +133,8 @@ COUNT = integer(0, 1 << 31)
 NAMES = list_of(text(NAME))
 HANDLER = record({"movement": nullable(ID), "period": nullable(integer(1, MAX_NS)), "maps": NAMES,
                   "reads": NAMES, "last_wins": boolean},
-                 {"map_reads": nullable(list_of(anything)), "line": COUNT})
+                 {"map_reads": nullable(list_of(anything)), "line": COUNT, "file": text(),
+                  "decides": mapping(list_of(COUNT))})
 SCHEMA = record({
     "files": mapping(text(SHA256), FILE_NAME),
     "fabric": record({
