@@ -160,11 +160,13 @@ class Report:
 def run(bundle: Bundle | str | Path, *, model: str | None = None, prompt: int | None = None,
         batch: int | None = None, tp: int | None = None, chunk: int | None = None, stack: str | None = None,
         backend: str = "auto", jit_checks: str | None = None, baseline: bool = False, trace: bool = False,
-        max_events: int | None = None, progress=None) -> Report:
+        max_events: int | None = None, progress=None, explain: bool = False) -> Report:
     """Run a compiled policy (a `Bundle`, or the path of a policy folder) on its fabric's
     prefill; the workload's properties unless given here.  ``baseline`` also runs the same
     prefill with no programs attached (``Report.baseline``).  ``progress`` is called after each
-    block of the schedule with a `Progress` (fraction, events, simulated_ms)."""
+    block of the schedule with a `Progress` (fraction, events, simulated_ms).  ``explain``
+    records the evidence for a root-cause chain of every GPU stall (the report's "explain",
+    docs/explain.md)."""
     from fabric_ext.contract.bundle import create_maps
     from fabric_ext.runtime.machine.backends import get_backend
     from fabric_ext.runtime.simulation import stats
@@ -177,7 +179,7 @@ def run(bundle: Bundle | str | Path, *, model: str | None = None, prompt: int | 
     try:
         for attach in [True, False] if baseline else [True]:
             opts = RunOptions(model, prompt, batch, tp, chunk, attach=attach, progress=progress if attach else None,
-                              trace=trace and attach, stack=stack,
+                              trace=trace and attach, stack=stack, explain=explain,
                               max_events=DEFAULT_MAX_EVENTS if max_events is None else (max_events or None))
             eng = Engine(bundle, bundle.manifest, create_maps(bundle.manifest), vm, opts)
             eng.simulate()

@@ -65,6 +65,9 @@ def build_parser():
     p.add_argument("--baseline", action="store_true", help="also run with no programs attached and compare")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace")
+    p.add_argument("--explain", action="store_true",
+                   help="say why the GPUs waited: a root-cause chain for the longest stalls, down to the policy "
+                        "line that decided (docs/explain.md); with --baseline, what the policy changed")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib: pip install fabric-ext[plot])")
     p.add_argument("--links", type=_link_count, default=LINKS_SHOWN, metavar="all|N",
                    help=f"links the summary lists: the N busiest that carried bytes (default {LINKS_SHOWN}), or all")
@@ -148,7 +151,7 @@ def _run_one(policy: Path, args, trace: bool = False):
     report = api.run(bundle, model=args.model, prompt=args.prompt, batch=args.batch, tp=args.tp,
                      chunk=args.chunk, stack=args.stack, backend=args.backend or "auto",
                      jit_checks=args.jit_checks, baseline=args.baseline, trace=trace,
-                     max_events=args.max_events, progress=show)
+                     max_events=args.max_events, progress=show, explain=args.explain)
     if show:
         sys.stderr.write("\r\033[K")
     data = report.to_dict()
@@ -178,7 +181,18 @@ def run(args) -> int:
             return EXIT_INPUT
     if not args.quiet:
         print(stats.render(data, data.get("baseline"), args.links))
+        if args.explain:
+            _print_explain(data)
     return EXIT_OK
+
+
+def _print_explain(data: dict) -> None:
+    from .explain import render, render_against
+    print()
+    print(render(data["explain"]))
+    if data.get("baseline"):
+        print()
+        print(render_against(data["explain"], data["baseline"]["explain"]))
 
 
 def _compare(policies: list[Path], args) -> int:
@@ -196,6 +210,9 @@ def _compare(policies: list[Path], args) -> int:
         stats.write_json(args.json, {"schema": stats.COMPARE_SCHEMA, "runs": runs})
     if not args.quiet:
         print(stats.render_comparison(runs))
+        for data in runs if args.explain else []:
+            print(f"\n== {data['policy']}")
+            _print_explain(data)
     return EXIT_OK
 
 

@@ -65,6 +65,7 @@ class RunOptions:
     max_events: int | None = DEFAULT_MAX_EVENTS   # a run that passes this many events stops (None: no limit)
     stack: str | None = None         # serving-stack profile (figures.json "stacks"), else the workload's
     context_tracer: object = None    # callable(island, hook, ctx bytes) for every event a program acts on
+    explain: bool = False            # record the evidence for root-cause chains of the stalls (`explain`)
 
 
 class Engine:
@@ -151,7 +152,8 @@ class Engine:
                  for n, d in self.devices.items() if d["kind"] in ("dpu", "nic")}
         kinds = {n: i["kind"] for n, i in self.islands.items()}
         engines = {n: int(self._gpu_figure(n, "copy_engines")) for n, d in self.devices.items() if d["kind"] == "gpu"}
-        return Fabric(self.sim, g, self.device_island, kinds, wires, mem, self.site, engines, self.opts.finish_events)
+        return Fabric(self.sim, g, self.device_island, kinds, wires, mem, self.site, engines, self.opts.finish_events,
+                      self.opts.explain)
 
     @staticmethod
     def _setup(link) -> float:
@@ -240,7 +242,7 @@ class Engine:
 
     def simulate(self) -> None:
         """Run the prefill to its end (and the ticks due by then)."""
-        self.prefill = Prefill(self, self._prefill_finished)
+        self.prefill = Prefill(self, self._prefill_finished, self.opts.explain)
         self.prefill.place()
         self._start_ticks()
         self.prefill.start()
@@ -280,4 +282,11 @@ class Engine:
             device_names={i: name for name, i in self.ids["devices"].items()},
             copy_engines=[{"name": ce.name, "chunks": ce.chunks, "bytes": ce.bytes}
                           for engines in self.fabric.engines.values() for ce in engines],
-            refused=dict(self.fabric.refused), spans=self.site.spans)
+            refused=dict(self.fabric.refused), spans=self.site.spans, explain=self._explain())
+
+    def _explain(self) -> dict | None:
+        """The stalls' root-cause chains, where the run recorded the evidence for them."""
+        if not self.opts.explain:
+            return None
+        from .explain import chains, summary
+        return summary(chains(self.fabric, self.man["programs"], self.prefill.stalls))

@@ -24,6 +24,7 @@ import heapq
 import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from fabric_ext.contract import topology
 from fabric_ext.contract.digraph import DiGraph
@@ -102,10 +103,22 @@ class Transfer:
     driver: list | None = None    # the copy engines that issue its chunks (None: issued at once)
     pace: float = 0.0             # B/s a collective's chunks cross each link at (0: the link's bandwidth)
     fixed_cost: bool = True       # whether its chunks pay the links' fixed cost (a collective's is in its alpha)
+    last_chunk: object = None     # with evidence on: the chunk whose delivery ended it
 
     @property
     def flow(self) -> tuple:
         return (self.name, self.src, self.dst)
+
+
+class Step(NamedTuple):
+    """One span of a chunk's life (``Fabric(evidence=True)``): a chunk's steps tile the time
+    from its transfer's start to its delivery.  Recorded as plain tuples (``Step(*entry)``
+    reads one): a run makes millions."""
+    kind: str          # pending | defer | rate | engine | queue | send | latency
+    start: float       # ns
+    end: float
+    where: object      # a Server (queue, send), an island (defer, rate), a CopyEngine, a (u, v) link
+    moment: str = ""   # defer, rate: the moment of the decision ("issue" or "enter")
 
 
 @dataclass(slots=True)
@@ -122,6 +135,7 @@ class Chunk:
     parts: list = field(default_factory=list)   # chunks merged into this one by coalescing
     queue: object = None      # the NIC transmit queue it leaves by (None: its flow's own)
     engine: object = None     # the copy engine busy with it until it leaves its first link
+    trail: list | None = None  # with evidence on: its life, as `Step` tuples that tile it in time
 
     @property
     def last(self) -> bool:
@@ -154,6 +168,7 @@ class Server:
         self.record: list | None = None           # where a watcher wants transmission starts
         self.sent_lane = 0
         self.enqueued_lane: int | None = None     # ... and enqueues, if it does
+        self.occupants: list | None = None        # with evidence on: (transfer, priority) per interval
 
     def watch(self, record: list | None, sent_lane: int, enqueued_lane: int | None = None) -> None:
         """Append time, lane and bytes to ``record`` at every transmission start, and at every
@@ -214,6 +229,12 @@ class Server:
         self.intervals.append((now, now + dt, chunk.bytes))
         if self.record is not None:
             self.record.extend((now, self.sent_lane, chunk.bytes))
+        if self.occupants is not None:
+            self.occupants.append((t, chunk.priority))
+        if chunk.trail is not None:
+            if now > chunk.enqueued:
+                chunk.trail.append(("queue", chunk.enqueued, now, self))
+            chunk.trail.append(("send", now, now + dt, self))
         if sent_at is not None and not self.classes and chunk.engine is None and not self.finish_events:
             self.busy, self.free_at = False, now + dt
             sent_at(chunk, now + dt)
@@ -268,6 +289,8 @@ class CopyEngine:
         self.chunks += 1
         self.bytes += chunk.bytes
         chunk.waited += self.sim.now - chunk.enqueued
+        if chunk.trail is not None and self.sim.now > chunk.enqueued:
+            chunk.trail.append(("engine", chunk.enqueued, self.sim.now, self))
         chunk.engine = self
         self._take(chunk)
 
@@ -299,8 +322,12 @@ class Fabric:
     def __init__(self, sim: Sim, graph: DiGraph, device_island: dict[str, str],
                  island_kind: dict[str, str], wires: dict[str, tuple[float, float]],
                  memory_channels: dict[str, float], hooks: HookSite | None = None,
-                 copy_engines: dict[str, int] | None = None, finish_events: bool = False):
+                 copy_engines: dict[str, int] | None = None, finish_events: bool = False,
+                 evidence: bool = False):
+        """``evidence``: record every chunk's life (`Chunk.trail`) and what each link sent
+        (`Server.occupants`), for `explain`; off, nothing is recorded."""
         self.sim, self.g = sim, graph
+        self.evidence = evidence
         self.device_island, self.island_kind = device_island, island_kind
         self.hooks = hooks or HookSite()
         self.servers: dict[tuple[str, str], Server] = {}
@@ -314,6 +341,9 @@ class Fabric:
             else:
                 self.servers[(u, v)] = Server(sim, f"{u}->{v}", e["bw"], e.get("setup") or 0.0, finish_events)
         self.wires = {dev: Server(sim, f"{dev}->wire", bw, overhead) for dev, (bw, overhead) in wires.items()}
+        if evidence:
+            for srv in [*self.servers.values(), *self.wires.values()]:
+                srv.occupants = []
         self.engines = {dev: [CopyEngine(sim, f"{dev} copy engine {i}", self._taken) for i in range(n)]
                         for dev, n in (copy_engines or {}).items() if n > 0}
         self.buckets: dict[tuple, float] = {}
@@ -364,6 +394,9 @@ class Fabric:
         self.transfers.append(t)
         t.pending = deque(Chunk(t, i, min(t.chunk_bytes, t.bytes - i * t.chunk_bytes) if t.bytes else 0, t.path)
                           for i in range(n))
+        if self.evidence:
+            for c in t.pending:
+                c.trail = []
         t.driver = self._driver(t)
         self._issue(t)
 
@@ -381,10 +414,12 @@ class Fabric:
         while t.pending:
             chunk = t.pending.popleft()
             release, stream, coalesce = self.sim.now, 0, 0
+            if chunk.trail is not None and release > t.start:
+                chunk.trail.append(("pending", t.start, release, None))
             for isl, role in self._ends(t, "issue"):
                 d = self.hooks.on_issue(chunk, isl, role)
                 if d:
-                    release = max(release, self._apply(chunk, isl, d, release))
+                    release = max(release, self._apply(chunk, isl, d, release, "issue"))
                     stream = d.get("stream") or stream
                     coalesce = d.get("coalesce") or coalesce
             if coalesce and chunk.bytes < coalesce:
@@ -424,13 +459,14 @@ class Fabric:
                                   if isl is not None and firing(self.island_kind.get(isl, ""), moment, role)]
         return self._ends_of[key]
 
-    def _apply(self, chunk: Chunk, island: str, d: dict, now: float) -> float:
-        """Apply decisions; returns when the chunk may move on."""
+    def _apply(self, chunk: Chunk, island: str, d: dict, now: float, moment: str = "enter") -> float:
+        """Apply decisions (made at ``moment``: "issue" or "enter"); returns when the chunk
+        may move on."""
         if "priority" in d:
             chunk.priority = d["priority"]
             if len(d) == 1:         # the usual decision: nothing else to look up
                 return now
-        release = now + d.get("defer", 0)
+        deferred = release = now + d.get("defer", 0)
         if "queue" in d:
             chunk.queue = ("queue", d["queue"]) if d["queue"] else None
         rate = d.get("rate", 0)
@@ -439,6 +475,11 @@ class Fabric:
             start = max(release, self.buckets.get(key, 0.0))
             self.buckets[key] = start + chunk.bytes / rate * 1e9
             release = start
+        if chunk.trail is not None and release > now:
+            if deferred > now:
+                chunk.trail.append(("defer", now, deferred, island, moment))
+            if release > deferred:
+                chunk.trail.append(("rate", deferred, release, island, moment))
         nxt = d.get("route", 0)
         if nxt and chunk.hop + 1 < len(chunk.path):
             self._reroute(chunk, nxt)
@@ -510,7 +551,8 @@ class Fabric:
             return None
         del self.coalescing[key]
         return Chunk(chunk.transfer, chunk.index, total, chunk.path, chunk.hop, chunk.priority,
-                     island=chunk.island, parts=[p for c in buf for p in (c.parts or [c])], queue=chunk.queue)
+                     island=chunk.island, parts=[p for c in buf for p in (c.parts or [c])], queue=chunk.queue,
+                     trail=chunk.trail)
 
     def _forward(self, chunk: Chunk) -> None:
         path, hop = chunk.path, chunk.hop
@@ -532,7 +574,10 @@ class Fabric:
         u, v = chunk.path[chunk.hop], chunk.path[chunk.hop + 1]
         chunk.hop += 1
         chunk.queue = None          # a transmit queue holds at the NIC it was chosen at
-        self.sim.at(end + (self.g.edges[u, v].get("latency") or 0), self._arrive, chunk)
+        latency = self.g.edges[u, v].get("latency") or 0
+        if chunk.trail is not None and latency:
+            chunk.trail.append(("latency", end, end + latency, (u, v)))
+        self.sim.at(end + latency, self._arrive, chunk)
 
     def _delivered(self, chunk: Chunk) -> None:
         now = self.sim.now
@@ -546,5 +591,7 @@ class Fabric:
                 self.hooks.on_delivered(part, isl, now - t.start)
             if t.chunks_done == t.chunks_total:
                 t.end = now
+                if chunk.trail is not None:
+                    t.last_chunk = chunk
                 if t.on_done is not None:
                     t.on_done(t)

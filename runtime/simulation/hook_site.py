@@ -30,6 +30,7 @@ class ShimHookSite(HookSite):
         self.device_island = {d["name"]: d["island"] for d in manifest["fabric"]["devices"] if d["island"]}
         self.movements = MovementTable(manifest["movements"])
         self.prefetch = prefetch          # per GPU: layers of weights issued ahead (a program may change it)
+        self.prefetch_by: dict[str, tuple] = {}   # per GPU: (hook, movement id) of the decision that set it
         self.spans: list[tuple[str, str, float, float]] = []   # (track, name, start ns, duration ns)
         self.remembered = DecisionCache()
         self.fabric: Fabric | None = None     # the fabric that asks (`bind`)
@@ -96,7 +97,7 @@ class ShimHookSite(HookSite):
         standing = self.remembered.standing.get((t, island, moment))
         if standing is not None:
             standing.uses += 1
-            return self._issued(island, standing.decisions)
+            return self._issued(island, standing.decisions, t.movement_id)
         where = (island, "issue", t.movement_id)
         plan = self.remembered.plans.get(where) or self._plan(where, island, ("issue",), t.movement_id)
         if not plan.hooks:
@@ -111,12 +112,17 @@ class ShimHookSite(HookSite):
             return None
         if plan.static and not self.trace and known.kept:    # the same for every chunk of the transfer
             self.remembered.stand(t, island, moment, known.decisions, [known])
-        return self._issued(island, known.decisions)
+        return self._issued(island, known.decisions, t.movement_id)
 
-    def _issued(self, island, d):
+    def set_prefetch(self, gpu: str, depth: int, hook: str, movement: int | None) -> None:
+        """A program's ``prefetch`` decision: the GPU's depth from now on (the latest word holds)."""
+        self.prefetch[gpu] = depth
+        self.prefetch_by[gpu] = (hook, movement)
+
+    def _issued(self, island, d, movement):
         """What the fabric applies of an issue hook's decisions; ``prefetch`` is the hook site's."""
         if d.get("prefetch"):
-            self.prefetch[island] = d["prefetch"]       # the latest chunk's word holds
+            self.set_prefetch(island, d["prefetch"], "issue", movement)
         return self._devices(d) if not APPLIED.isdisjoint(d) else None
 
     def on_enter(self, chunk, island):
@@ -183,4 +189,4 @@ class ShimHookSite(HookSite):
         fields["latency"] = int(latency)
         known = self.decide(island, "complete", fields)
         if known is not None and known.decisions.get("prefetch"):
-            self.prefetch[island] = known.decisions["prefetch"]
+            self.set_prefetch(island, known.decisions["prefetch"], "complete", chunk.transfer.movement_id)

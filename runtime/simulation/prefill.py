@@ -18,8 +18,21 @@ class Progress(NamedTuple):
     simulated_ms: float      # simulated time so far
 
 
+class Stall(NamedTuple):
+    """A wait of the GPUs, recorded with evidence on (`explain`): GPU ``gpu`` (None: the
+    tensor-parallel group, in an all-reduce) waited from ``start`` to ``end`` ns for
+    ``transfer``: the input that arrived last, or the ring's last send."""
+    gpu: str | None
+    unit: tuple                 # (pass, layer, operator)
+    start: float
+    end: float
+    transfer: object            # fabric_model.Transfer
+    prefetch: tuple | None      # an input issued the prefetch depth ahead: (depth, (hook, movement) of
+                                # the decision that set it, or None: the workload's); None: issued at the start
+
+
 class Prefill:
-    def __init__(self, engine, on_finish):
+    def __init__(self, engine, on_finish, evidence: bool = False):
         self.e, self.sim, self.workload, self.gpus = engine, engine.sim, engine.workload, engine.gpus
         self.site = engine.site                   # where it asks hooks and starts transfers
         self.timing = engine.timing
@@ -29,6 +42,8 @@ class Prefill:
         self.stall_by_movement = defaultdict(float)
         self.finished = None
         self.kv_done = 0.0
+        self.stalls: list[Stall] | None = [] if evidence else None
+        self.issued_with: dict = {}               # with evidence: input transfer -> its `Stall.prefetch`
 
     def place(self) -> None:
         """Where each layer's weights live, before the run (the host's `alloc` programs may move them)."""
@@ -41,7 +56,7 @@ class Prefill:
                       for op in ("attention", "ffn")]
         self.ready = {g: {} for g in self.gpus}       # unit -> arrival time of its inputs
         self.inputs_left: dict[tuple, int] = {}       # (gpu, unit) -> inputs still moving
-        self.last_input: dict[tuple, str] = {}        # (gpu, unit) -> the movement that arrived last
+        self.last_input: dict[tuple, object] = {}     # (gpu, unit) -> the transfer that arrived last
         self.issued = {g: 0 for g in self.gpus}       # units issued so far
         self.waiting = {}
         self.done_count = 0
@@ -94,7 +109,10 @@ class Prefill:
                 continue
             self.inputs_left[(g, u)] = len(inputs)
             for cls, operator, src, nbytes in inputs:
-                self.site.transfer(cls, operator, src, g, nbytes, layer, lambda t, g=g, u=u: self._input_arrived(g, u, t))
+                t = self.site.transfer(cls, operator, src, g, nbytes, layer,
+                                       lambda t, g=g, u=u: self._input_arrived(g, u, t))
+                if self.stalls is not None and self.sim.now > 0:
+                    self.issued_with[t] = (depth, self.site.prefetch_by.get(g))
 
     def _input_arrived(self, g, u, t):
         """One input of unit u on GPU g arrived; the last one makes the unit ready (and is what
@@ -104,7 +122,7 @@ class Prefill:
             return
         del self.inputs_left[(g, u)]
         self.ready[g][u] = self.sim.now
-        self.last_input[(g, u)] = t.name
+        self.last_input[(g, u)] = t
         if self.waiting.get(g) == u:
             del self.waiting[g]
             self._compute(g, u)
@@ -127,13 +145,16 @@ class Prefill:
         ops = self.timing.block(p, op) if self.e.shims.get(g) is not None and self.e.shims[g].has("launch") else ()
         stall = self.sim.now - self.unit_start
         if stall > 0:      # charged to the input that arrived last
-            self.stall_by_movement[self.last_input.get((g, u), f"(weights/{op})")] += stall
+            t = self.last_input.get((g, u))
+            self.stall_by_movement[t.name if t else f"(weights/{op})"] += stall
+            if self.stalls is not None and t is not None:
+                self.stalls.append(Stall(g, self.units[u], self.unit_start, self.sim.now, t, self.issued_with.get(t)))
         known = self.site.decide(g, "launch", {"now": int(self.sim.now), "layer": layer,
                                         "operator": self.e.ids.get("operators", {}).get(op, 0),
                                         "flops": int(sum(o.flops for o in ops)),
                                         "bytes": int(sum(o.bytes for o in ops)), "stall": int(stall)})
         if known is not None and known.decisions.get("prefetch"):
-            self.site.prefetch[g] = known.decisions["prefetch"]
+            self.site.set_prefetch(g, known.decisions["prefetch"], "launch", None)
         self._issue_inputs(g, u + 1)
         dur = self.timing.block_ns(g, p, op)
         if layer == 0 and op == "attention":
@@ -173,12 +194,14 @@ class Prefill:
                         ar.busbw)
 
     def _ring_send(self, g, nxt, nbytes, layer, u, busbw):
-        self.site.transfer("activations", "collective", g, nxt, nbytes, layer, lambda tr, u=u: self._ar_done(u),
-                      pace=busbw)
+        self.site.transfer("activations", "collective", g, nxt, nbytes, layer, lambda tr, u=u: self._ar_done(u, tr),
+                           pace=busbw)
 
-    def _ar_done(self, u):
+    def _ar_done(self, u, tr):
         self.ar_pending -= 1
         if self.ar_pending == 0:
+            if self.stalls is not None:
+                self.stalls.append(Stall(None, self.units[u], self.ar_start, self.sim.now, tr, None))
             m = self.site.movement_of("activations", "collective", self.gpus[0], self.gpus[1 % len(self.gpus)])
             self.stall_by_movement[m["name"] if m else "(activations/collective)"] += self.sim.now - self.ar_start
             self.layer_stats[self.units[u][1]]["allreduce_ms"] += (self.sim.now - self.ar_start) / 1e6

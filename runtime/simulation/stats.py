@@ -48,6 +48,7 @@ class RunRecord:
     map_types: dict[str, tuple] = field(default_factory=dict)   # name -> (kind, key type, value type), as declared
     record_layouts: dict[str, list] = field(default_factory=dict)   # ringbuf name -> its emits' fields (manifest)
     device_names: dict[int, str] = field(default_factory=dict)  # device id -> name, for device-typed keys and values
+    explain: dict | None = None         # the stalls' root-cause chains (`explain.summary`), when asked for
 
 
 def collect(r: RunRecord) -> dict:
@@ -87,7 +88,7 @@ def collect(r: RunRecord) -> dict:
             "links": sorted(links, key=lambda x: x["name"]), "islands": r.islands,
             "copy_engines": r.copy_engines, "maps": _jsonable(r.maps), "map_entries": decoded_maps(r),
             "map_records": decoded_records(r),
-            "faults": r.faults, "refused": r.refused}
+            "faults": r.faults, "refused": r.refused, **({"explain": r.explain} if r.explain is not None else {})}
 
 
 def _link(srv, horizon: float) -> dict:
@@ -334,7 +335,31 @@ def trace(report: dict, record: RunRecord) -> dict:
         for start, stop, nbytes in srv.intervals:
             events.append({"ph": "X", "pid": 1, "tid": tid(srv.name), "name": f"{nbytes >> 10} KiB",
                            "ts": start / 1e3, "dur": (stop - start) / 1e3, "cat": "transfer"})
+    if "explain" in report:
+        events.extend(_stall_flows(report["explain"], tid))
     return {"traceEvents": events, "displayTimeUnit": "ns", "otherData": {"ttft_ms": report["ttft_ms"]}}
+
+
+#: the causes a stall's flow points at, and the suffix of their track's name after the step's "where"
+FLOW_TARGETS = {"queued": "", "bandwidth": "", "defer": " hooks", "rate": " hooks", "prefetch": " hooks"}
+
+
+def _stall_flows(explain: dict, tid) -> list[dict]:
+    """The chains covering the share (`--explain`): each stall a slice on its GPU's track, with a
+    flow from it to each link (or island's hooks) its steps blame, at the middle of the wait."""
+    events = []
+    for n, c in enumerate(explain["chains"][:explain["chains_covering"]]):
+        track = tid("all-reduce" if c["gpu"] == "all" else c["gpu"])
+        start, dur = c["start_ms"] * 1e3, c["stall_ms"] * 1e3
+        events.append({"ph": "X", "pid": 1, "tid": track, "name": f"stall: {c['movement']} ({c['kind']})",
+                       "ts": start, "dur": dur, "cat": "stall",
+                       "args": {s["text"]: f"{s['ms']:.3f} ms" for s in c["steps"]}})
+        for k, step in enumerate(x for x in c["steps"] if x["cause"] in FLOW_TARGETS):
+            target = step["where"] + FLOW_TARGETS[step["cause"]]
+            flow = {"pid": 1, "name": step["cause"], "cat": "stall", "id": n * 1000 + k}
+            events.append({**flow, "ph": "s", "tid": track, "ts": start})
+            events.append({**flow, "ph": "f", "bp": "e", "tid": tid(target), "ts": start + dur / 2})
+    return events
 
 
 def plots(report: dict, folder) -> list[str]:
