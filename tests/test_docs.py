@@ -68,3 +68,14 @@ def test_the_readme_api_example_runs(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert re.search(r"^\d+\.\d ms, baseline \d+\.\d ms$", out, re.MULTILINE), out
     assert "KV export at" in out
+
+
+def test_the_diagnosing_example_of_docs_explain_compiles_in_the_reference_policy(tmp_path):
+    block = re.findall(r"^```\n(on .*?)^```", (ROOT / "docs" / "explain.md").read_text(), re.MULTILINE | re.DOTALL)
+    assert len(block) == 1
+    shutil.copytree(POLICIES / "fabrics", tmp_path / "fabrics")
+    policy = (POLICIES / "prefill_qos.fx").read_text().replace(
+        "policy prefill_qos {", "map kv_wait : hash<device, time>[8]\nmap kv_written : hash<device, size>[8]\n"
+        "policy prefill_qos {\n" + block[0])
+    assert block[0] in policy
+    check_clean(tmp_path, policy, "explain.fx")

@@ -88,7 +88,12 @@ CHUNK_INPUTS = (
     _f("queue_bytes", "u64", SIZE, "bytes queued ahead of the chunk at the egress"),
     _f("critical", "u32", COUNT, "1 if the movement is marked critical"),
     _f("hop", "u32", COUNT, "index of this island on the movement's path"),
+    _f("queued_ahead_hi", "u64", SIZE, "of queue_bytes, the bytes in higher priority classes than the chunk's "
+       "now: they leave before it"),
+    _f("queued_ahead_lo", "u64", SIZE, "of queue_bytes, the bytes in the chunk's priority class or lower"),
 )
+WAIT = _f("wait", "u64", TIME, "how long the chunk waited in the queue (ns)")
+LATENCY = _f("latency", "u64", TIME, "time from issue to completion (ns)")
 TICK_INPUTS = (
     NOW,
     _f("port", "u32", COUNT, "port (link) index the sample is for"),
@@ -182,7 +187,9 @@ MOMENTS = {
     "issue": "a copy engine of the GPU at the chunk's end is ready for it: the transfer's first chunk when the "
              "transfer starts, each later chunk when the one before it was taken by a copy engine",
     "enter": "the chunk enters the island on its path (a switch or a DPU/NIC it crosses or ends at)",
-    "deliver": "the chunk's last byte arrived at the end of its path",
+    "deliver": "the chunk's last byte arrived at the end of its path (at a DPU/NIC: left on its wire)",
+    "dequeue": "the chunk leaves an egress queue of the island's device (a link's, a memory's, a NIC's "
+               "wire) and starts on the link, after waiting `wait` ns",
     "launch": "an operator kernel is about to start on the GPU",
     "tick": "a period has passed, once per port of the island",
     "place": "the weights are placed before the run, once per layer and operator",
@@ -197,8 +204,9 @@ _ALL = [
     _hook("gpu", "issue", "a chunk of a movement is about to be issued by a copy engine",
           CHUNK_INPUTS + (PRIORITY, RATE, DEFER, PREFETCH, COALESCE, STREAM), "chunk", ("src", "dst"), "issue"),
     _hook("gpu", "complete", "a chunk of a movement has arrived or left",
-          CHUNK_INPUTS + (_f("latency", "u64", TIME, "time from issue to completion (ns)"), PREFETCH),
-          "chunk", ("src", "dst"), "deliver"),
+          CHUNK_INPUTS + (LATENCY, PREFETCH), "chunk", ("src", "dst"), "deliver"),
+    _hook("gpu", "dequeue", "a chunk leaves the GPU's egress queue for its link", CHUNK_INPUTS + (WAIT,),
+          "chunk", ("src",), "dequeue"),
     _hook("gpu", "launch", "an operator kernel starts",
           (NOW, _f("layer", "u32", COUNT, "model layer"),
            _f("operator", "u32", COUNT, "operator id"),
@@ -212,17 +220,27 @@ _ALL = [
     _hook("cxl_switch", "mem_access", "a chunk reads or writes switch-attached memory",
           CHUNK_INPUTS + (_f("write", "u32", COUNT, "1 for a write, 0 for a read"),
                           PRIORITY, RATE, DEFER, TIER), "chunk", ("src", "dst"), "enter"),
+    _hook("cxl_switch", "dequeue", "a chunk leaves a switch port's queue (or its memory's) for the link",
+          CHUNK_INPUTS + (WAIT,), "chunk", ("transit", "src", "dst"), "dequeue"),
+    _hook("cxl_switch", "complete", "a chunk was written to the switch's memory", CHUNK_INPUTS + (LATENCY,),
+          "chunk", ("dst",), "deliver"),
     _hook("cxl_switch", "tick", "per-port telemetry, once per port each period", TICK_INPUTS, "tick", (), "tick"),
     _hook("dpu", "tx", "a chunk is about to be transmitted onto the network",
           CHUNK_INPUTS + (RATE, COALESCE, QUEUE, PRIORITY), "chunk", ("dst", "transit"), "enter"),
     _hook("dpu", "rx", "a chunk was received from the network",
           CHUNK_INPUTS + (RATE, COALESCE, QUEUE, PRIORITY), "chunk", ("src",), "enter"),
+    _hook("dpu", "dequeue", "a chunk leaves a queue of the DPU/NIC: for a link, or onto the network",
+          CHUNK_INPUTS + (WAIT,), "chunk", ("src", "transit", "dst"), "dequeue"),
+    _hook("dpu", "complete", "a chunk has left on the network", CHUNK_INPUTS + (LATENCY,), "chunk", ("dst",),
+          "deliver"),
     _hook("dpu", "tick", "per-port telemetry of the DPU/NIC", TICK_INPUTS, "tick", (), "tick"),
     _hook("host", "alloc", "a tensor is about to be placed in memory",
           (NOW, _f("movement", "u32", COUNT, "movement id whose data the tensor holds"),
            _f("class", "u32", COUNT, "data class id"),
            _f("layer", "u32", COUNT, "model layer"),
            _f("bytes", "u64", SIZE, "size of the tensor"), TIER), "chunk", ("src", "dst", "transit"), "place"),
+    _hook("host", "complete", "a chunk arrived in host memory", CHUNK_INPUTS + (LATENCY,), "chunk", ("dst",),
+          "deliver"),
     _hook("host", "tick", "periodic host telemetry, once per port", TICK_INPUTS, "tick", (), "tick"),
 ]
 HOOKS: dict[tuple[str, str], Hook] = {(h.island_kind, h.name): h for h in _ALL}
@@ -281,7 +299,7 @@ def markdown() -> str:
     rows = ["| island | hook | event | where on a movement's path | decisions |", "| --- | --- | --- | --- | --- |"]
     for h in _ALL:
         name = f"`{h.name}(PERIOD)`" if h.scope == "tick" else f"`{h.name}`"
-        where = ", ".join(roles[r] for r in h.roles) if h.moment in ("issue", "enter", "deliver") else "—"
+        where = ", ".join(roles[r] for r in h.roles) if h.moment in ("issue", "enter", "deliver", "dequeue") else "—"
         decisions = " ".join(f"`{f.name}`" for f in h.decisions) or "—"
         rows.append(f"| {h.island_kind} | {name} | {h.doc} | {where} | {decisions} |")
     rows += ["", "When each hook fires:", ""]

@@ -26,6 +26,7 @@ from .dispatch import Known
 class HookPlan:
     hooks: tuple[str, ...]      # the hooks whose program acts on the movement here, in firing order
     static: bool                # each decides from the transfer's own fields alone
+    queue_split: bool = False   # one reads what is queued ahead by priority (ev.queued_ahead_hi/_lo)
 
 
 @dataclass(slots=True)

@@ -37,11 +37,13 @@ class Known:
 
 class Acting:
     """The handlers of one program that act on one movement's events."""
-    __slots__ = ("hook", "maps", "key_fields", "entries", "memo", "retired")
+    __slots__ = ("hook", "maps", "key_fields", "entries", "reads", "memo", "retired")
 
-    def __init__(self, hook: str, maps: frozenset, key_fields: tuple | None, entries: tuple = ()):
+    def __init__(self, hook: str, maps: frozenset, key_fields: tuple | None, entries: tuple = (),
+                 reads: frozenset | None = None):
         self.hook = hook
         self.maps = maps                 # maps the handlers may touch
+        self.reads = reads               # context fields the handlers read (None: any)
         self.key_fields = key_fields     # fields the decisions depend on; None: not a function of them
         self.entries = entries           # the map entries they also depend on: (values, size, count, field, const)
         self.memo: dict[tuple, Known] = {}
@@ -96,14 +98,15 @@ def acting(hook: str, prog, handlers: list[dict] | None, movement: int | None,
         return None
     maps = frozenset(m for h in act for m in h["maps"])
     fields = tuple(sorted({f for h in act for f in h.get("reads", ())}))
+    reads = frozenset(fields) if all("reads" in h for h in act) else None
     if not maps:
-        return Acting(hook, maps, fields if all("reads" in h for h in act) else None)
+        return Acting(hook, maps, fields if reads is not None else None, reads=reads)
     by_name = {m.name: m for m in prog.maps}
-    reads = [r for h in act for r in h.get("map_reads") or ()]
+    map_reads = [r for h in act for r in h.get("map_reads") or ()]
     if not host_maps or any(h.get("map_reads") is None or "reads" not in h for h in act) \
-            or any(by_name[name].type != ARRAY for name, _ in reads):
-        return Acting(hook, maps, None)
-    entries = {(name, key.get("field"), key.get("const", 0)) for name, key in reads}
+            or any(by_name[name].type != ARRAY for name, _ in map_reads):
+        return Acting(hook, maps, None, reads=reads)
+    entries = {(name, key.get("field"), key.get("const", 0)) for name, key in map_reads}
     return Acting(hook, maps, fields, tuple(
         (memoryview(by_name[name].values), by_name[name].value_size, by_name[name].max_entries, field, const)
-        for name, field, const in sorted(entries, key=str)))
+        for name, field, const in sorted(entries, key=str)), reads)

@@ -165,6 +165,7 @@ class Server:
         self.bytes = 0
         self.intervals: list[tuple[float, float, int]] = []
         self.queued_bytes = 0          # bytes waiting, not yet on the link
+        self.on_dequeue = None         # callable(chunk, wait ns) as a chunk starts on the link, if watched
         self.record: list | None = None           # where a watcher wants transmission starts
         self.sent_lane = 0
         self.enqueued_lane: int | None = None     # ... and enqueues, if it does
@@ -215,10 +216,17 @@ class Server:
                 self.classes.pop(0)
         self._transmit(chunk, done, sent_at)
 
+    def queued_above(self, priority: int) -> int:
+        """Bytes queued in classes above ``priority``: they leave before a chunk of it."""
+        return sum(c.bytes for p, q in self.queues.items() if p > priority
+                   for chunks in q.values() for c, _, _ in chunks)
+
     def _transmit(self, chunk: Chunk, done, sent_at) -> None:
         self.busy = True
         now = self.sim.now
         chunk.waited += now - chunk.enqueued
+        if self.on_dequeue is not None:
+            self.on_dequeue(chunk, now - chunk.enqueued)
         t = chunk.transfer
         if t.fixed_cost:
             dt = chunk.bytes / self.bw * 1e9 + self.overhead
@@ -315,6 +323,10 @@ class HookSite:
     def on_delivered(self, chunk: Chunk, island: str, latency: float) -> None:
         return None
 
+    def on_dequeue(self, chunk: Chunk, island: str, wait: float) -> None:
+        """A chunk leaves an egress queue at ``island`` after ``wait`` ns (`Fabric.watch_dequeue`)."""
+        return None
+
 
 class Fabric:
     """Devices and links from the compiled manifest, and the chunks moving over them."""
@@ -381,6 +393,25 @@ class Fabric:
 
     def server(self, u: str, v: str) -> Server:
         return self.servers[(u, v)]
+
+    def watch_dequeue(self, islands: set[str]) -> None:
+        """Ask the hook site (`HookSite.on_dequeue`) whenever a chunk leaves a queue of a device
+        of ``islands`` for its link or wire; the other servers ask nothing."""
+        for (u, _), srv in self.servers.items():
+            if self.device_island.get(u) in islands:
+                srv.on_dequeue = self._dequeued
+        for dev, srv in self.wires.items():
+            if self.device_island.get(dev) in islands:
+                srv.on_dequeue = self._dequeued
+
+    def _dequeued(self, chunk: Chunk, wait: float) -> None:
+        path = chunk.path
+        isl = self.device_island.get(path[chunk.hop])     # the sending end (a memory: its island's)
+        if isl is not None:
+            islands = self.device_island
+            role = "src" if islands.get(path[0]) == isl else "dst" if islands.get(path[-1]) == isl else "transit"
+            if firing(self.island_kind.get(isl, ""), "dequeue", role):
+                self.hooks.on_dequeue(chunk, isl, wait)
 
     # -- transfers --------------------------------------------------------------------
     def start(self, t: Transfer) -> None:

@@ -17,6 +17,8 @@ from .figures import figures
 
 # context fields that are the same for every chunk of a transfer (`Transfer.ctx`)
 TRANSFER_FIELDS = ("movement", "class", "operator", "src", "dst", "layer", "critical")
+# context fields counted only for a handler that reads them (`ShimHookSite._queue_fields`)
+QUEUE_SPLIT = frozenset({"queued_ahead_hi", "queued_ahead_lo"})
 
 
 class ShimHookSite(HookSite):
@@ -106,7 +108,7 @@ class ShimHookSite(HookSite):
         path = chunk.path
         if role == "src" and len(path) > 1:
             fields["out_port"] = self.fabric.port_index(path[0], path[1])
-            fields["queue_bytes"] = self.fabric.server(path[0], path[1]).queued_bytes
+            self._queue_fields(fields, self.fabric.server(path[0], path[1]), chunk.priority, plan.queue_split)
         known = self.decide(island, "issue", fields)
         if known is None:
             return None
@@ -143,9 +145,9 @@ class ShimHookSite(HookSite):
         fields["in_port"] = fabric.port_index(dev, path[hop - 1]) if hop else 0
         fields["out_port"] = fabric.port_index(dev, path[hop + 1]) if hop + 1 < len(path) else 0
         if hop + 1 < len(path):
-            fields["queue_bytes"] = fabric.server(dev, path[hop + 1]).queued_bytes
+            self._queue_fields(fields, fabric.server(dev, path[hop + 1]), chunk.priority, plan.queue_split)
         elif dev in fabric.wires:
-            fields["queue_bytes"] = fabric.wires[dev].queued_bytes
+            self._queue_fields(fields, fabric.wires[dev], chunk.priority, plan.queue_split)
         if "mem_access" in hooks:
             fields["write"] = int(self.devices[path[-1]]["kind"] == "cxl_mem")
         each = [self.decide(island, h, fields) for h in hooks]
@@ -162,6 +164,15 @@ class ShimHookSite(HookSite):
             self.remembered.stand(t, island, "enter", merged, each)
         return merged
 
+    @staticmethod
+    def _queue_fields(fields: dict, server, priority: int, split: bool) -> None:
+        """What is queued at the chunk's egress: all of it, and where a handler reads them, the
+        bytes above its class and at or below it (counted then: a walk over the queues)."""
+        fields["queue_bytes"] = queued = server.queued_bytes
+        if split:
+            fields["queued_ahead_hi"] = hi = server.queued_above(priority)
+            fields["queued_ahead_lo"] = queued - hi
+
     def _plan(self, where, island, hooks, movement) -> HookPlan:
         """The hooks of ``island`` whose program acts on this movement's events, and whether
         all of them decide from the transfer's own fields alone (no map, nothing per chunk);
@@ -171,7 +182,8 @@ class ShimHookSite(HookSite):
         acting = [(h, a) for h, a in acting if a is not None]
         static = all(a.key_fields is not None and not a.entries and set(a.key_fields).issubset(TRANSFER_FIELDS)
                      for _, a in acting)
-        plan = self.remembered.plans[where] = HookPlan(tuple(h for h, _ in acting), static)
+        split = any(a.reads is None or not QUEUE_SPLIT.isdisjoint(a.reads) for _, a in acting)
+        plan = self.remembered.plans[where] = HookPlan(tuple(h for h, _ in acting), static, split)
         return plan
 
     def _enter_hooks(self, island, src, dst):
@@ -188,5 +200,17 @@ class ShimHookSite(HookSite):
         fields = self._chunk_fields(chunk)
         fields["latency"] = int(latency)
         known = self.decide(island, "complete", fields)
-        if known is not None and known.decisions.get("prefetch"):
+        if known is not None and known.decisions.get("prefetch"):     # (a GPU's: the others decide nothing)
             self.set_prefetch(island, known.decisions["prefetch"], "complete", chunk.transfer.movement_id)
+
+    def on_dequeue(self, chunk, island, wait):
+        where = (island, "dequeue", chunk.transfer.movement_id)
+        plan = self.remembered.plans.get(where) or self._plan(where, island, ("dequeue",), chunk.transfer.movement_id)
+        if not plan.hooks:
+            return
+        fields = self._chunk_fields(chunk)
+        path, hop = chunk.path, chunk.hop
+        fields["in_port"] = self.fabric.port_index(path[hop], path[hop - 1]) if hop else 0
+        fields["out_port"] = self.fabric.port_index(path[hop], path[hop + 1]) if hop + 1 < len(path) else 0
+        fields["wait"] = int(wait)
+        self.decide(island, "dequeue", fields)      # it decides nothing: telemetry, maps and emits
