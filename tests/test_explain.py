@@ -174,3 +174,13 @@ def test_the_trace_links_each_stall_to_what_its_chain_blames(tmp_path):
         # it leaves a stall slice on a GPU's track and lands on a link or an island's hooks
         assert any(x["tid"] == s["tid"] and x["ts"] <= s["ts"] <= x["ts"] + x["dur"] for x in stalls)
         assert tracks[f["tid"]].endswith(" hooks") or "->" in tracks[f["tid"]] or "memory" in tracks[f["tid"]]
+
+
+def test_a_movement_queued_ahead_is_named_with_the_line_that_ranked_it(tmp_path):
+    text = _policy("weights: pool0; kv: pool0", f"{WEIGHTS}\n{KV}", "  on kv.forward at sw0 { priority = 5 }")
+    report = _explain(tmp_path, text)
+    _check_sums(report)
+    ahead = [s for c in report["explain"]["chains"] for s in c["steps"] if s["cause"] == "queued"]
+    assert ahead and all(s["movement"] == "kv" and s["priority"] == 5 for s in ahead)
+    assert {s["line"] for s in ahead} == {_line_of(text, "priority = 5")}
+    assert f"(priority 5, set at {tmp_path / 'p.fx'}:{_line_of(text, 'priority = 5')})" in ahead[0]["text"]

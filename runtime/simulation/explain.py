@@ -29,7 +29,7 @@ import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .fabric_model import Step
+from .fabric_model import DEFAULT_PRIORITY, Step
 
 COVER = 0.9            # the chains shown cover this share of all stall time, longest first
 SHOWN = 5              # chains printed in the text (the JSON has every one)
@@ -100,13 +100,14 @@ class Explainer:
         self.fabric = fabric
         self.programs = programs
         self._starts: dict[int, list[float]] = {}
+        self._queued_causes: dict[tuple, Cause] = {}
 
     # -- the decisions' lines ----------------------------------------------------------------------
-    def _handler(self, island: str, hooks, movement: int | None, decision: str) -> tuple:
-        """(hook, line, file) of the first handler on ``island`` at one of ``hooks`` for the
-        movement that sets ``decision`` (None, None, "" if none does)."""
+    def _handler(self, island: str | None, hooks, movement: int | None, decision: str) -> tuple:
+        """(hook, line, file) of the first handler on ``island`` (None: any) at one of ``hooks``
+        for the movement that sets ``decision`` (None, None, "" if none does)."""
         for prog in self.programs:
-            if prog["island"] != island or not hooks(prog["hook"]):
+            if island is not None and prog["island"] != island or not hooks(prog["hook"]):
                 continue
             for h in prog["handlers"]:
                 if h.get("movement") in (movement, None) and decision in h.get("decides", {}):
@@ -204,6 +205,17 @@ class Explainer:
     def _bandwidth(server, t) -> Cause:
         return Cause("slowed", "bandwidth", where=server.name, movement=t.name)
 
+    def _queued(self, server, other, priority: int, later: bool) -> Cause:
+        """Queued behind ``other``: with the line of the decision that set its priority, if one did."""
+        key = (server.name, other.movement_id, priority, later, other.name)
+        if key not in self._queued_causes:
+            hook, line, file = (None, None, "") if priority == DEFAULT_PRIORITY else \
+                self._handler(None, lambda h: True, other.movement_id, "priority")
+            self._queued_causes[key] = Cause("slowed", "queued", where=server.name, movement=other.name,
+                                             priority=priority, later=later, line=line, file=file,
+                                             decision=f"priority at {hook}" if hook else "")
+        return self._queued_causes[key]
+
     def _engine_device(self, t) -> str:
         return t.src if t.src in self.fabric.engines else t.dst
 
@@ -227,8 +239,7 @@ class Explainer:
                     add(self._bandwidth(server, t), hi - lo)     # what is needed no later than t
                     own += hi - lo if other is t else 0.0
                 else:
-                    add(Cause("slowed", "queued", where=server.name, movement=other.name, priority=prio,
-                              later=other.cls == t.cls),
+                    add(self._queued(server, other, prio, later=other.cls == t.cls),
                         hi - lo, nbytes * (hi - lo) / (e - s) if e > s else nbytes)
             i += 1
         if b - a > busy:
@@ -292,7 +303,8 @@ def describe(c: Cause, nbytes: int = 0) -> str:
     if c.cause == "queued":
         size = f", {nbytes / 1e6:,.1f} MB of it" if nbytes else ""
         which = f"{c.movement} for later layers" if c.later else c.movement
-        return f"queued at {c.where} behind {which} (priority {c.priority}){size}"
+        set_by = f", set at {c.file}:{c.line}" if c.line is not None else ""
+        return f"queued at {c.where} behind {which} (priority {c.priority}{set_by}){size}"
     if c.cause == "bandwidth":
         return f"bandwidth-bound on {c.where}: {c.movement} and the data of its class needed no later"
     if c.cause == "latency":
