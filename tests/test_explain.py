@@ -155,6 +155,10 @@ def test_fabric_run_explain(tmp_path):
     data = json.loads(out.read_text())
     assert data["explain"]["chains"] and data["baseline"]["explain"]["chains"]
     assert data["explain"]["stall_ms"] < data["baseline"]["explain"]["stall_ms"]
+    # the all-reduces (TP 8) are chains of the group: their fixed cost, then the ring at the bus bandwidth
+    ring = [c for c in data["explain"]["chains"] if c["gpu"] == "all"]
+    assert ring and all({s["cause"] for s in c["steps"]} <= {"collective", "bandwidth", "latency"} for c in ring)
+    assert any("at the collective's bus bandwidth" in s["text"] for c in ring for s in c["steps"])
 
 
 def test_the_trace_links_each_stall_to_what_its_chain_blames(tmp_path):

@@ -203,7 +203,8 @@ class Explainer:
 
     @staticmethod
     def _bandwidth(server, t) -> Cause:
-        return Cause("slowed", "bandwidth", where=server.name, movement=t.name)
+        pace = f"at the collective's bus bandwidth, {min(t.pace, server.bw) / 1e9:,.0f} GB/s" if t.pace else ""
+        return Cause("slowed", "bandwidth", where=server.name, movement=t.name, decision=pace)
 
     def _queued(self, server, other, priority: int, later: bool) -> Cause:
         """Queued behind ``other``: with the line of the decision that set its priority, if one did."""
@@ -306,6 +307,8 @@ def describe(c: Cause, nbytes: int = 0) -> str:
         set_by = f", set at {c.file}:{c.line}" if c.line is not None else ""
         return f"queued at {c.where} behind {which} (priority {c.priority}{set_by}){size}"
     if c.cause == "bandwidth":
+        if c.decision:      # a collective's ring send
+            return f"bandwidth-bound on {c.where}: {c.movement} {c.decision}"
         return f"bandwidth-bound on {c.where}: {c.movement} and the data of its class needed no later"
     if c.cause == "latency":
         return f"in flight on {c.where} (its latency)"
@@ -339,11 +342,13 @@ def render(data: dict, shown: int = SHOWN) -> str:
     total = data["stall_ms"] or 1.0
     for i, group in enumerate(_groups(data["chains"])[:shown], 1):
         c, in_all = group[0], sum(x["stall_ms"] for x in group)
-        who = "the all-reduce" if c["gpu"] == "all" else c["gpu"]
         more = f" (and {len(group) - 1} more GPUs: {in_all:,.3f} ms, {in_all / total:.1%} of all stall)" \
             if len(group) > 1 else f" ({in_all / total:.1%} of all stall)"
-        lines.append(f"{i:2}. {who} waited {c['stall_ms']:,.3f} ms at {c['start_ms']:,.3f} ms before "
-                     f"{c['operator']} L{c['layer']} (pass {c['pass']}) for {c['movement']}: {c['kind']}{more}")
+        block = f"{c['operator']} L{c['layer']} (pass {c['pass']})"
+        what = f"the all-reduce after {block} held the GPUs {c['stall_ms']:,.3f} ms at {c['start_ms']:,.3f} ms" \
+            if c["gpu"] == "all" else \
+            f"{c['gpu']} waited {c['stall_ms']:,.3f} ms at {c['start_ms']:,.3f} ms before {block} for {c['movement']}"
+        lines.append(f"{i:2}. {what}: {c['kind']}{more}")
         for s in c["steps"]:
             if s["share"] >= 0.001:     # the JSON has the rest
                 lines.append(f"      {s['ms']:9,.3f} ms  {s['share']:6.1%}  {s['kind']:7}  {s['text']}")
