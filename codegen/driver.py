@@ -82,7 +82,7 @@ def _build(path, opt, mcpu, emit, kernel_verify, diags, text=None, include=(), d
         specs = {s.name: s for s in loaded.programs}
         pairs = [(p, specs[p.name]) for p in progs]
         hooks = {p.name: p.hook for p in progs}
-        for prog in loaded.instantiate(hooks=hooks):
+        for prog in loaded.declared(hooks=hooks):
             try:
                 verify(prog)
             except VerifierError as e:

@@ -108,7 +108,15 @@ class ElfObject:
             if spec.name not in maps:
                 maps[spec.name] = spec.create(**map_kw)
             bound.append(maps[spec.name])
-        return [Program(p.name, p.insns, bound, (hooks or {}).get(p.name), line_info=p.line_info,
+        return self._bind(bound, hooks)
+
+    def declared(self, hooks=None) -> list[Program]:
+        """Programs bound to their maps' declarations (`MapSpec`), no map created: what
+        verifying them needs (a map's kind, name and sizes)."""
+        return self._bind(list(self.maps), hooks)
+
+    def _bind(self, maps: list, hooks) -> list[Program]:
+        return [Program(p.name, p.insns, maps, (hooks or {}).get(p.name), line_info=p.line_info,
                         section=p.section) for p in self.programs]
 
 
