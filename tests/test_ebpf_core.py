@@ -248,3 +248,18 @@ def test_context_write_rules_from_the_hook_catalogue():
     with pytest.raises(VerifierError) as e:
         verify(Program("oob", assemble(oob), hook=hook))
     assert "outside the" in str(e.value)
+
+
+@pytest.mark.parametrize("src,expected", [
+    ("mov %r0, 0\njeq %r1, 0, +1\nmov %r0, 1\nexit", True),
+    # a shared tail placed before the branch that reaches it: a backward jump, no cycle
+    ("ja +2\nmov %r0, 7\nexit\njeq %r1, 0, -3\nmov %r0, 1\nexit", True),
+    ("mov %r0, 0\nadd %r0, 1\njlt %r0, 10, -2\nexit", False),
+    # a cycle no path reaches still counts: the budget must bound whatever runs
+    ("mov %r0, 0\nexit\nja -1", False),
+])
+def test_the_jit_tells_a_loop_from_a_backward_jump(src, expected):
+    """Straight-line code takes the JIT's fast tier with no instruction budget (each instruction
+    runs at most once); only a real cycle in the control-flow graph counts as a loop."""
+    from fabric_ext.runtime.machine.lift import acyclic
+    assert acyclic(Program("p", assemble(src))) is expected

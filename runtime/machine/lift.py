@@ -83,16 +83,41 @@ def _const_bytes(m, name: str, data: bytes):
 
 
 def acyclic(prog: Program) -> bool:
-    """No local call and no jump backwards: with every edge going forward in pc order the
-    control-flow graph can have no cycle (unreachable backward jumps count, to be safe)."""
-    for ins in prog.slots:
-        if ins is None or ins.cls not in (I.JMP, I.JMP32) or ins.op == I.EXIT:
+    """No local call and no cycle in the control-flow graph, reachable or not: then no
+    instruction runs twice.  (LLVM lays out straight-line code with backward jumps too: a
+    shared tail placed before the branch that reaches it.)"""
+    slots = prog.slots
+    n = len(slots)
+
+    def successors(pc: int) -> tuple[int, ...]:
+        ins = slots[pc]
+        if ins.cls not in (I.JMP, I.JMP32) or ins.op == I.CALL:
+            return (pc + ins.slots,)
+        if ins.op == I.EXIT:
+            return ()
+        target = pc + 1 + ins.jump_offset
+        return (target,) if ins.op == I.JA else (pc + 1, target)
+
+    if any(ins is not None and ins.cls == I.JMP and ins.op == I.CALL and ins.src == I.PSEUDO_CALL for ins in slots):
+        return False
+    state = [0] * n                 # 0 unvisited, 1 on the path, 2 done
+    for root in range(n):
+        if slots[root] is None or state[root]:
             continue
-        if ins.op == I.CALL:
-            if ins.src == I.PSEUDO_CALL:
-                return False
-        elif ins.jump_offset < 0:
-            return False
+        stack = [(root, iter(successors(root)))]
+        state[root] = 1
+        while stack:
+            pc, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[pc] = 2
+                stack.pop()
+            elif 0 <= nxt < n and slots[nxt] is not None:
+                if state[nxt] == 1:
+                    return False
+                if state[nxt] == 0:
+                    state[nxt] = 1
+                    stack.append((nxt, iter(successors(nxt))))
     return True
 
 
