@@ -155,3 +155,47 @@ def test_backends_agree(insns, data):
         finally:
             kb.close()
         assert (r0, ctx, maps) == want, I.disasm(insns)
+
+
+# A bare program's memory is sized at run time: where the verifier proved how far each access
+# reaches, the JIT runs a version without checks when the memory is at least that long, and the
+# checked version otherwise.  Both must agree with the interpreter on every size around the bound.
+GIVEN_MEMORY = """
+    mov %r0, 0
+    mov %r3, 0
+loop:
+    mov %r4, %r1
+    add %r4, %r3
+    ldxdw %r5, [%r4+0]
+    add %r0, %r5
+    stxdw [%r4+0], %r0
+    add %r3, 8
+    jlt %r3, 256, loop
+    ldxw %r5, [%r1+300]
+    add %r0, %r5
+    exit
+"""
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.one_of(st.integers(0, 320), st.sampled_from([255, 256, 303, 304, 305])),
+       seed=st.integers(0, 2**32 - 1))
+def test_given_memory_sized_around_its_proven_reach(size, seed):
+    import random
+
+    from fabric_ext.runtime.machine.asm import assemble
+    from fabric_ext.runtime.machine.jit import JitBackend
+    from fabric_ext.runtime.machine.program import VMFault
+    prog = Program("given", assemble(GIVEN_MEMORY))
+    verify(prog)
+    assert prog.mem_extent and max(prog.mem_extent.values()) == 304
+    data = bytearray(random.Random(seed).randbytes(size))
+    outcome = []
+    for vm in (Interpreter(), JitBackend()):
+        mem = bytearray(data)
+        try:
+            outcome.append((vm.run(vm.load(prog), mem=mem), bytes(mem)))
+        except VMFault as e:
+            outcome.append(("fault", e.pc))
+    assert outcome[0] == outcome[1]
+    assert (outcome[0][0] == "fault") == (size < 304)

@@ -91,7 +91,8 @@ def _code_key(cache: CodeCache, prog: Program, proof: dict | None, counted: bool
     shapes = ";".join(f"{m.type},{m.key_size},{m.value_size},{m.max_entries},{m.cap},{m.values.nbytes}"
                       for m in prog.maps)
     mask = ctx_write_mask(prog.hook, prog.ctx_size) if prog.ctx_size else b""
-    proven = "-" if proof is None else ";".join(f"{pc}:{','.join(sorted(k))}" for pc, k in sorted(proof.items()))
+    proven = "-" if proof is None else ";".join(f"{pc}:{','.join(sorted(k))}:{prog.mem_extent.get(pc, '')}"
+                                                 for pc, k in sorted(proof.items()))
     return cache.key(prog.code, shapes.encode(), mask, proven.encode(), b"counted" if counted else b"")
 
 

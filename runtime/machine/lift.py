@@ -149,6 +149,7 @@ class Lifter:
         self.map_regions = [(i, m.values.nbytes) for i, m in enumerate(prog.maps) if m.type != RINGBUF]
         self.invariant = self.m.add_metadata([])
         self.funcs = {}
+        self.mem_unchecked = False      # emitting the version of the body run with enough given memory
 
     # -- structure --------------------------------------------------------------------------
     def entries(self) -> list[int]:
@@ -204,6 +205,7 @@ class Lifter:
         # the regions fixed for a run, loaded once (a ringbuf record's, which a helper call
         # may change, is loaded at each access)
         self.fixed = {name: self.env_get(name) for name in ("stack", "ctx", "ctx_len", "mem", "mem_len")}
+        need = self._mem_need() if entries == [0] else 0
         if entry == 0:
             b.store(self.env_get("stack"), self.regs[10])
             b.store(b.add(self.env_get("stack"), I64(STACK_SIZE)), self.regs[10])
@@ -211,14 +213,40 @@ class Lifter:
             has_ctx = b.icmp_unsigned("!=", ctx, I64(0))
             b.store(b.select(has_ctx, ctx, self.env_get("mem")), self.regs[1])
             b.store(self.env_get("mem_len"), self.regs[2])
+            given = b.select(has_ctx, self.fixed["ctx_len"], self.fixed["mem_len"])    # r1's memory
         else:
             for i in range(1, 6):
                 b.store(fn.args[i], self.regs[i])
             b.store(fn.args[6], self.regs[10])
         self.fault_bb = fn.append_basic_block("fault")
-        blocks = {pc: fn.append_basic_block(f"pc{pc}") for pc in leaders}
+        entry_bb = b.block
+        if need:
+            # two versions of the body: where the given memory holds every byte the verifier
+            # proved an access may reach, those accesses need no check; else each is checked
+            self.mem_unchecked = True
+            fast = self._body(fn, leaders, body, "fast")
+            self.mem_unchecked = False
+            slow = self._body(fn, leaders, body, "")
+            b.position_at_end(entry_bb)
+            b.cbranch(b.icmp_unsigned(">=", given, I64(need)), fast, slow)
+        else:
+            first = self._body(fn, leaders, body, "")
+            b.position_at_end(entry_bb)
+            b.branch(first)
+        b.position_at_end(self.fault_bb)
+        b.ret(I64(0))
+
+    def _mem_need(self) -> int:
+        """Bytes of given memory that make every proven access to it safe (0: no such access)."""
+        if self.proof is None:
+            return 0
+        return max((n for pc, n in self.p.mem_extent.items() if self.proof.get(pc) == {"mem"}), default=0)
+
+    def _body(self, fn, leaders, body, tag: str):
+        """Emit the subprogram's blocks (named with ``tag``); returns its first block."""
+        b = self.b
+        blocks = {pc: fn.append_basic_block(f"{tag}pc{pc}") for pc in leaders}
         self.blocks = blocks
-        b.branch(blocks[leaders[0]])
         for i, start in enumerate(leaders):
             end = leaders[i + 1] if i + 1 < len(leaders) else body.stop
             b.position_at_end(blocks[start])
@@ -238,8 +266,7 @@ class Lifter:
                     b.branch(blocks[end])
                 else:
                     self._fault_at(FAULT_OOB, end, I64(0))
-        b.position_at_end(self.fault_bb)
-        b.ret(I64(0))
+        return blocks[leaders[0]]
 
     # -- env ------------------------------------------------------------------------------------
     def env_ptr(self, name):
@@ -308,12 +335,13 @@ class Lifter:
         """Fault unless [addr, addr+size) is memory the program may touch; returns a pointer.
 
         No check where the verifier proved the access on every path (see `verify`).  A pointer
-        into memory given at run time is always checked, against the regions the verifier
-        found the pointer can point into and the context (with no proof, against every
-        region)."""
+        into memory given at run time is checked against the regions the verifier found the
+        pointer can point into and the context (with no proof, against every region), except
+        in the body's version run when that memory holds all the verifier proved the program
+        reaches of it (`Program.mem_extent`, `_function`)."""
         b = self.b
         kinds = self.proof.get(pc) if self.proof is not None else None
-        if kinds and "mem" not in kinds:
+        if kinds and "mem" not in kinds or self.mem_unchecked and kinds == {"mem"} and pc in self.p.mem_extent:
             return b.inttoptr(addr, PTR)
         # a bare program's memory may come as the context (a batch's rows, a caller's buffer)
         regions = set(kinds) | {"ctx"} if kinds else {"stack", "ctx", "mem", "record", "map_value"}

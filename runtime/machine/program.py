@@ -35,6 +35,7 @@ class Program:
     line_info: dict[int, SourceLine] = field(default_factory=dict)  # slot -> source
     section: str = ""
     proof: dict | None = None   # set by the verifier: pc -> memory kinds its access is proven in
+    mem_extent: dict = field(default_factory=dict)   # ... pc -> bytes of given memory (mem) it reaches at most
 
     def __post_init__(self):
         self.slots = isa.to_slots(self.insns)

@@ -47,6 +47,8 @@ STACK = I.STACK_SIZE
 # how far a pointer's offset may range, as the kernel's BPF_MAX_VAR_OFF: offsets stay far
 # from 2^63, so sums of them never wrap and every bounds test below is on exact integers
 MAX_VAR_OFF = 1 << 29
+#: the most bytes of a bare program's memory an access may be proven to reach (`Program.mem_extent`)
+MAX_MEM_EXTENT = 1 << 32
 class VerifierError(InputError):
     """A rejected program; the message names the pc, instruction and source line."""
 
@@ -94,6 +96,7 @@ class Verifier:
         self.wmask = ctx_write_mask(prog.hook, self.ctx_size) if self.ctx_size else b""
         self.bare = not self.ctx_size if bare_mem is None else bare_mem
         self.kinds: dict[int, set] = {}   # pc -> the kinds of memory its accesses were proven in
+        self.mem_extent: dict[int, int | None] = {}   # pc -> bytes of given memory it reaches (None: unbounded)
         self.pc = 0                       # the instruction being checked (for a defect's message)
 
     def fail(self, pc, msg):
@@ -187,6 +190,7 @@ class Verifier:
 
     def _explore(self, widening: bool, budget: int) -> int:
         self.kinds = {}
+        self.mem_extent = {}
         slots = self.p.slots
         # Depth-first: the work list is LIFO, so a popped item's path is a prefix of the
         # current one; `on_path` holds the loop-head states of the current path only.
@@ -236,6 +240,7 @@ class Verifier:
                     break
                 pc = nxt
         self.p.proof = {pc: frozenset(k) for pc, k in self.kinds.items()}
+        self.p.mem_extent = {pc: n for pc, n in self.mem_extent.items() if n is not None}
         return processed
 
     def _leaders(self):
@@ -484,8 +489,11 @@ class Verifier:
             if lo < 0 or hi + size > ptr.size:
                 self.fail(pc, f"access to a {ptr.size}-byte ringbuf record at offset {lo} is out of bounds")
             return
-        if isinstance(ptr, Mem):
-            return  # memory given to a bare program: size known only at run time; checked there
+        if isinstance(ptr, Mem):    # memory given to a bare program: its size known only at run time
+            known = lo >= 0 and hi + size <= MAX_MEM_EXTENT
+            if pc not in self.mem_extent or self.mem_extent[pc] is not None:
+                self.mem_extent[pc] = max(self.mem_extent.get(pc) or 0, hi + size) if known else None
+            return
         if isinstance(ptr, (MapValueOrNull, RecordOrNull)):
             self.fail(pc, "access through a pointer that may be null; compare it with 0 first")
         if isinstance(ptr, Released):
@@ -750,8 +758,10 @@ def verify(prog: Program, max_insns: int = I.VERIFY_BUDGET) -> int:
     """Verify ``prog``; returns the number of instructions explored or raises VerifierError.
 
     On success ``prog.proof`` maps each memory instruction's pc to the kinds of memory
-    (stack, ctx, map_value, record, mem) it was proven to stay within on every path;
-    the JIT drops the run-time check where no kind is ``mem`` (checked only at run time).
+    (stack, ctx, map_value, record, mem) it was proven to stay within on every path, and
+    ``prog.mem_extent`` each ``mem`` access's reach (bytes from the start of the given memory,
+    where bounded); the JIT drops the run-time check where no kind is ``mem``, and where it is
+    only ``mem`` when the memory given at run time is at least that long.
     Nothing else escapes: a defect of the verifier itself rejects the program."""
     v = Verifier(prog, max_insns)
     try:
@@ -759,6 +769,6 @@ def verify(prog: Program, max_insns: int = I.VERIFY_BUDGET) -> int:
     except VerifierError:
         raise
     except Exception as e:  # noqa: BLE001 - a verifier defect must reject, never crash the caller
-        prog.proof = None
+        prog.proof, prog.mem_extent = None, {}
         raise VerifierError(prog, v.pc, f"verifier bug ({type(e).__name__}: {e}); the program is "
                             "rejected; please report it") from None
