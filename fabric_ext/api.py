@@ -152,9 +152,10 @@ class Report:
         return json.dumps(self.to_dict(), indent=1)
 
     def trace(self) -> dict:
-        """A Chrome/Perfetto trace of the run (it must have been run with ``trace=True``)."""
-        from fabric_ext.runtime.simulation import stats
-        return stats.trace(self.data, self._record)
+        """A Chrome/Perfetto trace of the run, and of its baseline run if it has one (it must
+        have been run with ``trace=True``)."""
+        from fabric_ext.runtime.simulation.trace import trace
+        return trace(self._record, self.baseline._record if self.baseline is not None else None)
 
 
 def run(bundle: Bundle | str | Path, *, model: str | None = None, prompt: int | None = None,
@@ -179,7 +180,7 @@ def run(bundle: Bundle | str | Path, *, model: str | None = None, prompt: int | 
     try:
         for attach in [True, False] if baseline else [True]:
             opts = RunOptions(model, prompt, batch, tp, chunk, attach=attach, progress=progress if attach else None,
-                              trace=trace and attach, stack=stack, explain=explain,
+                              trace=trace, stack=stack, explain=explain,
                               max_events=DEFAULT_MAX_EVENTS if max_events is None else (max_events or None))
             eng = Engine(bundle, bundle.manifest, create_maps(bundle.manifest), vm, opts)
             eng.simulate()

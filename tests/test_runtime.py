@@ -14,6 +14,7 @@ from fabric_ext.diagnostics import Diagnostics
 from fabric_ext.runtime.machine.interp import Interpreter
 from fabric_ext.runtime.simulation.engine import Engine, RunOptions
 from policy_helpers import compiled
+from trace_format import check_trace
 
 SMALL = dict(model="llama3-8b", prompt=512, tp=2)
 
@@ -232,9 +233,11 @@ def test_json_schema_and_trace(tmp_path):
     assert {"name", "kind", "runtime", "events", "invocations", "ns_per_invocation", "decisions"} <= set(rep["islands"][0])
     assert rep["baseline"]["islands"] == [] and rep["baseline"]["ttft_ms"] > 0
     tr = json.loads(t.read_text())
-    names = {e["args"]["name"] for e in tr["traceEvents"] if e["ph"] == "M"}
-    assert {"gpu0", "gpu1", "pool0 memory"} <= names and any(n.endswith("hooks") for n in names)
-    assert all({"ph", "ts", "pid", "tid"} <= set(e) for e in tr["traceEvents"] if e["ph"] != "M")
+    check_trace(tr)
+    processes = {e["args"]["name"] for e in tr["traceEvents"] if e["name"] == "process_name"}
+    rows = {e["args"]["name"] for e in tr["traceEvents"] if e["name"] == "thread_name"}
+    assert {"gpu0", "gpu1", "pool0", "baseline: gpu0"} <= processes
+    assert {"kernels", "hooks", "memory channel", "-> sw0"} <= rows
 
 
 def test_models_and_overrides(tmp_path):

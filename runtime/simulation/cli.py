@@ -171,7 +171,7 @@ def run(args) -> int:
     if args.json:                # the files first: a reader that stops early (| head) loses none
         stats.write_json(args.json, data)
     if args.trace:
-        stats.write_json(args.trace, report.trace())
+        stats.write_json(args.trace, report.trace(), indent=None)
     if args.plot:
         try:
             for p in stats.plots(data, args.plot):

@@ -59,7 +59,7 @@ class RunOptions:
     chunk_tokens: int | None = None
     attach: bool = True              # False: the baseline, every island on its defaults
     progress: object = None          # callable(Progress) or None
-    trace: bool = False              # record spans for a Perfetto trace
+    trace: bool = False              # record spans for a Perfetto trace (and the evidence for its stall flows)
     eager_ticks: bool = False        # run each tick at its time instead of lazily (tests compare the two)
     finish_events: bool = False      # an event at every chunk's end of transmission (`fabric_model.Server`)
     max_events: int | None = DEFAULT_MAX_EVENTS   # a run that passes this many events stops (None: no limit)
@@ -154,8 +154,18 @@ class Engine:
                  for n, d in self.devices.items() if d["kind"] in ("dpu", "nic")}
         kinds = {n: i["kind"] for n, i in self.islands.items()}
         engines = {n: int(self._gpu_figure(n, "copy_engines")) for n, d in self.devices.items() if d["kind"] == "gpu"}
-        return Fabric(self.sim, g, self.device_island, kinds, wires, mem, self.site, engines, self.opts.finish_events,
-                      self.opts.explain)
+        fabric = Fabric(self.sim, g, self.device_island, kinds, wires, mem, self.site, engines,
+                        self.opts.finish_events, self._evidence)
+        if self.opts.trace:
+            for srv in {*fabric.servers.values(), *fabric.wires.values()}:
+                srv.depth = []
+        return fabric
+
+    @property
+    def _evidence(self) -> bool:
+        """Whether the run records the evidence of its stalls' chains (`explain`): for the
+        report, or for the trace's stall flows."""
+        return self.opts.explain or self.opts.trace
 
     @staticmethod
     def _setup(link) -> float:
@@ -244,7 +254,7 @@ class Engine:
 
     def simulate(self) -> None:
         """Run the prefill to its end (and the ticks due by then)."""
-        self.prefill = Prefill(self, self._prefill_finished, self.opts.explain)
+        self.prefill = Prefill(self, self._prefill_finished, self._evidence)
         self.prefill.place()
         self._start_ticks()
         self.prefill.start()
@@ -284,11 +294,12 @@ class Engine:
             device_names={i: name for name, i in self.ids["devices"].items()},
             copy_engines=[{"name": ce.name, "chunks": ce.chunks, "bytes": ce.bytes}
                           for engines in self.fabric.engines.values() for ce in engines],
-            refused=dict(self.fabric.refused), spans=self.site.spans, explain=self._explain())
+            refused=dict(self.fabric.refused), spans=self.site.spans, explain=self._explain(),
+            explain_asked=self.opts.explain)
 
     def _explain(self) -> dict | None:
         """The stalls' root-cause chains, where the run recorded the evidence for them."""
-        if not self.opts.explain:
+        if not self._evidence:
             return None
         from .explain import chains, summary
         return summary(chains(self.fabric, self.man["programs"], self.prefill.stalls))

@@ -169,7 +169,9 @@ class Server:
         self.record: list | None = None           # where a watcher wants transmission starts
         self.sent_lane = 0
         self.enqueued_lane: int | None = None     # ... and enqueues, if it does
-        self.occupants: list | None = None        # with evidence on: (transfer, priority) per interval
+        self.occupants: list | None = None        # with evidence on: (transfer, priority, chunk index) per interval
+        self.depth: list | None = None            # for a trace: (time, queued bytes) at every change
+        self.ends = ("", "")                      # (device, what it leads to: a device, "memory", "wire")
 
     def watch(self, record: list | None, sent_lane: int, enqueued_lane: int | None = None) -> None:
         """Append time, lane and bytes to ``record`` at every transmission start, and at every
@@ -183,6 +185,8 @@ class Server:
         ``sent_at`` is given, maybe ``sent_at(chunk, end)`` at its start instead (see above)."""
         now = chunk.enqueued = self.sim.now
         self.queued_bytes += chunk.bytes
+        if self.depth is not None:
+            self.depth.append((now, self.queued_bytes))
         if self.enqueued_lane is not None:
             self.record.extend((now, self.enqueued_lane, chunk.bytes))
         if not self.busy and not self.classes and now >= self.free_at:
@@ -234,11 +238,13 @@ class Server:
             dt = chunk.bytes / min(t.pace, self.bw) * 1e9
         self.bytes += chunk.bytes
         self.queued_bytes -= chunk.bytes
+        if self.depth is not None:
+            self.depth.append((now, self.queued_bytes))
         self.intervals.append((now, now + dt, chunk.bytes))
         if self.record is not None:
             self.record.extend((now, self.sent_lane, chunk.bytes))
         if self.occupants is not None:
-            self.occupants.append((t, chunk.priority))
+            self.occupants.append((t, chunk.priority, chunk.index))
         if chunk.trail is not None:
             if now > chunk.enqueued:
                 chunk.trail.append(("queue", chunk.enqueued, now, self))
@@ -349,10 +355,14 @@ class Fabric:
             if mem is not None and e.get("kind") == "internal":
                 if mem not in shared:
                     shared[mem] = Server(sim, f"{mem} memory", memory_channels[mem], finish_events=finish_events)
+                    shared[mem].ends = (mem, "memory")
                 self.servers[(u, v)] = shared[mem]
             else:
                 self.servers[(u, v)] = Server(sim, f"{u}->{v}", e["bw"], e.get("setup") or 0.0, finish_events)
+                self.servers[(u, v)].ends = (u, v)
         self.wires = {dev: Server(sim, f"{dev}->wire", bw, overhead) for dev, (bw, overhead) in wires.items()}
+        for dev, srv in self.wires.items():
+            srv.ends = (dev, "wire")
         if evidence:
             for srv in [*self.servers.values(), *self.wires.values()]:
                 srv.occupants = []

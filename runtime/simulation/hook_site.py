@@ -33,7 +33,11 @@ class ShimHookSite(HookSite):
         self.movements = MovementTable(manifest["movements"])
         self.prefetch = prefetch          # per GPU: layers of weights issued ahead (a program may change it)
         self.prefetch_by: dict[str, tuple] = {}   # per GPU: (hook, movement id) of the decision that set it
-        self.spans: list[tuple[str, str, float, float]] = []   # (track, name, start ns, duration ns)
+        self.spans: list[tuple] = []      # for a trace: (track, name, start ns, duration ns, args or None)
+        self.movement_names = {m["id"]: m["name"] for m in manifest["movements"]}
+        self.handler_lines = {}           # (island, hook) -> [(movement id or None, .fx line)]
+        for p in manifest["programs"]:
+            self.handler_lines[p["island"], p["hook"]] = [(h.get("movement"), h.get("line")) for h in p["handlers"]]
         self.remembered = DecisionCache()
         self.fabric: Fabric | None = None     # the fabric that asks (`bind`)
         self.before_event = None          # callable(island, hook, movement) run before an event's program
@@ -81,8 +85,19 @@ class ShimHookSite(HookSite):
             self.before_event(island, hook, fields.get("movement"))
         known = shim.decide(hook, fields, self.sim.now)
         if self.trace:
-            self.spans.append((island, hook, self.sim.now, 0.0))
+            self.spans.append((island, hook, self.sim.now, 0.0, self._span_args(island, hook, fields, known)))
         return known
+
+    def _span_args(self, island, hook, fields, known) -> dict:
+        """What a trace shows of an event: its movement, layer, chunk and bytes, the decisions
+        its program made and the lines of the handlers that ran for it."""
+        movement = fields.get("movement")
+        args = {k: fields[k] for k in ("layer", "chunk", "bytes") if k in fields}
+        if movement is not None:
+            args["movement"] = self.movement_names.get(movement, movement)
+        args["decisions"] = dict(known.decisions) if known is not None else {}
+        args["lines"] = [line for m, line in self.handler_lines.get((island, hook), ()) if m in (None, movement)]
+        return args
 
     def _devices(self, d: dict) -> dict:
         """Route and tier decisions name devices by id; the fabric wants names."""

@@ -160,7 +160,8 @@ class Prefill:
         if layer == 0 and op == "attention":
             dur += self.timing.pass_edges_ns(g, p, True, False)
         if self.e.opts.trace:
-            self.site.spans.append((g, f"{op} L{layer}", self.sim.now, dur))
+            self.site.spans.append((g, f"{op} L{layer}", self.sim.now, dur,
+                                    {"pass": p, "layer": layer, "operator": op, "stall_us": round(stall / 1e3, 3)}))
         s = self.layer_stats[layer]
         s[f"{op}_ms"] += dur / 1e6 / len(self.gpus)
         s[f"{op}_stall_ms"] += stall / 1e6 / len(self.gpus)

@@ -1,5 +1,5 @@
 """Prefill dataflow statistics: collected from a finished run, shown as tables,
-written as JSON (schema ``fabric-run/2``), a Perfetto trace, or PNG plots."""
+written as JSON (schema ``fabric-run/2``) or PNG plots (the trace: `trace.py`)."""
 from __future__ import annotations
 
 import json
@@ -44,11 +44,12 @@ class RunRecord:
     maps: dict                          # final map contents (empty with no programs attached)
     copy_engines: list[dict]
     refused: dict[str, int]             # decisions the fabric refused, by reason
-    spans: list[tuple[str, str, float, float]] = field(default_factory=list)   # (track, name, start, dur) ns
+    spans: list[tuple] = field(default_factory=list)   # (track, name, start ns, dur ns, args or None)
     map_types: dict[str, tuple] = field(default_factory=dict)   # name -> (kind, key type, value type), as declared
     record_layouts: dict[str, list] = field(default_factory=dict)   # ringbuf name -> its emits' fields (manifest)
     device_names: dict[int, str] = field(default_factory=dict)  # device id -> name, for device-typed keys and values
-    explain: dict | None = None         # the stalls' root-cause chains (`explain.summary`), when asked for
+    explain: dict | None = None         # the stalls' root-cause chains (`explain.summary`), where recorded
+    explain_asked: bool = False         # ... and whether the report shows them (else only the trace)
 
 
 def collect(r: RunRecord) -> dict:
@@ -88,7 +89,7 @@ def collect(r: RunRecord) -> dict:
             "links": sorted(links, key=lambda x: x["name"]), "islands": r.islands,
             "copy_engines": r.copy_engines, "maps": _jsonable(r.maps), "map_entries": decoded_maps(r),
             "map_records": decoded_records(r),
-            "faults": r.faults, "refused": r.refused, **({"explain": r.explain} if r.explain is not None else {})}
+            "faults": r.faults, "refused": r.refused, **({"explain": r.explain} if r.explain_asked else {})}
 
 
 def _link(srv, horizon: float) -> dict:
@@ -314,54 +315,6 @@ def render(report: dict, baseline: dict | None = None, links: int | None = LINKS
     return "\n".join(out)
 
 
-def trace(report: dict, record: RunRecord) -> dict:
-    """A Chrome/Perfetto trace-event JSON: one track per GPU, link and island."""
-    events, tids = [], {}
-
-    def tid(track):
-        if track not in tids:
-            tids[track] = len(tids) + 1
-            events.append({"ph": "M", "pid": 1, "tid": tids[track], "name": "thread_name", "args": {"name": track}})
-        return tids[track]
-
-    for track, name, start, dur in record.spans:
-        if dur:
-            events.append({"ph": "X", "pid": 1, "tid": tid(track), "name": name, "ts": start / 1e3, "dur": dur / 1e3,
-                           "cat": "compute"})
-        else:
-            events.append({"ph": "i", "pid": 1, "tid": tid(f"{track} hooks"), "name": name, "ts": start / 1e3,
-                           "s": "t", "cat": "hook"})
-    for srv in record.servers:
-        for start, stop, nbytes in srv.intervals:
-            events.append({"ph": "X", "pid": 1, "tid": tid(srv.name), "name": f"{nbytes >> 10} KiB",
-                           "ts": start / 1e3, "dur": (stop - start) / 1e3, "cat": "transfer"})
-    if "explain" in report:
-        events.extend(_stall_flows(report["explain"], tid))
-    return {"traceEvents": events, "displayTimeUnit": "ns", "otherData": {"ttft_ms": report["ttft_ms"]}}
-
-
-#: the causes a stall's flow points at, and the suffix of their track's name after the step's "where"
-FLOW_TARGETS = {"queued": "", "bandwidth": "", "defer": " hooks", "rate": " hooks", "prefetch": " hooks"}
-
-
-def _stall_flows(explain: dict, tid) -> list[dict]:
-    """The chains covering the share (`--explain`): each stall a slice on its GPU's track, with a
-    flow from it to each link (or island's hooks) its steps blame, at the middle of the wait."""
-    events = []
-    for n, c in enumerate(explain["chains"][:explain["chains_covering"]]):
-        track = tid("all-reduce" if c["gpu"] == "all" else c["gpu"])
-        start, dur = c["start_ms"] * 1e3, c["stall_ms"] * 1e3
-        events.append({"ph": "X", "pid": 1, "tid": track, "name": f"stall: {c['movement']} ({c['kind']})",
-                       "ts": start, "dur": dur, "cat": "stall",
-                       "args": {s["text"]: f"{s['ms']:.3f} ms" for s in c["steps"]}})
-        for k, step in enumerate(x for x in c["steps"] if x["cause"] in FLOW_TARGETS):
-            target = step["where"] + FLOW_TARGETS[step["cause"]]
-            flow = {"pid": 1, "name": step["cause"], "cat": "stall", "id": n * 1000 + k}
-            events.append({**flow, "ph": "s", "tid": track, "ts": start})
-            events.append({**flow, "ph": "f", "bp": "e", "tid": tid(target), "ts": start + dur / 2})
-    return events
-
-
 def plots(report: dict, folder) -> list[str]:
     """PNG plots: link utilisation over time and per-layer compute vs stall (needs matplotlib).
     A report with a baseline (``--baseline``) has it overlaid: each link's baseline dotted in
@@ -423,8 +376,7 @@ def _save(plt, fig, path) -> str:
     return str(path)
 
 
-def write_json(path, data) -> None:
-    from pathlib import Path
-
+def write_json(path, data, indent: int | None = 1) -> None:
+    """Write ``data`` as JSON, whole or not at all (``indent=None``: compact, for a trace)."""
     from fabric_ext.runtime.machine.fsutil import atomic_write_text
-    atomic_write_text(Path(path), json.dumps(data, indent=1) + "\n")
+    atomic_write_text(Path(path), json.dumps(data, indent=indent, separators=None if indent else (",", ":")) + "\n")

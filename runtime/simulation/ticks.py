@@ -272,7 +272,7 @@ class TickSource:
         rows = self.raw[:len(times) * n]
         ran = self.shim.deliver_batch("tick", rows, lambda row: float(times[row // n]))
         if self.spans is not None:
-            self.spans.extend((self.island, "tick", float(t), 0.0) for t in times[:-(-ran // n)])
+            self.spans.extend((self.island, "tick", float(t), 0.0, None) for t in times[:-(-ran // n)])
         return ran == len(rows)
 
     def _many_ticks(self, due: list, counts: list, upto: float):
