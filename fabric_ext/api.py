@@ -117,6 +117,7 @@ class Report:
     data: dict
     baseline: Report | None = None
     _record: object = field(default=None, repr=False)     # what the trace is drawn from
+    _manifest: dict | None = field(default=None, repr=False)   # the policy's, for the HTML page
 
     @property
     def ttft_ms(self) -> float:
@@ -157,6 +158,14 @@ class Report:
         from fabric_ext.runtime.simulation.trace import trace
         return trace(self._record, self.baseline._record if self.baseline is not None else None)
 
+    def html(self, trace: str | None = None) -> tuple[str, list[str]]:
+        """The report as one self-contained HTML page (tables, plots inline where matplotlib is
+        installed, the policy's source with the lines that decided), linking to ``trace`` if
+        given; and the warnings (what it had to leave out)."""
+        from fabric_ext.runtime.simulation import html_report
+        data = self.to_dict()
+        return html_report.render(data, self._manifest or {"programs": [], "sources": []}, trace)
+
 
 def run(bundle: Bundle | str | Path, *, model: str | None = None, prompt: int | None = None,
         batch: int | None = None, tp: int | None = None, chunk: int | None = None, stack: str | None = None,
@@ -189,7 +198,7 @@ def run(bundle: Bundle | str | Path, *, model: str | None = None, prompt: int | 
             record = eng.record()
             data = stats.collect(record)
             data["policy"] = bundle.name
-            reports.append(Report(data, _record=record))
+            reports.append(Report(data, _record=record, _manifest=bundle.manifest))
     finally:
         vm.close()
     report = reports[0]

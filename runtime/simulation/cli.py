@@ -69,6 +69,8 @@ def build_parser():
                    help="say why the GPUs waited: a root-cause chain for the longest stalls, down to the policy "
                         "line that decided (docs/explain.md); with --baseline, what the policy changed")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib: pip install fabric-ext[plot])")
+    p.add_argument("--html", metavar="FILE", help="write the report as one self-contained HTML page: tables, plots, "
+                                                   "the policy's source with the lines that decided (opens offline)")
     p.add_argument("--links", type=_link_count, default=LINKS_SHOWN, metavar="all|N",
                    help=f"links the summary lists: the N busiest that carried bytes (default {LINKS_SHOWN}), or all")
     p.add_argument("-q", "--quiet", action="store_true", help="no summary on standard output")
@@ -172,6 +174,8 @@ def run(args) -> int:
         stats.write_json(args.json, data)
     if args.trace:
         stats.write_json(args.trace, report.trace(), indent=None)
+    if args.html:
+        _write_html(report, args)
     if args.plot:
         try:
             for p in stats.plots(data, args.plot):
@@ -195,11 +199,23 @@ def _print_explain(data: dict) -> None:
         print(render_against(data["explain"], data["baseline"]["explain"]))
 
 
+def _write_html(report, args) -> None:
+    """The HTML page, linking to the trace by its path from the page's folder."""
+    import os
+
+    from ..machine.fsutil import atomic_write_text
+    trace = os.path.relpath(Path(args.trace).resolve(), Path(args.html).resolve().parent) if args.trace else None
+    page, warnings = report.html(trace)
+    for w in warnings:
+        print(f"fabric-run: --html: {w}", file=sys.stderr)
+    atomic_write_text(Path(args.html), page)
+
+
 def _compare(policies: list[Path], args) -> int:
     """Each policy on the same workload, one table side by side (and one JSON)."""
     from . import stats
-    if args.trace or args.plot:
-        raise UsageError("--trace and --plot take one policy; run each policy on its own for them")
+    if args.trace or args.plot or args.html:
+        raise UsageError("--trace, --plot and --html take one policy; run each policy on its own for them")
     runs = []
     for policy in policies:
         try:

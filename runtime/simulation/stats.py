@@ -215,19 +215,45 @@ def _decision_shares(island: dict, width: int = 90) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
-def _links(report, baseline, shown):
-    """The links table: busiest first, with the baseline's utilisation beside where there is one."""
+def movement_table(report: dict, baseline: dict | None) -> tuple[list[str], list[list]]:
+    """Headers and rows of the movements table, with the baseline's stall beside where there is one."""
+    base_mv = {m["name"]: m for m in (baseline or {}).get("movements", [])}
+    rows = []
+    for m in report["movements"]:
+        b = base_mv.get(m["name"])
+        rows.append([m["name"], m["class"], f"{m['bytes'] / 2**20:.1f}", f"{m['avg_gbps']:.2f}",
+                     f"{m['queue_p50_us']:.2f}", f"{m['queue_p99_us']:.2f}", f"{m['stall_ms']:.3f}"]
+                    + ([f"{b['stall_ms']:.3f}" if b else "-"] if baseline else []))
+    return (["movement", "class", "MiB", "GB/s", "queue p50 us", "queue p99 us", "GPU stall ms"]
+            + (["baseline GPU stall ms"] if baseline else [])), rows
+
+
+def link_table(report: dict, baseline: dict | None, shown: int | None) -> tuple[list[str], list[list], int]:
+    """Headers and rows of the links table, busiest first, with the baseline's utilisation beside
+    where there is one; ``shown`` of those that carried bytes (None: every link), and how many
+    that carried bytes are left out."""
     ranked = sorted(report["links"], key=lambda x: (-x["util_avg"], x["name"]))
     used = [x for x in ranked if x["bytes"]]
     rows = ranked if shown is None else used[:shown]
     base = {x["name"]: x for x in (baseline or {}).get("links", [])}
-    table = _table([[x["name"], f"{x['bytes'] / 2**20:.1f}", f"{x['util_avg'] * 100:.1f}%", f"{x['util_peak'] * 100:.1f}%"]
-                    + ([f"{base[x['name']]['util_avg'] * 100:.1f}%" if x["name"] in base else "-"] if baseline else [])
-                    for x in rows],
-                   ["link", "MiB", "util avg", "util peak"] + (["baseline util avg"] if baseline else []))
-    left = len(used) - len(rows)
-    return [table] + ([f"... and {left} more link{'s' * (left != 1)} that carried bytes (--links all, or --links N)"]
-                      if shown is not None and left > 0 else [])
+    return (["link", "MiB", "util avg", "util peak"] + (["baseline util avg"] if baseline else []),
+            [[x["name"], f"{x['bytes'] / 2**20:.1f}", f"{x['util_avg'] * 100:.1f}%", f"{x['util_peak'] * 100:.1f}%"]
+             + ([f"{base[x['name']]['util_avg'] * 100:.1f}%" if x["name"] in base else "-"] if baseline else [])
+             for x in rows], len(used) - len(rows))
+
+
+def island_table(report: dict) -> tuple[list[str], list[list]]:
+    """Headers and rows of the islands table: each island whose programs saw events."""
+    return (["island", "kind", "runtime", "events", "runs", "ns/run", "decisions"],
+            [[i["name"], i["kind"], i["runtime"], i["events"], i["invocations"], i["ns_per_invocation"],
+              _decision_shares(i)] for i in report["islands"] if i["events"]])
+
+
+def _links(report, baseline, shown):
+    headers, rows, left = link_table(report, baseline, shown)
+    return [_table(rows, headers)] + (
+        [f"... and {left} more link{'s' * (left != 1)} that carried bytes (--links all, or --links N)"]
+        if shown is not None and left > 0 else [])
 
 
 def _table(rows, headers):
@@ -269,23 +295,13 @@ def render(report: dict, baseline: dict | None = None, links: int | None = LINKS
         out.append(f"time to first token: {report['ttft_ms']:.3f} ms"
                    + (f" (KV all written by {report['kv_done_ms']:.3f} ms)" if kv_moves else ""))
     out.append("")
-    base_mv = {m["name"]: m for m in (baseline or {}).get("movements", [])}
-    rows = []
-    for m in report["movements"]:
-        b = base_mv.get(m["name"])
-        rows.append([m["name"], m["class"], f"{m['bytes'] / 2**20:.1f}", f"{m['avg_gbps']:.2f}",
-                     f"{m['queue_p50_us']:.2f}", f"{m['queue_p99_us']:.2f}", f"{m['stall_ms']:.3f}"]
-                    + ([f"{b['stall_ms']:.3f}" if b else "-"] if baseline else []))
-    out.append(_table(rows, ["movement", "class", "MiB", "GB/s", "queue p50 us", "queue p99 us", "GPU stall ms"]
-                      + (["baseline GPU stall ms"] if baseline else [])))
+    headers, rows = movement_table(report, baseline)
+    out.append(_table(rows, headers))
     out.append("")
     out += _links(report, baseline, links)
     if report["islands"]:
-        out.append("")
-        out.append(_table([[i["name"], i["kind"], i["runtime"], i["events"], i["invocations"],
-                            i["ns_per_invocation"], _decision_shares(i)]
-                           for i in report["islands"] if i["events"]],
-                          ["island", "kind", "runtime", "events", "runs", "ns/run", "decisions"]))
+        headers, rows = island_table(report)
+        out += ["", _table(rows, headers)]
     for name, entries in report.get("map_entries", {}).items():
         if entries:
             out += ["", f"map {name}:", _table([[e["key_text"], e["text"]] for e in entries[:MAP_ROWS]], ["key", "value"])]
