@@ -107,6 +107,20 @@ def test_policy_beats_the_baseline_on_the_stress_case():
     assert stall["ffn_weights"] < base_stall["ffn_weights"]
 
 
+def test_the_summary_shows_the_baselines_figure_beside_each_movement_figure():
+    from fabric_ext.runtime.simulation.stats import render
+    with_policy, _ = run_engine(compiled("prefill_qos"))
+    baseline, _ = run_engine(compiled("prefill_qos"), attach=False)
+    lines = render(with_policy, baseline).splitlines()
+    header = next(line for line in lines if line.startswith("movement"))
+    assert header.split() == ["movement", "class", "MiB", "GB/s", "baseline", "queue", "p50", "us", "baseline",
+                              "queue", "p99", "us", "baseline", "GPU", "stall", "ms", "baseline"]
+    row = next(line for line in lines if line.startswith("kv_writeback")).split()
+    kv = {m["name"]: m for m in with_policy["movements"]}["kv_writeback"]
+    kv_base = {m["name"]: m for m in baseline["movements"]}["kv_writeback"]
+    assert row[3:5] == [f"{kv['avg_gbps']:.2f}", f"{kv_base['avg_gbps']:.2f}"] and row[3] != row[4]
+
+
 def test_decisions_are_counted_per_island():
     report, _ = run_engine(compiled("prefill_qos"))
     sw0 = next(i for i in report["islands"] if i["name"] == "sw0")

@@ -215,17 +215,27 @@ def _decision_shares(island: dict, width: int = 90) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
+#: the movements table's figures: (header, report key, format); with a baseline, each has its
+#: baseline's beside it
+MOVEMENT_FIGURES = (("GB/s", "avg_gbps", "{:.2f}"), ("queue p50 us", "queue_p50_us", "{:.2f}"),
+                    ("queue p99 us", "queue_p99_us", "{:.2f}"), ("GPU stall ms", "stall_ms", "{:.3f}"))
+
+
 def movement_table(report: dict, baseline: dict | None) -> tuple[list[str], list[list]]:
-    """Headers and rows of the movements table, with the baseline's stall beside where there is one."""
+    """Headers and rows of the movements table; with a baseline, its figure beside each figure
+    ("-" for a movement the baseline did not make)."""
     base_mv = {m["name"]: m for m in (baseline or {}).get("movements", [])}
+    headers = ["movement", "class", "MiB"]
+    for header, _, _ in MOVEMENT_FIGURES:
+        headers += [header, "baseline"] if baseline else [header]
     rows = []
     for m in report["movements"]:
         b = base_mv.get(m["name"])
-        rows.append([m["name"], m["class"], f"{m['bytes'] / 2**20:.1f}", f"{m['avg_gbps']:.2f}",
-                     f"{m['queue_p50_us']:.2f}", f"{m['queue_p99_us']:.2f}", f"{m['stall_ms']:.3f}"]
-                    + ([f"{b['stall_ms']:.3f}" if b else "-"] if baseline else []))
-    return (["movement", "class", "MiB", "GB/s", "queue p50 us", "queue p99 us", "GPU stall ms"]
-            + (["baseline GPU stall ms"] if baseline else [])), rows
+        row = [m["name"], m["class"], f"{m['bytes'] / 2**20:.1f}"]
+        for _, key, fmt in MOVEMENT_FIGURES:
+            row += [fmt.format(m[key])] + ([fmt.format(b[key]) if b else "-"] if baseline else [])
+        rows.append(row)
+    return headers, rows
 
 
 def link_table(report: dict, baseline: dict | None, shown: int | None) -> tuple[list[str], list[list], int]:
