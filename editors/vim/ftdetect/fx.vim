@@ -1,0 +1,1 @@
+au BufRead,BufNewFile *.fx set filetype=fx
