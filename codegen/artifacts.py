@@ -67,7 +67,8 @@ def manifest(analysis, ids, compiled, opt: int, mcpu: str, files: dict[str, byte
                      "key_type": decl.key_type.name if decl.key_type else None,
                      "value_type": decl.value_type.name if decl.value_type else None,
                      "islands": used, "shared": len(used) > 1,
-                     **({"records": info.records} if info.kind == "ringbuf" else {})})
+                     **({"records": info.records} if info.kind == "ringbuf" else {}),
+                     **({"hist": info.hist} if info.hist else {})})
     movements = []
     for m in g["movements"]:
         decl = sym.movements[m["name"]]

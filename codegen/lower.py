@@ -40,8 +40,9 @@ def fold(e):
 
 
 class _Lowerer:
-    def __init__(self, prog: ir.ProgramIR, ids: IdTables, opt: int, diags: Diagnostics):
+    def __init__(self, prog: ir.ProgramIR, ids: IdTables, opt: int, diags: Diagnostics, maps: dict):
         self.p, self.ids, self.opt, self.diags = prog, ids, opt, diags
+        self.map_infos = maps           # checker.MapInfo by name: a histogram's buckets
         self.scopes: list[dict[str, ir.Var]] = []
         self.counter = 0
         self.maps: set[str] = set()
@@ -138,6 +139,9 @@ class _Lowerer:
         if isinstance(s, A.MapUpdate):
             self.maps.add(s.map.name)
             return [ir.MapUpdate(s.map.name, self.expr(s.key), s.op, self.expr(s.value), s.span)]
+        if isinstance(s, A.HistAdd):
+            self.maps.add(s.map.name)
+            return self._hist_add(s)
         if isinstance(s, A.Delete):
             self.maps.add(s.map.name)
             return [ir.MapDelete(s.map.name, self.expr(s.key), s.span)]
@@ -151,6 +155,29 @@ class _Lowerer:
             self.scopes.pop()
             return [ir.Loop(v, int(const_value(s.lo)), int(const_value(s.hi)), body, s.span)]
         raise TypeError(f"cannot lower {type(s).__name__}")
+
+
+    def _hist_add(self, s):
+        """Count the value in its bucket: for a hist, the index of its highest set bit (a binary
+        search over shifts: eBPF has no count-leading-zeros), 0 for 0 and 1; for an lhist, 0
+        below its lowest value, the last bucket from its highest on, else 1 + (v - lo) / step."""
+        h = self.map_infos[s.map.name].hist
+        v, k = self._new_var("hist_value"), self._new_var("hist_bucket")
+        out = [ir.SetVar(v, self.expr(s.call.args[0]), s.span)]
+        if h["kind"] == "hist":
+            out.append(ir.SetVar(k, ir.Const(0), s.span))
+            for shift in (32, 16, 8, 4, 2, 1):
+                out.append(ir.If(ir.Bin(">=", v, ir.Const(1 << shift)),
+                                 [ir.SetVar(k, ir.Bin("+", k, ir.Const(shift)), s.span),
+                                  ir.SetVar(v, ir.Bin(">>", v, ir.Const(shift)), s.span)], [], s.span))
+        else:
+            lo, hi, step = h["lo"], h["hi"], h["step"]
+            inside = ir.Bin("+", ir.Bin("/", ir.Bin("-", v, ir.Const(lo)), ir.Const(step)), ir.Const(1))
+            out.append(ir.If(ir.Bin("<", v, ir.Const(lo)), [ir.SetVar(k, ir.Const(0), s.span)],
+                             [ir.If(ir.Bin(">=", v, ir.Const(hi)), [ir.SetVar(k, ir.Const((hi - lo) // step + 1), s.span)],
+                                    [ir.SetVar(k, inside, s.span)], s.span)], s.span))
+        out.append(ir.MapUpdate(s.map.name, k, "+=", ir.Const(1), s.span))
+        return out
 
 
 def _stack_bytes(p: ir.ProgramIR, emit_args: int) -> int:
@@ -251,7 +278,7 @@ def lower(analysis, ids: IdTables, opt: int, diags: Diagnostics) -> list[ir.Prog
     for (island, _), pls in sorted(groups.items(), key=lambda kv: (ids.islands[kv[0][0]], kv[0][1])):
         pls.sort(key=lambda p: p.order)
         prog = ir.ProgramIR(island, analysis.graph.islands[island].kind, pls[0].hook, [], [])
-        low = _Lowerer(prog, ids, opt, diags)
+        low = _Lowerer(prog, ids, opt, diags, analysis.symbols.maps)
         used_maps: set[str] = set()
         for pl in pls:
             h = pl.handler

@@ -165,6 +165,13 @@ class Delete(Node):
 
 
 @dataclass(eq=False)
+class HistAdd(Node):
+    """``lat = hist(v)`` (``lhist(v)``): count v in its bucket of the histogram map ``lat``."""
+    map: Ident
+    call: Call          # hist(v) or lhist(v): the checker holds it to one argument and the map's kind
+
+
+@dataclass(eq=False)
 class Emit(Node):
     """``emit ring(a, b, ...)``: write a record of u64s to a ringbuf map."""
     map: Ident
@@ -237,11 +244,14 @@ class Movement(Node):
 
 @dataclass(eq=False)
 class MapDecl(Node):
+    """``map NAME : KIND<KEY, VALUE>[N]``; a histogram ``map NAME : hist<DIM>`` or
+    ``lhist<DIM>[MIN, MAX, STEP]`` has its dimension as ``key_type`` and its bounds as ``params``."""
     name: Ident
     kind: Ident
     key_type: Ident | None
     value_type: Ident | None
     max_entries: Num | None
+    params: list[Num] = field(default_factory=list)      # every number in the brackets
 
 
 @dataclass(eq=False)

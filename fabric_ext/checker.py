@@ -41,6 +41,7 @@ class MapInfo:
     max_entries: int = 1
     signed_value: bool = False
     records: list = field(default_factory=list)    # a ringbuf's: each emit's line and fields (`s_Emit`)
+    hist: dict | None = None    # a histogram's: {"kind": hist|lhist, "dim", and an lhist's "lo", "hi", "step"}
 
 
 @dataclass
@@ -247,10 +248,16 @@ def _check_maps(prog: Program, sym: Symbols, diags: Diagnostics) -> None:
             diags.error(m.name.span, f"duplicate map '{name}'", f"first declared at {sym.maps[name].decl.name.span}")
             continue
         kind = m.kind.name
-        if kind not in S.MAP_KINDS:
-            diags.error(m.kind.span, f"unknown map kind '{kind}'",
-                        did_you_mean(kind, S.MAP_KINDS) or "kinds: " + ", ".join(S.MAP_KINDS))
+        if kind in S.HISTOGRAM_KINDS:
+            sym.maps[name] = _check_histogram(m, diags)
             continue
+        if kind not in S.MAP_KINDS:
+            kinds = S.MAP_KINDS + S.HISTOGRAM_KINDS
+            diags.error(m.kind.span, f"unknown map kind '{kind}'", did_you_mean(kind, kinds) or "kinds: " + ", ".join(kinds))
+            continue
+        if len(m.params) > 1:
+            diags.error(m.params[1].span, f"a {kind} map takes one size in its brackets, its entries",
+                        f"write 'map {name} : {kind}<...>[64]'")
         info = MapInfo(m, kind)
         if kind == "ringbuf":
             if m.key_type is not None:
@@ -295,6 +302,48 @@ def _check_maps(prog: Program, sym: Symbols, diags: Diagnostics) -> None:
             else:
                 info.max_entries = n
         sym.maps[name] = info
+
+
+def _check_histogram(m: A.MapDecl, diags: Diagnostics) -> MapInfo:
+    """``hist<DIM>`` (log2 buckets) or ``lhist<DIM>[MIN, MAX, STEP]`` (linear): an array of
+    u64 counts, one per bucket (an lhist's first for below MIN, its last for MAX and above).
+    A declaration in error still gives its map, so that its uses are checked without more
+    errors about it."""
+    name, kind = m.name.name, m.kind.name
+    example = f"map {name} : hist<time>" if kind == "hist" else f"map {name} : lhist<size>[0, 64KiB, 4KiB]"
+    ti = S.type_info(m.key_type.name) if m.key_type is not None else None
+    info = MapInfo(m, "array", key_dim=COUNT, value_dim=COUNT, hist={"kind": kind, "dim": ti[0] if ti else None})
+    if m.key_type is None or m.value_type is not None or ti is None:
+        diags.error((m.value_type or m.key_type or m.kind).span,
+                    f"a {kind} has one type: the dimension of what it counts", f"write '{example}'")
+        return info
+    if kind == "hist":
+        if m.params:
+            diags.error(m.params[0].span, "a hist has 64 buckets, one per power of two; it takes no size",
+                        f"write '{example}'")
+        info.max_entries = S.HIST_BUCKETS
+        return info
+    if len(m.params) != 3:
+        diags.error((m.params[0] if m.params else m.kind).span, "an lhist needs its lowest value, its highest "
+                    "and the width of a bucket", f"write '{example}'")
+        return info
+    for p in m.params:
+        if not compatible(p.dim, ti[0]) or not isinstance(p.value, int) or p.value < 0:
+            diags.error(p.span, f"'{p.text}' is no bound for an lhist that counts {dim_name(ti[0])}",
+                        f"its bounds are whole values of that dimension: write '{example}'")
+            return info
+    lo, hi, step = (p.value for p in m.params)
+    if hi <= lo or step < 1 or (hi - lo) % step:
+        diags.error(m.params[0].span, f"lhist bounds [{', '.join(p.text for p in m.params)}]: the highest must be "
+                    "above the lowest by a whole number of steps", f"write '{example}'")
+        return info
+    if (hi - lo) // step > S.MAX_LHIST_BUCKETS:
+        diags.error(m.params[2].span, f"an lhist of {(hi - lo) // step} buckets is too large",
+                    f"at most {S.MAX_LHIST_BUCKETS}: use a wider step")
+        return info
+    info.hist |= {"lo": lo, "hi": hi, "step": step}
+    info.max_entries = (hi - lo) // step + 2
+    return info
 
 
 def check_declarations(prog: Program, diags: Diagnostics) -> Symbols:
@@ -584,8 +633,31 @@ class BodyChecker:
         if info is None:
             self.expr(s.key)
             return
+        if info.hist is not None:
+            self.diags.error(s.span, f"'{s.map.name}' is a {info.hist['kind']}; it counts values itself",
+                             f"write '{s.map.name} = {info.hist['kind']}(value)'")
         self._key(info, s.key)
         self._value_fits(info, s.value, d)
+
+    def s_HistAdd(self, s):
+        info = self._map(s.map)
+        call, name = s.call, s.map.name
+        dims = [self.expr(a) for a in call.args]
+        if info is None:
+            return
+        if info.hist is None:
+            self.diags.error(s.map.span, f"'{name}' is a {info.kind} map, not a histogram",
+                             f"declare it 'map {name} : {call.func.name}<DIM>...' to count values in buckets")
+            return
+        if call.func.name != info.hist["kind"]:
+            self.diags.error(call.func.span, f"'{name}' is a {info.hist['kind']}; count with "
+                             f"{info.hist['kind']}(), not {call.func.name}()", f"declared at {info.decl.span}")
+        if len(call.args) != 1:
+            self.diags.error(call.span, f"{call.func.name}() takes one value: the bounds are the map's")
+            return
+        if not compatible(dims[0], info.hist["dim"]) or dims[0] == BOOL:
+            self.diags.error(call.args[0].span, f"'{name}' counts {dim_name(info.hist['dim'])}, "
+                             f"not {dim_name(dims[0])}", f"declared at {info.decl.span}")
 
     def s_Delete(self, s):
         info = self._map(s.map)

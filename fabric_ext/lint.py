@@ -30,7 +30,7 @@ class _MapUses(A.Visitor):
         self.names.add(node.map.name)
         self.generic_visit(node)
 
-    visit_MapGet = visit_MapUpdate = visit_Delete = visit_Emit = _use
+    visit_MapGet = visit_MapUpdate = visit_Delete = visit_Emit = visit_HistAdd = _use
 
 
 class _Decisions(A.Visitor):

@@ -16,6 +16,8 @@ from .diagnostics import Diagnostics, Span
 from .units import BASE_UNIT, UNITS, UnitError, parse_quantity
 
 U64_MAX = (1 << 64) - 1
+#: the histogram functions: ``lat = hist(v)`` counts v in map lat (of the same kind)
+HISTOGRAMS = ("hist", "lhist")
 MAX_NUMBER_CHARS = 40        # digits, point and unit: far more than any 64-bit value needs
 # how deep blocks and brackets may nest, and how many tokens one statement may have: the
 # passes recurse over the tree, so these bound their depth (a policy needs a handful of each)
@@ -170,6 +172,8 @@ class _Build(Transformer):
         target, value = items
         if isinstance(target, A.FieldRef):
             return A.Assign(target.name, value, via_ev=True, span=self._span(meta))
+        if isinstance(value, A.Call) and value.func.name in HISTOGRAMS:     # `lat = hist(v)`
+            return A.HistAdd(A.Ident(target.id, span=target.span), value, span=self._span(meta))
         return A.Assign(A.Ident(target.id, span=target.span), value, span=self._span(meta))
 
     @v_args(meta=True)
@@ -270,17 +274,18 @@ class _Build(Transformer):
                           via or [], props or [], span=self._span(meta))
 
     def type_args(self, items):
-        return [self._id(t) for t in items]
+        return [self._id(t) if t is not None else None for t in items]
 
     def size(self, items):
-        t = items[0]
-        return self.hexnum([t]) if str(t).startswith("0x") else self._num(t)
+        return [self.hexnum([t]) if str(t).startswith("0x") else self._num(t) for t in items]
 
     @v_args(meta=True)
     def map_decl(self, meta, items):
-        name, kind, targs, size = items
+        name, kind, targs, sizes = items
         key, value = targs if targs else (None, None)
-        return A.MapDecl(self._id(name), self._id(kind), key, value, size, span=self._span(meta))
+        sizes = sizes or []
+        return A.MapDecl(self._id(name), self._id(kind), key, value, sizes[0] if sizes else None, sizes,
+                         span=self._span(meta))
 
     def event_arg(self, items):
         return items[0]

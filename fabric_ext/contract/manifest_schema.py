@@ -19,6 +19,7 @@ from fabric_ext.runtime.machine.maptypes import KIND_TYPE
 from .hooks import DEVICE_ISLAND_KIND, HOOKS, ISLAND_RUNTIME
 from .schema import (
     DEVICE_PROPS,
+    HISTOGRAM_KINDS,
     LINK_KINDS,
     MAP_KINDS,
     MAX_ENTRIES,
@@ -130,6 +131,7 @@ def record(required: dict, optional: dict | None = None):
 ID = integer(0, 1 << 31)
 PROP_NUMBER = number(0, 1e30)
 COUNT = integer(0, 1 << 31)
+COUNT64 = integer(0, (1 << 64) - 1)
 NAMES = list_of(text(NAME))
 HANDLER = record({"movement": nullable(ID), "period": nullable(integer(1, MAX_NS)), "maps": NAMES,
                   "reads": NAMES, "last_wins": boolean},
@@ -164,7 +166,9 @@ SCHEMA = record({
                            {"islands": NAMES, "shared": boolean, "key_type": nullable(text()),
                             "value_type": nullable(text()), "records": list_of(record(
                                 {"line": COUNT, "fields": list_of(record({"name": text(max_len=256)},
-                                                                         {"dim": nullable(text(max_len=64))}), 64)}))})),
+                                                                         {"dim": nullable(text(max_len=64))}), 64)})),
+                            "hist": record({"kind": text(choices=HISTOGRAM_KINDS), "dim": nullable(text(max_len=64))},
+                                           {"lo": COUNT64, "hi": COUNT64, "step": COUNT64})})),
     "ids": record({what: mapping(ID) for what in ("movements", "devices", "islands")},
                   {what: mapping(ID) for what in ("classes", "operators")}),
 }, {

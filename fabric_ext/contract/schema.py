@@ -41,6 +41,10 @@ PROP_RANGES = {"prompt": (1, 1 << 20), "batch": (1, 1 << 16), "tp": (1, 1 << 16)
                "chunk": (4096, 1 << 40), "prefill_chunk": (0, 1 << 20), "prefetch": (0, 1 << 16)}
 
 MAP_KINDS = ("array", "hash", "percpu_array", "percpu_hash", "lru_hash", "ringbuf")
+#: histograms a policy declares (`map lat : hist<time>`): an array of counts underneath
+HISTOGRAM_KINDS = ("hist", "lhist")
+HIST_BUCKETS = 64              # a hist's: bucket k counts values in [2^k, 2^(k+1)), bucket 0 also 0
+MAX_LHIST_BUCKETS = 1024
 #: integer types and the byte size they are stored in
 INT_TYPES = {"u8": 1, "u16": 2, "u32": 4, "u64": 8, "i32": 4, "i64": 8}
 #: dimension names usable as map key or value types, stored as u64 (device as u32)

@@ -291,6 +291,7 @@ class Engine:
             maps={name: m.dump() for name, m in sorted(self.maps.items())} if attached else {},
             map_types={m["name"]: (m["kind"], m.get("key_type"), m.get("value_type")) for m in self.man["maps"]},
             record_layouts={m["name"]: m["records"] for m in self.man["maps"] if m.get("records")},
+            histograms={m["name"]: m["hist"] for m in self.man["maps"] if m.get("hist")},
             device_names={i: name for name, i in self.ids["devices"].items()},
             copy_engines=[{"name": ce.name, "chunks": ce.chunks, "bytes": ce.bytes}
                           for engines in self.fabric.engines.values() for ce in engines],

@@ -62,6 +62,10 @@ def _tables(data: dict, baseline: dict | None) -> list[dict]:
         if entries:
             out.append({"id": f"map-{name}", "title": f"Map {name}", "headers": ["key", "value"],
                         "rows": _cells([[e["key_text"], e["text"]] for e in entries])})
+    for name, buckets in data.get("map_histograms", {}).items():
+        if buckets:
+            out.append({"id": f"hist-{name}", "title": f"Histogram {name}", "headers": ["bucket", "count"],
+                        "rows": _cells([[b["text"], f"{b['count']:,}"] for b in buckets])})
     for name, records in data.get("map_records", {}).items():
         if records:
             fields = list(dict.fromkeys(f for r in records for f in r["fields"]))

@@ -47,6 +47,7 @@ class RunRecord:
     spans: list[tuple] = field(default_factory=list)   # (track, name, start ns, dur ns, args or None)
     map_types: dict[str, tuple] = field(default_factory=dict)   # name -> (kind, key type, value type), as declared
     record_layouts: dict[str, list] = field(default_factory=dict)   # ringbuf name -> its emits' fields (manifest)
+    histograms: dict[str, dict] = field(default_factory=dict)   # hist/lhist map name -> its buckets (manifest)
     device_names: dict[int, str] = field(default_factory=dict)  # device id -> name, for device-typed keys and values
     explain: dict | None = None         # the stalls' root-cause chains (`explain.summary`), where recorded
     explain_asked: bool = False         # ... and whether the report shows them (else only the trace)
@@ -88,7 +89,7 @@ def collect(r: RunRecord) -> dict:
             "events": r.events, "layers": layers, "movements": movements,
             "links": sorted(links, key=lambda x: x["name"]), "islands": r.islands,
             "copy_engines": r.copy_engines, "maps": _jsonable(r.maps), "map_entries": decoded_maps(r),
-            "map_records": decoded_records(r),
+            "map_records": decoded_records(r), "map_histograms": decoded_histograms(r),
             "faults": r.faults, "refused": r.refused, **({"explain": r.explain} if r.explain_asked else {})}
 
 
@@ -118,11 +119,45 @@ def decoded_maps(r: RunRecord) -> dict[str, list[dict]]:
     out, names = {}, r.device_names
     for name, entries in r.maps.items():
         kind, key_type, value_type = r.map_types.get(name, ("?", None, None))
-        if kind != "ringbuf" and isinstance(entries, dict):
+        if kind != "ringbuf" and name not in r.histograms and isinstance(entries, dict):
             out[name] = [{"key": k, "value": v, "key_text": _shown(k, key_type, names),
                           "text": _shown(v, value_type, names)}
                          for k, v in sorted(entries.items())]
     return out
+
+
+def decoded_histograms(r: RunRecord) -> dict[str, list[dict]]:
+    """Each histogram's buckets that counted anything, in order: ``{"lo", "hi", "count",
+    "text"}`` (hi None for an lhist's last, open bucket; text as ``[1us, 2us)``)."""
+    out = {}
+    for name, h in r.histograms.items():
+        counts = r.maps.get(name) or {}
+        rows = []
+        for k in sorted(k for k, n in counts.items() if n):
+            lo, hi = _bucket(h, k)
+            shown = [_shown(x, h["dim"], {}) for x in (lo, hi) if x is not None]
+            rows.append({"lo": lo, "hi": hi, "count": counts[k],
+                         "text": f"[{shown[0]}, {shown[1]})" if hi is not None else f"[{shown[0]}, ...)"})
+        out[name] = rows
+    return out
+
+
+def _bucket(h: dict, k: int) -> tuple[int, int | None]:
+    """The values bucket k of a histogram counts: [lo, hi), hi None for no bound."""
+    if h["kind"] == "hist":
+        return (0, 2) if k == 0 else (1 << k, 1 << (k + 1))
+    lo, hi, step = h["lo"], h["hi"], h["step"]
+    if k == 0:
+        return 0, lo
+    return (lo + (k - 1) * step, lo + k * step) if lo + (k - 1) * step < hi else (hi, None)
+
+
+def _hist_table(rows: list[dict], width: int = 40) -> list[str]:
+    """bpftrace's picture of a histogram: each bucket, its count and a bar."""
+    most = max(r["count"] for r in rows)
+    label = max(len(r["text"]) for r in rows)
+    return [f"{r['text']:<{label}} {r['count']:>10,} |{'@' * round(width * r['count'] / most):<{width}}|"
+            for r in rows]
 
 
 def _shown(v: int, dim: str | None, device_names: dict) -> str:
@@ -317,6 +352,9 @@ def render(report: dict, baseline: dict | None = None, links: int | None = LINKS
             out += ["", f"map {name}:", _table([[e["key_text"], e["text"]] for e in entries[:MAP_ROWS]], ["key", "value"])]
             if len(entries) > MAP_ROWS:
                 out.append(f"... and {len(entries) - MAP_ROWS} more entries (--json has them all)")
+    for name, rows in report.get("map_histograms", {}).items():
+        if rows:
+            out += ["", f"hist {name}:", *_hist_table(rows)]
     for name, rows in report.get("map_records", {}).items():
         out += ["", f"ringbuf {name}:", _records_table(rows[:MAP_ROWS])]
         if len(rows) > MAP_ROWS:
