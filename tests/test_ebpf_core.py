@@ -263,3 +263,32 @@ def test_the_jit_tells_a_loop_from_a_backward_jump(src, expected):
     runs at most once); only a real cycle in the control-flow graph counts as a loop."""
     from fabric_ext.runtime.machine.lift import acyclic
     assert acyclic(Program("p", assemble(src))) is expected
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_the_assembler_reads_what_disasm_prints(case):
+    """Every conformance-style program, printed by `isa.disasm` (listing, bytes and all) and
+    assembled again, is the same instructions."""
+    insns = assemble(case["asm"])
+    again = assemble(isa.disasm(insns))
+    assert [i.encode() for i in again] == [i.encode() for i in insns]
+
+
+def test_the_assembler_reads_fabric_vm_disasm_of_every_bundled_object(tmp_path):
+    import re
+
+    from fabric_ext.runtime.machine.elf import load_object
+    from fabric_ext.runtime.vm_cli import main
+    from policy_helpers import compiled
+    for policy in ("prefill_qos", "telemetry", "kv_tiering", "nic_pacing"):
+        for obj in compiled(policy).glob("*.bpf.o"):
+            import contextlib
+            import io
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                assert main(["disasm", str(obj)]) == 0
+            programs = {p.name: p.insns for p in load_object(obj).programs}
+            for name, body in re.findall(r"^(\w+) \(section [^)]*\):\n(.*?)(?=^\w+ \(section|\Z)", out.getvalue(),
+                                         re.MULTILINE | re.DOTALL):
+                assert [i.encode() for i in assemble(body)] == [i.encode() for i in programs[name]], (obj, name)
+            assert programs

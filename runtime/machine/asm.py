@@ -6,6 +6,11 @@
     be16 %r0                # comments; labels end with ':'
     lddw %r1, map 0         # the program's first map (a map reference)
 
+It also reads the syntax `fabric-vm disasm` (`isa.disasm`) and llvm-objdump print, line by
+line, with or without a listing's slot numbers and bytes (`_one_llvm`):
+
+    r2 = *(u32 *)(r1 + 0x8)     if w2 == 0x1 goto +13     lock *(u64 *)(r0 + 0x0) += r6
+
 Errors raise `AsmError` naming the line.
 """
 from __future__ import annotations
@@ -15,6 +20,11 @@ import re
 from . import isa as I
 from .errors import InputError
 from .isa import Insn
+
+#: a listing's slot number and bytes before the instruction (`isa.disasm`, llvm-objdump -d)
+LISTING = re.compile(r"^\s*\d+:\s+(?:[0-9a-f]{2}\s)*[0-9a-f]{2}(?:\s+|$)")
+#: `fabric-vm disasm`'s line before each program: ``name (section syscall):``
+HEADER = re.compile(r"[A-Za-z_.][\w.]* \(section [^()]*\):")
 
 ALU_OPS = {"add": I.ADD, "sub": I.SUB, "mul": I.MUL, "div": I.DIV, "or": I.OR, "and": I.AND,
            "lsh": I.LSH, "rsh": I.RSH, "neg": I.NEG, "mod": I.MOD, "xor": I.XOR, "mov": I.MOV,
@@ -81,17 +91,17 @@ def assemble(text: str) -> list[Insn]:
     labels: dict[str, int] = {}
     slot = 0
     for n, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].split("//", 1)[0].strip()
-        if not line:
+        line = LISTING.sub("", raw.split("#", 1)[0].split("//", 1)[0]).strip()
+        if not line or HEADER.fullmatch(line):
             continue
         if line.endswith(":") and re.fullmatch(r"[A-Za-z_.][\w.]*:", line):
             labels[line[:-1]] = slot
             continue
         lines.append((n, line, slot))
-        slot += 2 if line.split()[0] == "lddw" else 1
+        slot += 2 if line.split()[0] == "lddw" or line.endswith(" ll") else 1
     out = []
     for n, line, at in lines:
-        out.append(_one(n, line, at, labels))
+        out.append(_one_llvm(n, line, at, labels) if LLVM_LINE.match(line) else _one(n, line, at, labels))
     return out
 
 
@@ -201,3 +211,113 @@ def _atomic(n: int, rest: str) -> Insn:
     else:
         imm = {"add": I.ADD, "or": I.OR, "and": I.AND, "xor": I.XOR}[m[1]] | (I.FETCH if fetch else 0)
     return Insn(I.STX | I.ATOMIC | size, dst=base, src=_reg(ops[1], n), off=off, imm=imm)
+
+
+# ---- the syntax of isa.disasm and llvm-objdump ------------------------------------------------
+#: a line in that syntax: an assignment to a register, a store, a conditional or plain goto,
+#: an atomic, or a call of a local function (``call +3``) or through a register
+LLVM_LINE = re.compile(r"^(?:[rw]\d+\s+\S*=|\*\(|if\s|goto\b|gotol\b|lock\s+\*\(|callx\b|call\s+[+-])")
+_R = r"([rw])(\d+)"
+_NUM = r"(-?(?:0x[0-9a-fA-F]+|\d+))"
+_ADDR = r"\(r(\d+)\s*([+-])\s*(0x[0-9a-fA-F]+|\d+)\)"
+_WIDTH = {"8": I.B, "16": I.H, "32": I.W, "64": I.DW}
+_ALU_BY_SYMBOL = {sym: op for op, sym in I.ALU_SYMBOLS.items()} | {"s/=": I.DIV, "s%=": I.MOD}
+_JMP_BY_SYMBOL = {sym: op for op, sym in I.JMP_SYMBOLS.items()}
+_ATOMIC_BY = {"+=": I.ADD, "|=": I.OR, "&=": I.AND, "^=": I.XOR, "add": I.ADD, "or": I.OR, "and": I.AND,
+              "xor": I.XOR}
+_LLVM = [(name, re.compile(rx)) for name, rx in (
+    ("lddw_map", r"r(\d+) = map\[(\d+)\] ll"),
+    ("lddw_value", r"r(\d+) = map_value\[(\d+)\]\+(\d+) ll"),
+    ("lddw", rf"r(\d+) = {_NUM} ll"),
+    ("neg", rf"{_R} = -{_R}"),
+    ("bswap", r"r(\d+) = bswap(16|32|64) r(\d+)"),
+    ("endian", r"r(\d+) = (be|le)(16|32|64) r(\d+)"),
+    ("movsx", rf"{_R} = \(s(8|16|32)\){_R}"),
+    ("ldx", rf"r(\d+) = \*\(([us])(8|16|32|64) \*\){_ADDR}"),
+    ("st", rf"\*\(u(8|16|32|64) \*\){_ADDR} = {_NUM}"),
+    ("stx", rf"\*\(u(8|16|32|64) \*\){_ADDR} = {_R}"),
+    ("lock", rf"lock \*\(u(32|64) \*\){_ADDR} (\+=|\|=|&=|\^=) {_R}"),
+    ("fetch", rf"{_R} = atomic_fetch_(add|or|and|xor)\(\(u(32|64) \*\){_ADDR}, {_R}\)"),
+    ("xchg", rf"{_R} = xchg_(32|64)\({_ADDR}, {_R}\)"),
+    ("cmpxchg", rf"{_R} = cmpxchg_(32|64)\({_ADDR}, {_R}, {_R}\)"),
+    ("jcond", rf"if {_R} (\S+) (?:{_R}|{_NUM}) goto (\S+)"),
+    ("goto", r"(goto|gotol) (\S+)"),
+    ("callx", r"callx r(\d+)"),
+    ("call_local", r"call ([+-]\d+)"),
+    ("alu", rf"{_R} (\S+) (?:{_R}|{_NUM})"),
+)]
+
+
+def _one_llvm(n: int, line: str, at: int, labels) -> Insn:
+    """One instruction in the syntax `isa.disasm_insn` prints (the inverse of it)."""
+    for name, rx in _LLVM:
+        m = rx.fullmatch(line)
+        if m:
+            return _BUILD[name](m.groups(), n, at, labels)
+    raise AsmError(n, f"cannot read '{line}' as an instruction")
+
+
+def _cls(w: str) -> int:
+    return I.ALU if w == "w" else I.ALU64
+
+
+def _off(sign: str, num: str) -> int:
+    return -int(num, 0) if sign == "-" else int(num, 0)
+
+
+def _alu(g, n, at, labels) -> Insn:
+    w, dst, sym, _, src, imm = g
+    if sym not in _ALU_BY_SYMBOL:
+        raise AsmError(n, f"unknown operator '{sym}'")
+    op, off = _ALU_BY_SYMBOL[sym], 1 if sym in ("s/=", "s%=") else 0
+    if src is not None:
+        return Insn(_cls(w) | op | I.X, dst=int(dst), src=int(src), off=off)
+    return Insn(_cls(w) | op | I.K, dst=int(dst), imm=int(imm, 0), off=off)
+
+
+def _jcond(g, n, at, labels) -> Insn:
+    w, dst, sym, _, src, imm, target = g
+    if sym not in _JMP_BY_SYMBOL:
+        raise AsmError(n, f"unknown comparison '{sym}'")
+    cls, off = I.JMP32 if w == "w" else I.JMP, _target(target, at, labels, n)
+    if src is not None:
+        return Insn(cls | _JMP_BY_SYMBOL[sym] | I.X, dst=int(dst), src=int(src), off=off)
+    return Insn(cls | _JMP_BY_SYMBOL[sym] | I.K, dst=int(dst), imm=int(imm, 0), off=off)
+
+
+def _goto(g, n, at, labels) -> Insn:
+    t = _target(g[1], at, labels, n)
+    return Insn(I.JMP32 | I.JA, imm=t) if g[0] == "gotol" else Insn(I.JMP | I.JA, off=t)
+
+
+def _store(_width, base, sign, off) -> dict:
+    """The base register and offset of a store's ``*(uN *)(rB +- off)`` (its width apart)."""
+    return {"dst": int(base), "off": _off(sign, off)}
+
+
+_BUILD = {
+    "lddw_map": lambda g, *_: Insn(I.LD | I.IMM | I.DW, dst=int(g[0]), src=I.PSEUDO_MAP_FD, imm=int(g[1])),
+    "lddw_value": lambda g, *_: Insn(I.LD | I.IMM | I.DW, dst=int(g[0]), src=I.PSEUDO_MAP_VALUE, imm=int(g[1]),
+                                     next_imm=int(g[2])),
+    "lddw": lambda g, *_: Insn(I.LD | I.IMM | I.DW, dst=int(g[0]), imm=int(g[1], 0) & I.MASK64),
+    "neg": lambda g, *_: Insn(_cls(g[0]) | I.NEG, dst=int(g[1])),
+    "bswap": lambda g, *_: Insn(I.ALU64 | I.END | I.K, dst=int(g[0]), imm=int(g[1])),
+    "endian": lambda g, *_: Insn(I.ALU | I.END | (I.X if g[1] == "be" else I.K), dst=int(g[0]), imm=int(g[2])),
+    "movsx": lambda g, *_: Insn(_cls(g[0]) | I.MOV | I.X, dst=int(g[1]), src=int(g[4]), off=int(g[2])),
+    "ldx": lambda g, *_: Insn(I.LDX | (I.MEMSX if g[1] == "s" else I.MEM) | _WIDTH[g[2]], dst=int(g[0]),
+                              src=int(g[3]), off=_off(g[4], g[5])),
+    "st": lambda g, *_: Insn(I.ST | I.MEM | _WIDTH[g[0]], **_store(*g[:4]), imm=int(g[4], 0)),
+    "stx": lambda g, *_: Insn(I.STX | I.MEM | _WIDTH[g[0]], **_store(*g[:4]), src=int(g[5])),
+    "lock": lambda g, *_: Insn(I.STX | I.ATOMIC | _WIDTH[g[0]], **_store(*g[:4]), src=int(g[6]),
+                               imm=_ATOMIC_BY[g[4]]),
+    "fetch": lambda g, *_: Insn(I.STX | I.ATOMIC | _WIDTH[g[3]], **_store(*g[3:7]), src=int(g[8]),
+                                imm=_ATOMIC_BY[g[2]] | I.FETCH),
+    "xchg": lambda g, *_: Insn(I.STX | I.ATOMIC | _WIDTH[g[2]], **_store(*g[2:6]), src=int(g[7]), imm=I.XCHG),
+    "cmpxchg": lambda g, *_: Insn(I.STX | I.ATOMIC | _WIDTH[g[2]], **_store(*g[2:6]), src=int(g[9]),
+                                  imm=I.CMPXCHG),
+    "jcond": _jcond,
+    "goto": _goto,
+    "callx": lambda g, *_: Insn(I.JMP | I.CALL | I.X, dst=int(g[0])),
+    "call_local": lambda g, *_: Insn(I.JMP | I.CALL, src=I.PSEUDO_CALL, imm=int(g[0])),
+    "alu": _alu,
+}
