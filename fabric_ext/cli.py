@@ -157,11 +157,53 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--Werror", action="store_true", help="treat warnings as errors (nothing is written)")
     k.set_defaults(func=cmd_compile)
     _include_option(k)
+    f = sub.add_parser("fmt", help="lay policies out the one way (indentation, spaces), comments and lines kept")
+    f.add_argument("files", nargs="+", metavar="FILE")
+    how = f.add_mutually_exclusive_group()
+    how.add_argument("-w", "--write", action="store_true", help="write the result back to each file")
+    how.add_argument("--check", action="store_true", help="list the files fmt would change (exit 1 if any)")
+    f.set_defaults(func=cmd_fmt)
     s = sub.add_parser("completion", help="print shell completion for fabricc, fabric-run and fabric-vm "
                        "(eval \"$(fabricc completion bash)\")")
     s.add_argument("shell", choices=("bash",), help="bash (zsh: after bashcompinit)")
     s.set_defaults(func=cmd_completion)
     return p
+
+
+def cmd_fmt(args) -> int:
+    """Lay each policy out (`fmt.format_source`): print it, write it back (-w), or list the
+    files that are not laid out so (--check, exit 1 if any).  A file that does not parse is
+    reported like `check` does and left as it is."""
+    from .diagnostics import Diagnostics
+    from .fmt import format_source
+    from .loader import SourceError, read_source
+    from .parser import parse
+    from .runtime.machine.fsutil import atomic_write_text
+    status = EXIT_OK
+    for f in args.files:
+        path = _existing(f)
+        try:
+            text = read_source(path)
+        except (SourceError, OSError) as e:
+            print(f"{f}: {e}", file=sys.stderr)
+            status = EXIT_INPUT
+            continue
+        diags = Diagnostics()
+        if parse(text, f, diags) is None:
+            diags.print(sys.stderr)
+            status = EXIT_INPUT
+            continue
+        laid_out = format_source(text)
+        if args.check:
+            if laid_out != text:
+                print(f)
+                status = EXIT_INPUT
+        elif args.write:
+            if laid_out != text:
+                atomic_write_text(path, laid_out)
+        else:
+            sys.stdout.write(laid_out)
+    return status
 
 
 def cmd_completion(args) -> int:

@@ -13,7 +13,7 @@ workload prefill {
 movement attn_weights = weights(attention) : pool0 -> gpu* { critical }
 movement ffn_weights  = weights(ffn)       : pool0 -> gpu* { critical }
 movement kv_writeback = kv                 : gpu*  -> pool0
-movement kv_export    = kv                 : gpu*  -> nic0 
+movement kv_export    = kv                 : gpu*  -> nic0
 movement allreduce    = activations(collective) : gpu* <-> gpu*
 
 map port_util : array<u32, percent>[16]     // switch port utilisation, written by tick
