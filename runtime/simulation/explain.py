@@ -156,8 +156,7 @@ class Explainer:
             alone = self._walk(t, t.start, t.end, lambda *_: None)
             moved = min(t.start + alone, stall.end) - begin
             if moved > 0:
-                self._take_from_own(steps, moved)
-                add(late, moved)
+                add(late, self._take_from_own(steps, moved))
         ch.steps = sorted((ChainStep(c, ns, int(b)) for c, (ns, b) in steps.items() if ns > 0), key=lambda s: -s.ns)
         return ch
 
@@ -254,15 +253,18 @@ class Explainer:
         return self._starts[key]
 
     @staticmethod
-    def _take_from_own(steps: dict, ns: float) -> None:
-        """Take ns from the own-transmission steps (bandwidth on own data, latency), latest kind first."""
+    def _take_from_own(steps: dict, ns: float) -> float:
+        """Take up to ns from the transmission steps (flight first, then bandwidth); returns what
+        it took (the window may hold less of them than the transfer's whole life did)."""
+        taken = 0.0
         for cause in sorted((c for c in steps if c.cause in ("latency", "bandwidth")),
                             key=lambda c: c.cause != "latency"):
-            take = min(ns, steps[cause][0])
+            take = min(ns - taken, steps[cause][0])
             steps[cause][0] -= take
-            ns -= take
-            if ns <= 0:
-                return
+            taken += take
+            if taken >= ns:
+                break
+        return taken
 
 
 def chains(fabric, programs: list[dict], stalls: list) -> list[Chain]:

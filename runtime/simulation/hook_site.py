@@ -115,8 +115,7 @@ class ShimHookSite(HookSite):
         if standing is not None:
             standing.uses += 1
             return self._issued(island, standing.decisions, t.movement_id)
-        where = (island, "issue", t.movement_id)
-        plan = self.remembered.plans.get(where) or self._plan(where, island, ("issue",), t.movement_id)
+        plan = self._one_hook_plan(island, "issue", t.movement_id)
         if not plan.hooks:
             return None
         fields = self._chunk_fields(chunk)
@@ -201,6 +200,11 @@ class ShimHookSite(HookSite):
         plan = self.remembered.plans[where] = HookPlan(tuple(h for h, _ in acting), static, split)
         return plan
 
+    def _one_hook_plan(self, island, hook, movement) -> HookPlan:
+        """The plan of an event only ``hook`` of ``island`` fires at (kept, as `_plan`'s)."""
+        where = (island, hook, movement)
+        return self.remembered.plans.get(where) or self._plan(where, island, (hook,), movement)
+
     def _enter_hooks(self, island, src, dst):
         """The hooks a chunk from src to dst meets on entering ``island`` (the catalogue's)."""
         role = "src" if self.device_island.get(src) == island else \
@@ -208,9 +212,7 @@ class ShimHookSite(HookSite):
         return firing(self.islands[island]["kind"], "enter", role)
 
     def on_delivered(self, chunk, island, latency):
-        where = (island, "complete", chunk.transfer.movement_id)
-        plan = self.remembered.plans.get(where) or self._plan(where, island, ("complete",), chunk.transfer.movement_id)
-        if not plan.hooks:
+        if not self._one_hook_plan(island, "complete", chunk.transfer.movement_id).hooks:
             return
         fields = self._chunk_fields(chunk)
         fields["latency"] = int(latency)
@@ -219,9 +221,7 @@ class ShimHookSite(HookSite):
             self.set_prefetch(island, known.decisions["prefetch"], "complete", chunk.transfer.movement_id)
 
     def on_dequeue(self, chunk, island, wait):
-        where = (island, "dequeue", chunk.transfer.movement_id)
-        plan = self.remembered.plans.get(where) or self._plan(where, island, ("dequeue",), chunk.transfer.movement_id)
-        if not plan.hooks:
+        if not self._one_hook_plan(island, "dequeue", chunk.transfer.movement_id).hooks:
             return
         fields = self._chunk_fields(chunk)
         path, hop = chunk.path, chunk.hop
