@@ -178,3 +178,14 @@ def test_the_trace_links_each_stall_to_what_its_chain_blames(tmp_path):
                for e in ends)
     assert all(any(k.startswith(("bandwidth-bound", "queued", "issued late", "held by", "in flight", "the all-reduce"))
                    for k in e["args"]) for e in stalls)
+
+
+@pytest.mark.parametrize("name,opts", [("prefill_qos", {"chunk_tokens": 128}), ("kv_tiering", {"chunk_tokens": 256}),
+                                       ("nic_pacing", {"tp": 4, "prompt": 1024}), ("telemetry", {"tp": 1})])
+def test_every_chain_sums_to_its_stall_across_workloads(name, opts):
+    """Chunked prefills (the KV of earlier passes read back), other TP degrees: the evidence
+    places every instant of every stall."""
+    report, _ = run_engine(compiled(name), explain=True, **opts)
+    if report["explain"]["chains"]:
+        _check_sums(report)
+    assert _time(report, cause="untracked") == 0
