@@ -60,11 +60,10 @@ def _spaced(line: list[tuple[str, str]]) -> str:
         if kind == "space":
             out.append("" if words[i + 1][1] in (",", ";") else tok)
             continue
-        prev = words[i - 1] if i else None
-        if prev is not None and prev[0] != "space" and kind != "space" and (
-                tok in SPACED or prev[1] in SPACED or prev[1] == ","):
-            if not (prev[1] == "," and tok in (")", "]")):
-                out.append(" ")
+        prev = words[i - 1][1] if i and words[i - 1][0] != "space" else None     # adjacent, no space between
+        if prev is not None and (tok in SPACED or prev in SPACED or prev == ",") and not (
+                prev == "," and tok in (")", "]")):
+            out.append(" ")
         out.append(tok)
     return "".join(out)
 
