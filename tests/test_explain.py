@@ -189,3 +189,13 @@ def test_every_chain_sums_to_its_stall_across_workloads(name, opts):
     if report["explain"]["chains"]:
         _check_sums(report)
     assert _time(report, cause="untracked") == 0
+
+
+def test_a_decision_with_no_line_in_the_manifest_is_named_without_one():
+    """A manifest is untrusted: a handler that says it decides rate on no line names no line."""
+    from fabric_ext.runtime.simulation.explain import Explainer
+    programs = [{"island": "sw0", "hook": "forward", "handlers": [{"movement": 1, "decides": {"rate": []}},
+                                                                  {"movement": None, "decides": {"rate": [9]}}]}]
+    ex = Explainer(None, programs)
+    assert ex._handler("sw0", lambda h: h == "forward", 1, "rate") == ("forward", 9, "")
+    assert ex._handler("sw0", lambda h: h == "forward", 1, "defer") == (None, None, "")

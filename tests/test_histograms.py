@@ -122,3 +122,23 @@ def test_the_kernel_verifier_accepts_the_bucketing(folder):
     source = next(folder[0].parent.glob("hist.fx"))
     bundle = api.compile(source, kernel_verify=True)
     assert bundle.manifest["maps"][0]["hist"]["kind"] in ("hist", "lhist")
+
+
+@pytest.mark.parametrize("change,says", [
+    (lambda m: m["hist"].pop("lo"), "an lhist needs lo, hi and step"),
+    (lambda m: m.update(max_entries=7), "do not make its 7 buckets"),
+    (lambda m: m["hist"].update(step=0), "do not make its"),
+    (lambda m: m.update(value_size=4), "a histogram is an array of u64 counts"),
+])
+def test_a_tampered_histogram_layout_is_refused_by_key(folder, tmp_path, capsys, change, says):
+    import shutil
+
+    from fabric_ext.runtime.simulation import cli
+    out = tmp_path / "out"
+    shutil.copytree(folder[0], out)
+    man = json.loads((out / "manifest.json").read_text())
+    change(next(m for m in man["maps"] if m["name"] == "sizes"))
+    (out / "manifest.json").write_text(json.dumps(man))
+    code = cli.main(["--policy", str(out), "--model", str(folder[1]), "--prompt", "256", "-q"])
+    err = capsys.readouterr().err
+    assert code == 1 and "maps[" in err and says in err and "Traceback" not in err, err

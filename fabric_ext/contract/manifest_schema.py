@@ -19,6 +19,7 @@ from fabric_ext.runtime.machine.maptypes import KIND_TYPE
 from .hooks import DEVICE_ISLAND_KIND, HOOKS, ISLAND_RUNTIME
 from .schema import (
     DEVICE_PROPS,
+    HIST_BUCKETS,
     HISTOGRAM_KINDS,
     LINK_KINDS,
     MAP_KINDS,
@@ -262,6 +263,10 @@ def _references(man: dict) -> None:
             raise SchemaError(f"maps[{i}]", why)
         for j, name in enumerate(m.get("islands", [])):
             _known(name, islands, f"maps[{i}].islands[{j}]", "island")
+        if "hist" in m:
+            why = _histogram_problem(m)
+            if why:
+                raise SchemaError(f"maps[{i}].hist", why)
     for what, names in (("devices", devices), ("islands", islands)):
         for name in man["ids"][what]:
             _known(name, names, f"ids.{what}.{name}", what[:-1])
@@ -270,6 +275,22 @@ def _references(man: dict) -> None:
         v = w.get(where)
         if v is not None and v not in ("hbm", "none"):
             _known(v, devices, f"workload.{where}", "device")
+
+
+def _histogram_problem(m: dict) -> str | None:
+    """Why a map's histogram layout cannot be the one its compiler wrote (None if it can): an
+    array of u64 counts, 64 buckets for a hist, one per step and two more for an lhist."""
+    h = m["hist"]
+    if m["kind"] != "array" or m["key_size"] != 4 or m["value_size"] != 8:
+        return "a histogram is an array of u64 counts with u32 keys"
+    if h["kind"] == "hist":
+        return None if m["max_entries"] == HIST_BUCKETS else f"a hist has {HIST_BUCKETS} buckets"
+    if not all(k in h for k in ("lo", "hi", "step")):
+        return "an lhist needs lo, hi and step"
+    lo, hi, step = h["lo"], h["hi"], h["step"]
+    if hi <= lo or step < 1 or (hi - lo) % step or m["max_entries"] != (hi - lo) // step + 2:
+        return f"lhist bounds {lo}..{hi} by {step} do not make its {m['max_entries']} buckets"
+    return None
 
 
 def validate(man) -> None:

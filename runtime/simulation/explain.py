@@ -110,8 +110,9 @@ class Explainer:
             if island is not None and prog["island"] != island or not hooks(prog["hook"]):
                 continue
             for h in prog["handlers"]:
-                if h.get("movement") in (movement, None) and decision in h.get("decides", {}):
-                    return prog["hook"], h["decides"][decision][0], h.get("file", "")
+                lines = h.get("decides", {}).get(decision)
+                if h.get("movement") in (movement, None) and lines:
+                    return prog["hook"], lines[0], h.get("file", "")
         return None, None, ""
 
     def _hold(self, step, movement: int) -> Cause:
