@@ -61,3 +61,15 @@ def test_a_browser_loads_it_offline_without_errors(page, tmp_path):
     r = subprocess.run(browser + [f"--screenshot={shot}", "--window-size=1300,3000", html.as_uri()],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and shot.stat().st_size > 20_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_manifest_naming_a_device_as_its_source_does_not_hang_the_page(tmp_path):
+    """The manifest is untrusted: a source path that is a device (or any huge file) is not read."""
+    from fabric_ext.runtime.simulation import html_report
+    data = {"policy": "p", "workload": {"model": "m", "prompt": 1, "batch": 1, "tp": 1, "weights": "hbm", "kv": "hbm",
+                                        "kv_export": None},
+            "ttft_ms": 1.0, "backend": "interp", "events": 1, "movements": [], "links": [], "islands": [],
+            "layers": [], "kv_done_ms": 0.0}
+    manifest = {"programs": [], "sources": [{"file": "p.fx", "path": "/dev/zero", "sha256": "0" * 64}]}
+    page, _ = html_report.render(data, manifest)
+    assert "/dev/zero is not there any more (or is not a policy source)" in page

@@ -14,6 +14,9 @@ from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
+from fabric_ext.loader import MAX_SOURCE
+
+from ..machine.fsutil import UnreadableFile, read_bounded
 from . import stats
 
 NUMBER = re.compile(r"^-?[\d,.]+(%| \w+/?\w*)?$")     # right-aligned: 12.5, 1,024, 35%, 1.2 GB/s
@@ -123,10 +126,10 @@ def _sources(data: dict, manifest: dict) -> list[dict]:
     out = []
     for src in manifest.get("sources", []):
         entry = {"file": src["file"], "lines": None, "missing": ""}
-        try:
-            text = Path(src["path"]).read_bytes()
-        except OSError:
-            entry["missing"] = f"{src['path']} is not there any more"
+        try:        # the manifest names it: a regular file of a policy's size at most, never a device
+            text = read_bounded(Path(src["path"]), MAX_SOURCE)
+        except (OSError, UnreadableFile):
+            entry["missing"] = f"{src['path']} is not there any more (or is not a policy source)"
         else:
             if hashlib.sha256(text).hexdigest() != src["sha256"]:
                 entry["missing"] = f"{src['path']} changed since the policy was compiled"

@@ -404,7 +404,8 @@ def plots(report: dict, folder) -> list[str]:
                     **look | {"linestyle": ":", "alpha": 0.8})
     ax.set_xlabel("time (ms)")
     ax.set_ylabel("utilisation (%)")
-    ax.legend(fontsize=7, ncol=2)
+    if ax.get_legend_handles_labels()[0]:       # (a run that moved nothing has no lines)
+        ax.legend(fontsize=7, ncol=2)
     ax.set_title("link utilisation" + (" (dotted: baseline, no programs)" if base else ""))
     out.append(_save(plt, fig, folder / "link_utilisation.png"))
     fig, ax = plt.subplots(figsize=(10, 4))
@@ -421,7 +422,8 @@ def plots(report: dict, folder) -> list[str]:
         ax.step([x["layer"] for x in base["layers"]], total, where="mid", color="black", label="baseline total")
     ax.set_xlabel("layer")
     ax.set_ylabel("ms")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     ax.set_title("per-layer compute and stall")
     out.append(_save(plt, fig, folder / "layers.png"))
     return out
