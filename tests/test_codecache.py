@@ -190,3 +190,25 @@ def test_a_later_fabric_run_compiles_nothing_and_reports_the_same(tmp_path):
         for island in r["islands"]:
             island.pop("ns_per_invocation")
     assert reports[0] == reports[1]
+
+
+def test_the_jit_emits_only_the_map_the_verifier_proved_a_call_is_on():
+    """telemetry's sw0.forward looks up two hash maps: each call site gets that one map's probe,
+    not a dispatch over every map of the program; unverified (no proof), every map's."""
+    import re
+
+    from fabric_ext.contract.bundle import create_maps, load_bundle
+    from fabric_ext.runtime.machine.lift import Lifter
+    from fabric_ext.runtime.machine.verifier import verify
+    from policy_helpers import compiled
+    bundle = load_bundle(compiled("telemetry"))
+    maps = create_maps(bundle.manifest)
+    prog = bundle.islands["sw0"]["forward"]
+    prog.maps = [maps[m.name] for m in prog.maps]
+    verify(prog)
+    assert prog.call_maps
+    cases = lambda ir: {(int(pc), int(i)) for pc, i in re.findall(r'^"?map(\d+)_(\d+)"?:', ir, re.MULTILINE)}  # noqa: E731
+    proven = cases(str(Lifter(prog, "p", prog.proof, False).build()))
+    every = cases(str(Lifter(prog, "q", None, False).build()))
+    assert proven and proven <= set(prog.call_maps.items()) and proven < every     # (hash updates: the callback)
+    assert len({pc for pc, _ in proven}) == len(proven)          # one map's code per call site

@@ -92,7 +92,8 @@ def _code_key(cache: CodeCache, prog: Program, proof: dict | None, counted: bool
                       for m in prog.maps)
     mask = ctx_write_mask(prog.hook, prog.ctx_size) if prog.ctx_size else b""
     proven = "-" if proof is None else ";".join(f"{pc}:{','.join(sorted(k))}:{prog.mem_extent.get(pc, '')}"
-                                                 for pc, k in sorted(proof.items()))
+                                                 for pc, k in sorted(proof.items())) + \
+        ";calls:" + ",".join(f"{pc}={i}" for pc, i in sorted(prog.call_maps.items()))
     return cache.key(prog.code, shapes.encode(), mask, proven.encode(), b"counted" if counted else b"")
 
 

@@ -548,10 +548,12 @@ class Lifter:
         dflt = self.fn.append_basic_block(f"map{pc}_cb")
         sw = b.switch(idx, dflt)
         incoming = []
+        # where the verifier proved which map r1 references, only that map's code
+        only = self.p.call_maps.get(pc) if self.proof is not None else None
         for i, m in enumerate(maps):
             native = m.type in (ARRAY, PERCPU_ARRAY) or \
                 (hid == Hl.MAP_LOOKUP_ELEM and m.type in (HASH, PERCPU_HASH, LRU_HASH))
-            if not native:
+            if not native or only is not None and i != only:
                 continue
             bb = self.fn.append_basic_block(f"map{pc}_{i}")
             sw.add_case(I64(i), bb)

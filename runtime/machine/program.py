@@ -36,6 +36,7 @@ class Program:
     section: str = ""
     proof: dict | None = None   # set by the verifier: pc -> memory kinds its access is proven in
     mem_extent: dict = field(default_factory=dict)   # ... pc -> bytes of given memory (mem) it reaches at most
+    call_maps: dict = field(default_factory=dict)    # ... pc of a map helper call -> the one map it is on
 
     def __post_init__(self):
         self.slots = isa.to_slots(self.insns)

@@ -97,6 +97,7 @@ class Verifier:
         self.bare = not self.ctx_size if bare_mem is None else bare_mem
         self.kinds: dict[int, set] = {}   # pc -> the kinds of memory its accesses were proven in
         self.mem_extent: dict[int, int | None] = {}   # pc -> bytes of given memory it reaches (None: unbounded)
+        self.call_maps: dict[int, set] = {}   # pc of a map helper call -> the maps its r1 may reference
         self.pc = 0                       # the instruction being checked (for a defect's message)
 
     def fail(self, pc, msg):
@@ -191,6 +192,7 @@ class Verifier:
     def _explore(self, widening: bool, budget: int) -> int:
         self.kinds = {}
         self.mem_extent = {}
+        self.call_maps = {}
         slots = self.p.slots
         # Depth-first: the work list is LIFO, so a popped item's path is a prefix of the
         # current one; `on_path` holds the loop-head states of the current path only.
@@ -241,6 +243,7 @@ class Verifier:
                 pc = nxt
         self.p.proof = {pc: frozenset(k) for pc, k in self.kinds.items()}
         self.p.mem_extent = {pc: n for pc, n in self.mem_extent.items() if n is not None}
+        self.p.call_maps = {pc: next(iter(ms)) for pc, ms in self.call_maps.items() if len(ms) == 1}
         return processed
 
     def _leaders(self):
@@ -589,6 +592,7 @@ class Verifier:
                 if not isinstance(v, MapPtr):
                     self.fail(pc, f"{spec.name}: r{i} must be a map reference")
                 mp = self.p.maps[v.map]
+                self.call_maps.setdefault(pc, set()).add(v.map)
                 if (mp.kind == "ringbuf") != spec.name.startswith("ringbuf"):
                     self.fail(pc, f"{spec.name} cannot be used on the {mp.kind} map '{mp.name}'")
             elif kind in (Hl.KEY, Hl.VALUE):
@@ -769,6 +773,6 @@ def verify(prog: Program, max_insns: int = I.VERIFY_BUDGET) -> int:
     except VerifierError:
         raise
     except Exception as e:  # noqa: BLE001 - a verifier defect must reject, never crash the caller
-        prog.proof, prog.mem_extent = None, {}
+        prog.proof, prog.mem_extent, prog.call_maps = None, {}, {}
         raise VerifierError(prog, v.pc, f"verifier bug ({type(e).__name__}: {e}); the program is "
                             "rejected; please report it") from None
