@@ -157,3 +157,14 @@ def test_fabric_vm_run_ctx_by_names_errors(ctx, hook, says):
     from policy_helpers import compiled
     r = vm("run", compiled("nic_pacing") / "nic0.bpf.o", *(["--hook", hook] if hook else []), "--ctx", ctx)
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_disassembled_program_runs_as_its_object_does(tmp_path):
+    from policy_helpers import compiled
+    obj = compiled("prefill_qos") / "nic0.bpf.o"
+    listing = tmp_path / "tx.asm"
+    listing.write_text(vm("disasm", obj).stdout)
+    movement = load_manifest(compiled("prefill_qos"))["ids"]["movements"]["kv_export"]
+    ran = [vm("run", f, "--hook", "dpu.tx", "--ctx", f"bytes=4KiB,movement={movement}") for f in (obj, listing)]
+    assert all(r.returncode == 0 for r in ran), [r.stderr for r in ran]
+    assert ran[0].stdout == ran[1].stdout and "decision rate = 25000000000" in ran[0].stdout
