@@ -40,6 +40,12 @@ def port_index(g: DiGraph, device: str, peer: str) -> int:
     return p.index(peer) if peer in p else 0
 
 
+def island_role(island: str, src: str, dst: str, device_island: dict[str, str]) -> str:
+    """The role of ``island`` for a chunk going from device src to dst: "src" or "dst" where
+    the island holds that end (a switch holds its memory), else "transit"."""
+    return "src" if device_island.get(src) == island else "dst" if device_island.get(dst) == island else "transit"
+
+
 def island_roles(path: list[str], device_island: dict[str, str]) -> list[tuple[str, str]]:
     """The islands a path crosses, in order, each with its role: src, transit or dst.  A
     switch and its memory are one island; an endpoint role wins over transit."""

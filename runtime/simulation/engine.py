@@ -154,12 +154,8 @@ class Engine:
                  for n, d in self.devices.items() if d["kind"] in ("dpu", "nic")}
         kinds = {n: i["kind"] for n, i in self.islands.items()}
         engines = {n: int(self._gpu_figure(n, "copy_engines")) for n, d in self.devices.items() if d["kind"] == "gpu"}
-        fabric = Fabric(self.sim, g, self.device_island, kinds, wires, mem, self.site, engines,
-                        self.opts.finish_events, self._evidence)
-        if self.opts.trace:
-            for srv in {*fabric.servers.values(), *fabric.wires.values()}:
-                srv.depth = []
-        return fabric
+        return Fabric(self.sim, g, self.device_island, kinds, wires, mem, self.site, engines,
+                      self.opts.finish_events, self._evidence)
 
     @property
     def _evidence(self) -> bool:

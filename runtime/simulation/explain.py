@@ -234,7 +234,7 @@ class Explainer:
             s, e, nbytes = ivs[i]
             lo, hi = max(s, a), min(e, b)
             if hi > lo:
-                other, prio, _ = occ[i]
+                other, prio, _, _ = occ[i]
                 busy += hi - lo
                 if other is t or (other.cls == t.cls and (other.start <= t.start or other.layer == t.layer)):
                     add(self._bandwidth(server, t), hi - lo)     # what is needed no later than t

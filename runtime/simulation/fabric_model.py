@@ -169,8 +169,8 @@ class Server:
         self.record: list | None = None           # where a watcher wants transmission starts
         self.sent_lane = 0
         self.enqueued_lane: int | None = None     # ... and enqueues, if it does
-        self.occupants: list | None = None        # with evidence on: (transfer, priority, chunk index) per interval
-        self.depth: list | None = None            # for a trace: (time, queued bytes) at every change
+        self.occupants: list | None = None        # with evidence on, per interval: (transfer, priority,
+                                                  # chunk index, when the chunk was enqueued)
         self.ends = ("", "")                      # (device, what it leads to: a device, "memory", "wire")
 
     def watch(self, record: list | None, sent_lane: int, enqueued_lane: int | None = None) -> None:
@@ -185,8 +185,6 @@ class Server:
         ``sent_at`` is given, maybe ``sent_at(chunk, end)`` at its start instead (see above)."""
         now = chunk.enqueued = self.sim.now
         self.queued_bytes += chunk.bytes
-        if self.depth is not None:
-            self.depth.append((now, self.queued_bytes))
         if self.enqueued_lane is not None:
             self.record.extend((now, self.enqueued_lane, chunk.bytes))
         if not self.busy and not self.classes and now >= self.free_at:
@@ -238,13 +236,11 @@ class Server:
             dt = chunk.bytes / min(t.pace, self.bw) * 1e9
         self.bytes += chunk.bytes
         self.queued_bytes -= chunk.bytes
-        if self.depth is not None:
-            self.depth.append((now, self.queued_bytes))
         self.intervals.append((now, now + dt, chunk.bytes))
         if self.record is not None:
             self.record.extend((now, self.sent_lane, chunk.bytes))
         if self.occupants is not None:
-            self.occupants.append((t, chunk.priority, chunk.index))
+            self.occupants.append((t, chunk.priority, chunk.index, chunk.enqueued))
         if chunk.trail is not None:
             if now > chunk.enqueued:
                 chunk.trail.append(("queue", chunk.enqueued, now, self))
@@ -417,11 +413,9 @@ class Fabric:
     def _dequeued(self, chunk: Chunk, wait: float) -> None:
         path = chunk.path
         isl = self.device_island.get(path[chunk.hop])     # the sending end (a memory: its island's)
-        if isl is not None:
-            islands = self.device_island
-            role = "src" if islands.get(path[0]) == isl else "dst" if islands.get(path[-1]) == isl else "transit"
-            if firing(self.island_kind.get(isl, ""), "dequeue", role):
-                self.hooks.on_dequeue(chunk, isl, wait)
+        if isl is not None and firing(self.island_kind.get(isl, ""), "dequeue",
+                                      topology.island_role(isl, path[0], path[-1], self.device_island)):
+            self.hooks.on_dequeue(chunk, isl, wait)
 
     # -- transfers --------------------------------------------------------------------
     def start(self, t: Transfer) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from fabric_ext.contract.flows import MovementTable
 from fabric_ext.contract.hooks import firing
+from fabric_ext.contract.topology import island_role
 
 from .decisions import DecisionCache, HookPlan
 from .dispatch import Known
@@ -207,9 +208,7 @@ class ShimHookSite(HookSite):
 
     def _enter_hooks(self, island, src, dst):
         """The hooks a chunk from src to dst meets on entering ``island`` (the catalogue's)."""
-        role = "src" if self.device_island.get(src) == island else \
-            "dst" if self.device_island.get(dst) == island else "transit"
-        return firing(self.islands[island]["kind"], "enter", role)
+        return firing(self.islands[island]["kind"], "enter", island_role(island, src, dst, self.device_island))
 
     def on_delivered(self, chunk, island, latency):
         if not self._one_hook_plan(island, "complete", chunk.transfer.movement_id).hooks:

@@ -85,13 +85,13 @@ def _run(events: list, tracks: _Tracks, r: RunRecord) -> None:
         for (start, stop, nbytes), who in zip(srv.intervals, occupants):
             args = {"bytes": nbytes}
             if who is not None:
-                t, priority, index = who
+                t, priority, index, _ = who
                 args.update(movement=t.name, layer=t.layer, chunk=index, priority=priority)
             events.append({"ph": "X", "pid": pid, "tid": tid, "name": args.get("movement", f"{nbytes >> 10} KiB"),
                            "ts": start / 1e3, "dur": (stop - start) / 1e3, "cat": "transfer", "args": args})
         events.extend(_counters(pid, f"{row} utilisation %", _utilisation(srv.intervals, horizon), "util"))
-        if srv.depth:
-            events.extend(_counters(pid, f"{row} queued bytes", _depth(srv.depth, horizon), "bytes"))
+        if srv.occupants:
+            events.extend(_counters(pid, f"{row} queued bytes", _depth(srv, horizon), "bytes"))
     if r.explain is not None:
         links = {srv.name: _link_row(srv) for srv in r.servers}
         events.extend(_stalls(r.explain, tracks, links))
@@ -114,11 +114,19 @@ def _utilisation(intervals: list, horizon: float) -> list[tuple[float, float]]:
     return [(k * width, round(min(b / width, 1.0) * 100, 2)) for k, b in enumerate(busy)]
 
 
-def _depth(changes: list[tuple[float, int]], horizon: float) -> list[tuple[float, int]]:
-    """The most bytes queued at a link in each of DEPTH_BINS bins, where it changed."""
+def _depth(srv, horizon: float) -> list[tuple[float, int]]:
+    """The most bytes queued at a link in each of DEPTH_BINS bins, where it changed: each chunk
+    counts from its enqueueing to the start of its transmission (`Server.occupants`)."""
+    changes = []
+    for (start, _, nbytes), (_, _, _, enqueued) in zip(srv.intervals, srv.occupants):
+        if start > enqueued:            # (a chunk sent as it came never queued)
+            changes += [(enqueued, nbytes), (start, -nbytes)]
+    changes.sort(key=lambda c: (c[0], c[1] > 0))      # at one time, what leaves before what comes
     width = horizon / DEPTH_BINS
     peak: dict[int, int] = {}
-    for t, queued in changes:
+    queued = 0
+    for t, delta in changes:
+        queued += delta
         k = min(int(t // width), DEPTH_BINS - 1)
         peak[k] = max(peak.get(k, 0), queued)
     out, last = [], None
