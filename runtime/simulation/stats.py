@@ -93,20 +93,25 @@ def collect(r: RunRecord) -> dict:
             "faults": r.faults, "refused": r.refused, **({"explain": r.explain} if r.explain_asked else {})}
 
 
+def utilisation(intervals: list, horizon: float, bins: int = TIMELINE_BINS) -> np.ndarray:
+    """The share of each of ``bins`` equal bins of [0, horizon] a link spent sending."""
+    timeline = np.zeros(bins)
+    width = horizon / bins
+    for start, stop, _ in intervals:
+        a, b = int(start // width), int(min(stop, horizon - 1e-9) // width)
+        if a == b:
+            timeline[min(a, bins - 1)] += stop - start
+        else:
+            for k in range(a, min(b, bins - 1) + 1):
+                lo, hi = max(start, k * width), min(stop, (k + 1) * width)
+                timeline[k] += max(0.0, hi - lo)
+    return np.minimum(timeline / width, 1.0)
+
+
 def _link(srv, horizon: float) -> dict:
     """A link's bytes, chunks and utilisation: on average, at its peak and over the run in
     TIMELINE_BINS bins."""
-    timeline = np.zeros(TIMELINE_BINS)
-    width = horizon / TIMELINE_BINS
-    for start, stop, _ in srv.intervals:
-        a, b = int(start // width), int(min(stop, horizon - 1e-9) // width)
-        if a == b:
-            timeline[min(a, TIMELINE_BINS - 1)] += stop - start
-        else:
-            for k in range(a, min(b, TIMELINE_BINS - 1) + 1):
-                lo, hi = max(start, k * width), min(stop, (k + 1) * width)
-                timeline[k] += max(0.0, hi - lo)
-    util = np.minimum(timeline / width, 1.0)
+    util = utilisation(srv.intervals, horizon)
     return {"name": srv.name, "bytes": srv.bytes, "chunks": len(srv.intervals), "bw_gbps": round(srv.bw / 1e9, 3),
             "util_avg": round(float(sum(b - a for a, b, _ in srv.intervals) / horizon), 4),
             "util_peak": round(float(util.max()) if len(util) else 0.0, 4),
