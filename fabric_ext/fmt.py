@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import re
 
+from fabric_ext.parser import TOKENS
 from fabric_ext.runtime.machine.errors import FabricError
 
-_TOKEN = re.compile(
-    r"(?P<comment>//[^\n]*|/\*.*?\*/)|(?P<string>\"[^\"\n]*\")|(?P<space>[ \t]+)|(?P<newline>\r?\n)"
-    r"|(?P<code>(?:max|min)=(?!=)|[A-Za-z_]\w*|\d[\w.]*(?:/s|%)?|==|!=|<=|>=|&&|\|\||<<|>>|\.\.|<->|->|\?\?"
-    r"|[-+|&]=|\S)", re.S)
+_WHITE = re.compile(r"\r?\n|[^\S\n]+")
 #: operators that get a space on each side
 SPACED = frozenset({"=", "+=", "-=", "|=", "&=", "max=", "min=", "==", "!=", "<=", ">=", "&&", "||", "->", "<->"})
 OPEN, CLOSE = {"{": "}", "(": ")", "[": "]"}, {"}", ")", "]"}
@@ -33,7 +31,19 @@ class FormatError(FabricError):
 
 
 def _tokens(text: str) -> list[tuple[str, str]]:
-    return [(m.lastgroup, m.group()) for m in _TOKEN.finditer(text)]
+    """(kind, text) of each token (`parser.TOKENS`) and each run of white space between them:
+    kind is comment, string, code, space or newline."""
+    out, pos = [], 0
+    for m in TOKENS.finditer(text):
+        out += _white(text, pos, m.start())
+        tok = m.group()
+        out.append(("comment" if tok[:2] in ("//", "/*") else "string" if tok[0] == '"' else "code", tok))
+        pos = m.end()
+    return out + _white(text, pos, len(text))
+
+
+def _white(text: str, start: int, end: int) -> list[tuple[str, str]]:
+    return [("newline" if w.group()[-1] == "\n" else "space", w.group()) for w in _WHITE.finditer(text, start, end)]
 
 
 def _lines(tokens):

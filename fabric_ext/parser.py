@@ -22,7 +22,7 @@ MAX_NUMBER_CHARS = 40        # digits, point and unit: far more than any 64-bit 
 # how deep blocks and brackets may nest, and how many tokens one statement may have: the
 # passes recurse over the tree, so these bound their depth (a policy needs a handful of each)
 MAX_NESTING, MAX_STATEMENT_TOKENS = 64, 400
-EXPRESSION_ENDS = {"{", "}", "=", ",", "if", "else", "on", "at"}
+EXPRESSION_ENDS = {"{", "}", "=", "+=", "-=", "|=", "&=", "max=", "min=", ",", "if", "else", "on", "at"}
 
 # human names for the terminals lark reports as expected
 _TOKEN_NAMES = {
@@ -313,17 +313,18 @@ class _Build(Transformer):
         return list(items)
 
 
-# the tokens `_too_complex` counts: comments and strings (skipped), then names, numbers with
-# their units, two-character operators and any other single character -- a scan in C, where
-# running Lark's lexer a second time would cost as much as the parse itself
-_SCAN = re.compile(r'//[^\n]*|/\*.*?\*/|"[^"\n]*"|[A-Za-z_]\w*|\d[\w.]*(?:/s|%)?'
-                   r"|==|!=|<=|>=|&&|\|\||<<|>>|\.\.|<->|->|\S", re.S)
+#: the language's tokens as a scan in C (running Lark's lexer a second time would cost as much
+#: as the parse itself): comments, strings, the update operators, names, numbers with their
+#: units, two-character operators and any other single character; what lies between matches
+#: is white space.  `_too_complex` counts them; `fmt` lays them out.
+TOKENS = re.compile(r'//[^\n]*|/\*.*?\*/|"[^"\n]*"|(?:max|min)=(?!=)|[A-Za-z_]\w*|\d[\w.]*(?:/s|%)?'
+                    r"|==|!=|<=|>=|&&|\|\||<<|>>|\.\.|<->|->|\?\?|[-+|&]=|\S", re.S)
 
 
 def _too_complex(text: str, file: str, diags: Diagnostics) -> bool:
     """Report nesting or statements beyond what the passes can recurse over."""
     depth, run = 0, 0
-    for m in _SCAN.finditer(text):
+    for m in TOKENS.finditer(text):
         tok = m.group()
         if tok[0] == '"' or tok[:2] in ("//", "/*"):
             continue
