@@ -9,8 +9,9 @@ What it changes, and only this:
 - lines: no trailing spaces, no blank lines at the end, one newline at the end.
 
 Lines are never joined, split or dropped, so every line keeps its number: a diagnostic, or
-an object's line info, points where it did.  The text it returns holds the same tokens, comments included, in the same
-order (`format_source` checks that before returning); formatting is idempotent.
+an object's line info, points where it did.  The text it returns holds the same tokens
+(`parser.TOKENS`), comments included, in the same order (`format_source` checks that before
+returning); formatting is idempotent.
 """
 from __future__ import annotations
 
