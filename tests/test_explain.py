@@ -199,3 +199,13 @@ def test_a_decision_with_no_line_in_the_manifest_is_named_without_one():
     ex = Explainer(None, programs)
     assert ex._handler("sw0", lambda h: h == "forward", 1, "rate") == ("forward", 9, "")
     assert ex._handler("sw0", lambda h: h == "forward", 1, "defer") == (None, None, "")
+
+
+def test_a_rate_at_a_switch_names_the_forward_handlers_line(tmp_path):
+    """A hold decided on entering an island (not at issue) is named by that island's handler."""
+    text = _policy("weights: pool0; kv: hbm", WEIGHTS, "  on w.forward at sw0 { rate = 2GB/s }")
+    report = _explain(tmp_path, text)
+    _check_sums(report)
+    step = _top(report)[1]
+    assert (step["cause"], step["where"], step["line"]) == ("rate", "sw0", _line_of(text, "rate = 2GB/s"))
+    assert step["decision"] == "rate at sw0.forward"

@@ -131,3 +131,13 @@ def test_fmt_leaves_a_file_that_does_not_parse(tmp_path):
     assert r.returncode == 1 and "bad.fx:2:" in r.stderr and "Traceback" not in r.stderr
     assert bad.read_text() == "policy p {\n  on x.issue { priority = }\n}\n"
     assert fabricc("fmt", tmp_path / "nope.fx").returncode == 2
+
+
+def test_a_new_output_file_gets_the_umasks_mode(tmp_path):
+    from fabric_ext.runtime.machine.fsutil import atomic_write_text
+    old = os.umask(0o027)
+    try:
+        atomic_write_text(tmp_path / "new.json", "{}\n")
+    finally:
+        os.umask(old)
+    assert oct((tmp_path / "new.json").stat().st_mode & 0o777) == oct(0o640)

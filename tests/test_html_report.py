@@ -73,3 +73,22 @@ def test_a_manifest_naming_a_device_as_its_source_does_not_hang_the_page(tmp_pat
     manifest = {"programs": [], "sources": [{"file": "p.fx", "path": "/dev/zero", "sha256": "0" * 64}]}
     page, _ = html_report.render(data, manifest)
     assert "/dev/zero is not there any more (or is not a policy source)" in page
+
+
+def test_without_matplotlib_the_page_says_so_and_the_run_warns(tmp_path, monkeypatch):
+    from fabric_ext import api
+    from fabric_ext.runtime.simulation import stats
+    from policy_helpers import compiled
+
+    def no_matplotlib(*_):
+        raise ImportError("matplotlib")
+    monkeypatch.setattr(stats, "plots", no_matplotlib)
+    page, warnings = api.run(compiled("nic_pacing"), prompt=256, backend="interp").html()
+    assert warnings == ["no plots: they need matplotlib (pip install 'fabric-ext[plot]')"]
+    assert "no plots: they need matplotlib" in page and "<img" not in page
+
+
+def test_html_takes_one_policy(tmp_path):
+    r = fabric_run("--policy", POLICIES / "nic_pacing.fx", "--policy", POLICIES / "kv_tiering.fx",
+                   "--html", tmp_path / "r.html")
+    assert r.returncode == 2 and "--html take one policy" in r.stderr and not (tmp_path / "r.html").exists()

@@ -65,3 +65,15 @@ def test_stalls_carry_their_chain(traced):
     stalls = [e for e in _events(traced[1], "X", "stall") if e["pid"] < 1000]
     assert stalls and all(e["args"] for e in stalls)
     assert all(e["name"].startswith("stall: ") for e in stalls)
+
+
+def test_the_queue_counters_count_only_chunks_that_waited(traced):
+    report, trace = traced
+    peaks = {}
+    for e in _events(trace, "C"):
+        if e["pid"] < 1000 and e["name"].endswith("queued bytes"):
+            peaks[e["name"]] = max(peaks.get(e["name"], 0), e["args"]["bytes"])
+    waited = {srv.name for srv in report._record.servers if any(start > occ[3] for (start, _, _), occ in
+                                                                 zip(srv.intervals, srv.occupants or []))}
+    assert peaks["memory channel queued bytes"] >= 2 << 20          # weights queue at the pool's memory
+    assert "pool0 memory" in waited and len(peaks) <= len(waited)   # a link nothing waited at has no counter
