@@ -186,7 +186,8 @@ def test_every_stored_coefficient_is_what_a_refit_of_the_shared_data_gives():
 @needs_data
 def test_the_model_is_within_its_error_bounds_of_the_measured_prefills(validated):
     """Per (model, GPU) group: median |error| within 8 %; every point within 25 % (issue 14's
-    15 % is not met: docs/model.md names the points and why); the hardware alone is too fast."""
+    15 % is met on BLOOM H100 only: docs/model.md names the other points and why); the
+    hardware alone is too fast."""
     rows, skipped = validated
     assert len(rows) == 64 and len(skipped) == 2
     for group, s in validation.summary(rows).items():
@@ -194,6 +195,7 @@ def test_the_model_is_within_its_error_bounds_of_the_measured_prefills(validated
             assert s["median"] <= 0.08, (group, s)
             assert s["max"] <= 0.25, (group, s)
             assert s["hardware"] < -0.1, (group, s)
+    assert validation.summary(rows)["bloom-176b h100-80gb"]["max"] <= 0.15
 
 
 def test_an_error_beyond_the_runs_is_the_distance_to_the_nearest_repeated_run():
@@ -232,3 +234,21 @@ def test_the_stacks_per_prompt_cost_and_large_allreduce_share_take_effect(tmp_pa
     beyond = none["allreduce_beyond_profile_ms"]
     assert beyond > 0 and half["allreduce_beyond_profile_ms"] == beyond
     assert half["ttft_ms"] - none["ttft_ms"] == pytest.approx(beyond, rel=0.05)
+
+
+def test_the_stacks_alibi_attention_factor_stretches_only_alibi_attention(tmp_path, monkeypatch):
+    """A stack's ALiBi attention factor multiplies the attention core of an ALiBi model (BLOOM)
+    and nothing else: the prefill takes (factor - 1) x that attention's time longer, every other
+    operator keeps its time, and a RoPE model (Llama) runs as without it."""
+    monkeypatch.setitem(figures()["stacks"], "slow_alibi", {"alibi_attention_factor": {"h100_sxm": 3.0}})
+    bloom = compile_text(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="bloom-176b"), name="bloom")
+    none, _ = run(bloom, prompt=2048, tp=8, stack="none")
+    slow, _ = run(bloom, prompt=2048, tp=8, stack="slow_alibi")
+    attn = none["operators"]["attn"]
+    assert attn > 0 and slow["operators"]["attn"] == pytest.approx(3 * attn, abs=1e-3)
+    assert {k: v for k, v in slow["operators"].items() if k != "attn"} == \
+        {k: v for k, v in none["operators"].items() if k != "attn"}
+    assert slow["ttft_ms"] - none["ttft_ms"] == pytest.approx(2 * attn, rel=0.01)
+    llama = compile_text(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"), name="llama")
+    assert run(llama, prompt=2048, tp=8, stack="slow_alibi")[0]["ttft_ms"] == \
+        run(llama, prompt=2048, tp=8, stack="none")[0]["ttft_ms"]

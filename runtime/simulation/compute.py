@@ -111,6 +111,8 @@ class Stack:
     large_busbw_factor: dict = field(default_factory=dict)   # TP degree -> bus bandwidth share, beyond the profile
     per_prompt_ms: float = 0.0     # CPU time per prompt of the batch in a pass
     tail_ms: float = 0.0           # from the last kernel to the first token out
+    # GPU profile -> the stack's ALiBi attention kernel time / the FlashAttention curve's
+    alibi_attention_factor: dict = field(default_factory=dict)
 
     @classmethod
     def named(cls, name: str) -> Stack:
@@ -120,13 +122,22 @@ class Stack:
         s = stacks[name]
         return cls(name, dict(s.get("floor_ms", {})), dict(s.get("kernel_factor", {})),
                    dict(s.get("large_busbw_factor", {})), float(s.get("per_prompt_ms", 0.0)),
-                   float(s.get("tail_ms", 0.0)))
+                   float(s.get("tail_ms", 0.0)), dict(s.get("alibi_attention_factor", {})))
 
     def floor(self, gpu: str) -> float:
         return float(self.floor_ms.get(gpu, 0.0))
 
     def kernels(self, gpu: str) -> float:
         return float(self.kernel_factor.get(gpu, 1.0))
+
+    def kernel(self, gpu: str, op: Operator) -> float:
+        """Op's time in this stack relative to the compute model's: the GPU's kernel factor,
+        and for attention with ALiBi biases the stack's own kernel's factor beside it (a stack
+        may time ALiBi with another kernel than the FlashAttention curve describes)."""
+        factor = self.kernels(gpu)
+        if op.kind == ATTENTION and op.alibi:
+            factor *= float(self.alibi_attention_factor.get(gpu, 1.0))
+        return factor
 
     def busbw(self, tp: int) -> float:
         """The share of the profiled bus bandwidth an all-reduce at or beyond the largest

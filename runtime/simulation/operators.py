@@ -27,6 +27,7 @@ class Operator:
     seqs: int = 0            # sequences (attention), for the kernel's grid
     context: int = 0         # keys each sequence's last query sees (attention)
     heads: int = 0           # query heads on this GPU (attention)
+    alibi: bool = False      # attention scores biased by ALiBi (BLOOM) rather than rotated keys
 
 
 def _gemm(name, tokens, i, o, dt):
@@ -49,7 +50,8 @@ def attention_block(m, seqs: int, start: int, n: int, tp: int) -> list[Operator]
     # causal: the i-th new token sees start + i keys, start + n/2 on average
     flops = 4.0 * tokens * (start + n / 2) * heads * d
     nbytes = dt * (tokens * 2 * (heads + kv) * d + seqs * start * 2 * kv * d)
-    ops.append(Operator("attn", ATTENTION, flops, float(nbytes), tokens, seqs=seqs, context=start + n, heads=heads))
+    ops.append(Operator("attn", ATTENTION, flops, float(nbytes), tokens, seqs=seqs, context=start + n, heads=heads,
+                        alibi=not m.rope))
     ops += [_gemm("attn_post_proj", tokens, heads * d, h, dt), _memory("add", tokens, 3 * tokens * h * dt)]
     return ops
 

@@ -29,7 +29,7 @@ class Timing:
             raise WorkloadError(f"unknown serving stack '{stack_name}': stacks are "
                                 f"{', '.join(figures()['stacks'])}") from None
         self.timers = {g: self._timer(g, gpu_props.get(g, {})) for g in gpus}
-        self.kernel_factor = {g: self.stack.kernels(self.timers[g].gpu.name) for g in gpus}
+        self.profile = {g: self.timers[g].gpu.name for g in gpus}
         self.durations: dict[tuple, float] = {}      # (gpu, pass, block) -> ns of its operators
         self._ops: dict[tuple, list] = {}            # (pass, block) -> its operators
         self.operator_ms = defaultdict(float)        # operator -> ms on the first GPU, the whole prefill
@@ -48,12 +48,15 @@ class Timing:
         key = (g, p, block)
         if key not in self.durations:
             ops = self.block(p, block)
-            times = [self.timers[g].time(op) * 1e9 * self.kernel_factor[g] for op in ops]
+            times = [self._ns(g, op) for op in ops]
             self.durations[key] = sum(times)
             if g == self.gpus[0]:
                 for op, t in zip(ops, times):
                     self.operator_ms[op.name] += t / 1e6 * self.workload.model.layers
         return self.durations[key]
+
+    def _ns(self, g, op) -> float:
+        return self.timers[g].time(op) * 1e9 * self.stack.kernel(self.profile[g], op)
 
     def block(self, p: int, block: str) -> list:
         """The operators of one layer's ``block`` ("attention" or "ffn") in pass p, on one GPU."""
@@ -70,7 +73,7 @@ class Timing:
             ([lm_head(w.model, w.batch, w.tp)] if last else [])
         ns = 0.0
         for op in ops:
-            t = self.timers[g].time(op) * 1e9 * self.kernel_factor[g]
+            t = self._ns(g, op)
             ns += t
             if g == self.gpus[0]:
                 self.operator_ms[op.name] += t / 1e6

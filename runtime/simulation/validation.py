@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .workload import load_model
+
 #: measured hardware -> the bundled fabric of that machine (its GPUs name their profile)
 MACHINES = {"a100-80gb": "dgx_a100.fx", "h100-80gb": "dgx_h100.fx"}
 #: measured model -> built-in model
@@ -120,11 +122,13 @@ def _hardware(points: list[Point]) -> list[dict]:
 
 def fit_stack(path: Path) -> dict:
     """The vllm stack, minimising the squared relative error of
-    ``max(floor[gpu], hardware + (k[gpu] - 1) compute + (1/f[tp] - 1) beyond + s * batch + tail)``
-    over every covered configuration: a floor per machine (its host CPU), a kernel factor per
-    GPU profile, a bus-bandwidth share per TP degree for all-reduces beyond the profiled
-    sizes, a cost per prompt in the batch, and a fixed tail (a grid over the floors, linear
-    least squares for the rest)."""
+    ``max(floor[gpu], hardware + (k[gpu] - 1) compute + k[gpu] (a[gpu] - 1) alibi
+    + (1/f[tp] - 1) beyond + s * batch + tail)`` over every covered configuration: a floor per
+    machine (its host CPU), a kernel factor per GPU profile, a factor per GPU profile for the
+    stack's ALiBi attention kernel against the FlashAttention curve (``alibi``: that attention's
+    time in the hardware-alone run), a bus-bandwidth share per TP degree for all-reduces beyond
+    the profiled sizes, a cost per prompt in the batch, and a fixed tail (a grid over the floors,
+    linear least squares for the rest)."""
     points, _ = measured(path)
     reports = _hardware(points)
     t = np.array([p.measured_ms for p in points])
@@ -132,18 +136,24 @@ def fit_stack(path: Path) -> dict:
     gpu = np.array([r["gpu"] for r in reports])
     gpus = sorted(set(gpu))
     tps = sorted({p.tp for p in points})
+    alibi = np.array([0.0 if load_model(MODELS[p.model]).rope else r["operators"]["attn"]
+                      for p, r in zip(points, reports)])
+    alibi_gpus = [g for g in gpus if alibi[gpu == g].any()]
     cols = [np.where(gpu == g, [r["compute_ms"] for r in reports], 0.0) for g in gpus]
+    cols += [np.where(gpu == g, alibi, 0.0) for g in alibi_gpus]
     cols += [np.array([r["allreduce_beyond_profile_ms"] if p.tp == tp else 0.0 for p, r in zip(points, reports)])
              for tp in tps]
     cols += [np.array([float(p.batch) for p in points]), np.ones_like(t)]
     a = np.vstack(cols).T
+    n, m = len(gpus), len(alibi_gpus)
+    held = [*range(n + m), a.shape[1] - 1]
     best = None
     grid = np.linspace(0, 100, 51)
-    for floors in itertools.product(grid, repeat=len(gpus)):
+    for floors in itertools.product(grid, repeat=n):
         floor = np.select([gpu == g for g in gpus], floors)
         active = np.ones_like(t, dtype=bool)
         for _ in range(4):            # the floor hides the points below it from the rest of the fit
-            x = _kernels_no_faster(a[active] / t[active, None], 1 - hw[active] / t[active], len(gpus))
+            x = _at_least_zero(a[active] / t[active, None], 1 - hw[active] / t[active], held)
             active = hw + a @ x > floor
         pred = np.maximum(floor, hw + a @ x)
         err = float(np.sum((pred / t - 1) ** 2))
@@ -151,10 +161,11 @@ def fit_stack(path: Path) -> dict:
             best = (err, floors, x, pred)
     _, floors, x, pred = best
     rel = np.abs(pred / t - 1)
-    n = len(gpus)
-    beyond = x[n:n + len(tps)]
+    kernel = {g: 1 + float(v) for g, v in zip(gpus, x[:n])}
+    beyond = x[n + m:n + m + len(tps)]
     return {"floor_ms": {g: round(float(f), 2) for g, f in zip(gpus, floors)},
-            "kernel_factor": {g: round(1 + float(v), 4) for g, v in zip(gpus, x[:n])},
+            "kernel_factor": {g: round(k, 4) for g, k in kernel.items()},
+            "alibi_attention_factor": {g: round(1 + float(v) / kernel[g], 3) for g, v in zip(alibi_gpus, x[n:n + m])},
             "large_busbw_factor": {str(tp): round(1 / (1 + float(v)), 4) if v > -1 else 1.0
                                    for tp, v in zip(tps, beyond)},
             "per_prompt_ms": round(float(x[-2]), 3), "tail_ms": round(float(x[-1]), 2),
@@ -162,15 +173,16 @@ def fit_stack(path: Path) -> dict:
             "max_rel_err": round(float(rel.max()), 4)}
 
 
-def _kernels_no_faster(a, rhs, n_kernels):
-    """Least squares of ``a x = rhs`` where the first ``n_kernels`` unknowns are a GPU's kernel
-    factor less 1: a stack's kernels are the profiled ones, never faster, so a factor that
-    would come out below 1 is held at 1 and the rest refitted."""
+def _at_least_zero(a, rhs, held):
+    """Least squares of ``a x = rhs`` where the unknowns ``held`` cannot be negative: a kernel
+    factor less 1 (a stack's kernels are the profiled ones, or the curve's, never faster) and
+    the tail (no time is taken back after the last kernel).  One that would come out below 0 is
+    held at 0 and the rest refitted."""
     keep = np.ones(a.shape[1], dtype=bool)
     while True:
         x = np.zeros(a.shape[1])
         x[keep] = np.linalg.lstsq(a[:, keep], rhs, rcond=None)[0]
-        low = [i for i in range(n_kernels) if keep[i] and x[i] < 0]
+        low = [i for i in held if keep[i] and x[i] < 0]
         if not low:
             return x
         keep[low] = False
