@@ -36,7 +36,7 @@ import llvmlite.binding as llvm
 MAGIC = b"FXJITOB2"          # 2: authenticated entries
 KEY_FILE, KEY_SIZE = "key", 32
 _warned: set[str] = set()    # folders already reported as unusable in this process
-_SOURCES = ("lift.py", "jit.py", "maps.py", "isa.py")
+_SOURCES = ("lift.py", "irtext.py", "jit.py", "maps.py", "isa.py")
 
 
 def default_dir(env: str = "FABRIC_EXT_JIT_CACHE", name: str = "jit") -> Path | None:

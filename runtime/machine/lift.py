@@ -1,4 +1,5 @@
-"""Lifting: verified eBPF bytecode to an LLVM IR module, one native function per subprogram.
+"""Lifting: verified eBPF bytecode to an LLVM IR module, one native function per subprogram
+(written as text by `irtext`, which `llvm.parse_assembly` reads).
 
 Registers are allocas that mem2reg promotes; basic blocks come from the jump
 targets; every instruction keeps its exact semantics (32-bit results
@@ -23,9 +24,9 @@ from __future__ import annotations
 import ctypes
 
 import llvmlite.binding as llvm
-import llvmlite.ir as L
 
 from . import helpers as Hl
+from . import irtext as L
 from . import isa as I
 from .maps import ARRAY, EMPTY, HASH, LRU_HASH, PERCPU_ARRAY, PERCPU_HASH, RINGBUF, USED
 from .program import Program
