@@ -3,6 +3,8 @@
 Every one must be rejected by our verifier (with a message that says why) and, where bpf(2)
 is permitted, by the kernel's; run without a proof, every backend must stop it with a fault."""
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from fabric_ext.runtime.machine import isa as I
 from fabric_ext.runtime.machine import kernel
@@ -378,20 +380,95 @@ mov %r0, %r7
 exit"""
 
 
-def test_a_loop_widening_cannot_prove_is_explored_up_to_the_kernels_budget():
-    """Summing a 256 KiB map value: the index's bound is lost when widened (the access would be
-    unbounded), so the loop is explored iteration by iteration past the first pass, within the
-    kernel's 1M instructions, as the kernel accepts it; it then runs unchecked."""
-    insns = [I.Insn(i.opcode, i.dst, I.PSEUDO_MAP_FD, i.off, 0) if i.is_lddw else i for i in assemble(SUM_MAP_VALUE)]
-    table = Map("m", ARRAY, 4, 262144, 1)
-    table.update(bytes(4), bytes(range(256)) * 1024)
-    prog = Program("sum", insns, [table])
-    assert 100_000 < verify(prog) < 1_000_000
-    assert prog.proof[12] == {"map_value"}
-    assert Interpreter().run(prog, mem=bytearray(8)) == sum(table.values[:262144].view("<u8").tolist()) & I.MASK64
+def _sum_loop(size: int, bound_in_register: bool = False) -> tuple[Program, Map]:
+    src = SUM_MAP_VALUE.replace("262144", str(size))
+    if bound_in_register:      # the same loop bounded by a register holding the size
+        src = src.replace("mov %r3, 0\n", f"mov %r3, 0\nmov %r5, {size}\n").replace(f"jlt %r3, {size},", "jlt %r3, %r5,")
+    insns = [I.Insn(i.opcode, i.dst, I.PSEUDO_MAP_FD, i.off, 0) if i.is_lddw else i for i in assemble(src)]
+    table = Map("m", ARRAY, 4, size, 1)
+    table.update(bytes(4), bytes(range(256)) * (size // 256))
+    return Program("sum", insns, [table]), table
+
+
+def test_widening_proves_a_loop_over_a_map_value_whatever_its_trip_count():
+    """Summing a 256 KiB (or 512 KiB) map value 8 bytes a step: the widened index stops at the
+    branch's bound and keeps its known low zero bits, so it is a multiple of 8 up to size - 8
+    and the read stays in the value.  The widened pass takes the same steps for either size
+    (after the first pass's 100,000), and the access runs unchecked."""
+    from fabric_ext.runtime.machine.jit import JitBackend
+    steps = []
+    for size in (262144, 524288):
+        prog, table = _sum_loop(size)
+        steps.append(verify(prog))
+        assert prog.proof[12] == {"map_value"}
+        expected = sum(table.values[:size].view("<u8").tolist()) & I.MASK64
+        assert Interpreter().run(prog, mem=bytearray(8)) == expected
+        jit = JitBackend()
+        assert jit.run(jit.load(prog), mem=bytearray(8)) == expected
+    assert steps[0] == steps[1] < 1000
     if kernel.permitted()[0]:
         kb = kernel.KernelBackend()
         try:
-            kb.load(prog)                   # the kernel accepts it too
+            kb.load(_sum_loop(262144)[0])                   # the kernel accepts it too
         finally:
             kb.close()
+
+
+def test_a_loop_widening_cannot_prove_is_explored_up_to_the_kernels_budget():
+    """Bounded by a register, not a constant, the widened index has no bound to stop at (the
+    access would be unbounded), so the loop is explored iteration by iteration past the first
+    pass, within the kernel's 1M instructions, as the kernel does."""
+    prog, table = _sum_loop(262144, bound_in_register=True)
+    assert 100_000 < verify(prog) < 1_000_000
+    assert prog.proof[13] == {"map_value"}
+    assert Interpreter().run(prog, mem=bytearray(8)) == sum(table.values[:262144].view("<u8").tolist()) & I.MASK64
+
+
+@settings(max_examples=400, deadline=None)
+@given(op=st.sampled_from(["add", "sub", "mul", "lsh", "rsh", "and", "or", "xor", "arsh", "div", "mod"]),
+       is64=st.booleans(), ranges=st.lists(st.tuples(st.integers(0, I.MASK64), st.integers(0, 1 << 20),
+                                                     st.integers(0, 12)), min_size=2, max_size=2),
+       picks=st.tuples(st.integers(0, 1 << 20), st.integers(0, 1 << 20)))
+def test_a_scalar_operation_holds_every_value_it_can_give(op, is64, ranges, picks):
+    """The verifier's result of an ALU operation on two scalar ranges (each a multiple of 2**k,
+    from `values.scalar`) holds the concrete result of every operand pair drawn from them,
+    range and known low zero bits alike (the JIT drops checks on what they prove)."""
+    from fabric_ext.runtime.machine.semantics import alu
+    from fabric_ext.runtime.machine.values import align_of, scalar
+    from fabric_ext.runtime.machine.verifier import Verifier
+    operands = []
+    for (lo, span, k), pick in zip(ranges, picks):
+        v = scalar(lo, min(lo + span * (1 << k), I.MASK64), k)
+        assume(v is not None)
+        step = 1 << align_of(v) if not v.constant else 1
+        x = min(v.lo + pick * step, v.hi) // step * step if step > 1 else min(v.lo + pick, v.hi)
+        assume(v.lo <= x <= v.hi)
+        operands.append((v, x))
+    (d, x), (s, y) = operands
+    cls = I.ALU64 if is64 else I.ALU
+    ins = I.Insn(cls | I.X | getattr(I, op.upper()), dst=1, src=2)
+    abstract = Verifier(Program("p", [I.Insn(I.ALU64 | I.MOV, 0), I.Insn(I.JMP | I.EXIT)])).scalar_op(ins, d, s, is64)
+    regs = [0] * 11
+    regs[1], regs[2] = x, y
+    concrete = alu(ins, cls, regs)
+    assert abstract.lo <= concrete <= abstract.hi, (abstract, concrete)
+    assert concrete % (1 << align_of(abstract)) == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(ranges=st.lists(st.tuples(st.integers(0, I.MASK64), st.integers(0, 1 << 16), st.integers(0, 10)),
+                       min_size=2, max_size=2),
+       constants=st.lists(st.integers(0, I.MASK64), max_size=4))
+def test_a_widened_scalar_holds_both_states_values_and_covers_them(ranges, constants):
+    """Widening a loop head's scalar (`widening._widen_value`, stopping at the branches'
+    constants) gives a range that holds every value of the old and the new state, each a
+    multiple of its known 2**k, and that `covers` both."""
+    from fabric_ext.runtime.machine.values import align_of, scalar
+    from fabric_ext.runtime.machine.widening import _covers_value, _widen_value, thresholds
+    a, b = (scalar(lo, min(lo + span * (1 << k), I.MASK64), k) for lo, span, k in ranges)
+    assume(a is not None and b is not None)
+    w = _widen_value(a, b, thresholds(constants))
+    for v in (a, b):
+        assert _covers_value(w, v)
+        for x in (v.lo, v.hi):
+            assert w.lo <= x <= w.hi and x % (1 << align_of(w)) == 0

@@ -18,14 +18,35 @@ class Uninit(NamedTuple):
 
 
 class Scalar(NamedTuple):
-    """A number in the unsigned range [lo, hi]."""
+    """A number in the unsigned range [lo, hi], a multiple of 2**align (as the kernel's tnum
+    knows a value's low bits are zero: an index stepped by 8 from 0 is a multiple of 8, so a
+    loop bounded by ``i < 4096`` reads at most at 4088).  A constant's align is 0: its value
+    says it (`align_of`); made by `scalar`, a range's bounds are multiples of 2**align."""
     lo: int = 0
     hi: int = M64
+    align: int = 0
     kind: str = "scalar"
 
     @property
     def constant(self) -> bool:
         return self.lo == self.hi
+
+
+def align_of(v: Scalar) -> int:
+    """How many low bits of every value of ``v`` are known to be zero (64 for the constant 0)."""
+    if v.lo == v.hi:
+        return (v.lo & -v.lo).bit_length() - 1 if v.lo else 64
+    return v.align
+
+
+def scalar(lo: int, hi: int, align: int = 0) -> Scalar | None:
+    """The scalar of the multiples of 2**align in [lo, hi] (None: there are none)."""
+    if align:
+        step = 1 << min(align, 64)
+        lo, hi = -(-lo // step) * step, hi // step * step
+        if lo > hi:
+            return None
+    return Scalar(lo, hi, min(align, 64) if lo != hi else 0)
 
 
 class Ctx(NamedTuple):

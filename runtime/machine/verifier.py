@@ -36,10 +36,12 @@ from .values import (
     Released,
     Scalar,
     StackPtr,
+    align_of,
     const,
     is_ptr,
+    scalar,
 )
-from .widening import covers, widen
+from .widening import covers, thresholds, widen
 
 M64, M32 = I.MASK64, I.MASK32
 FULL = (0, M64)
@@ -109,6 +111,7 @@ class Verifier:
         if n == 0:
             self.fail(0, "empty program")
         self.loop_heads = set()
+        constants = set()            # what branches compare with: where widening stops
         for pc, ins in enumerate(slots):
             if ins is None:
                 continue
@@ -148,6 +151,9 @@ class Verifier:
                 self._target(pc, t)
                 if t <= pc:
                     self.loop_heads.add(t)
+                if op != I.JA and not ins.opcode & I.X:
+                    constants.add(ins.imm & (M32 if c == I.JMP32 else M64))
+        self.stops = thresholds(constants)
 
     def _target(self, pc, t):
         if not 0 <= t < len(self.p.slots):
@@ -221,7 +227,7 @@ class Verifier:
                     if w is not None and covers(w, st):
                         break                   # the widened state's paths include this one's
                     if w is not None or len(seen.get(pc, ())) >= WIDEN_AFTER:
-                        joined = widen(w, st) if w is not None else st.copy()
+                        joined = widen(w, st, self.stops) if w is not None else st.copy()
                         if joined is not None:
                             widened[pc] = joined
                             st = joined.copy()
@@ -451,7 +457,7 @@ class Verifier:
             r = (0, mask)
         if r is None:
             r = (0, mask)
-        return Scalar(*r)
+        return scalar(*r, _result_align(op, d, s, 64 if is64 else 32)) or Scalar(*r)
 
     # -- memory --------------------------------------------------------------------------------
     def _stack_frame(self, st, ptr: StackPtr):
@@ -752,10 +758,29 @@ class Verifier:
                 hi -= 1
         else:
             return
-        if lo > hi:
-            return
-        st.top.regs[ins.dst] = Scalar(lo, hi)
+        narrowed = scalar(lo, hi, align_of(a)) if lo <= hi else None
+        if narrowed is not None:
+            st.top.regs[ins.dst] = narrowed
 
+
+
+def _result_align(op: int, d: Scalar, s: Scalar, bits: int) -> int:
+    """How many low bits of a ``bits``-wide operation's result are known zero, from its
+    operands': exact modulo 2**bits, so wrapping, truncation to 32 bits and overflow keep it."""
+    a, b = min(align_of(d), bits), min(align_of(s), bits)
+    if op in (I.ADD, I.SUB, I.OR, I.XOR):
+        k = min(a, b)
+    elif op == I.MUL:
+        k = a + b
+    elif op == I.AND:
+        k = max(a, b)
+    elif op == I.LSH and s.constant:
+        k = a + (s.lo & (bits - 1))
+    elif op == I.RSH and s.constant:
+        k = max(a - (s.lo & (bits - 1)), 0)
+    else:
+        k = 0
+    return min(k, bits)
 
 
 def verify(prog: Program, max_insns: int = I.VERIFY_BUDGET) -> int:
