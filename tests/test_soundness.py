@@ -338,6 +338,26 @@ def test_a_loop_bounded_by_its_input_ends_at_the_run_time_budget(backend):
         vm.run(h, mem=bytearray((10**9).to_bytes(8, "little")))
 
 
+@pytest.mark.parametrize("backend", ["interp", "jit"])
+@pytest.mark.parametrize("tail", [0, 60])
+def test_the_budget_holds_for_the_instructions_after_the_last_loop_head(backend, tail):
+    """The JIT compares the count with the budget where a backward jump lands and at exit, not
+    in every block: a run whose loop stays within the budget but whose straight tail after
+    it passes the budget still faults, as on the interpreter; one within it returns."""
+    from fabric_ext.runtime.machine.jit import JitBackend
+    src = "ldxdw %r2, [%r1+0]\nmov %r0, 0\nloop:\nadd %r0, 1\njlt %r0, %r2, loop\n" + "add %r0, 1\n" * tail + "exit"
+    prog = Program("tail", assemble(src))
+    verify(prog)
+    vm = Interpreter(budget=250) if backend == "interp" else JitBackend(budget=250)
+    h = vm.load(prog)
+    mem = bytearray((100).to_bytes(8, "little"))      # 2 + 2 x 100 + tail + 1 instructions
+    if tail:
+        with pytest.raises(VMFault, match="budget"):
+            vm.run(h, mem=mem)
+    else:
+        assert vm.run(h, mem=mem) == 100
+
+
 @pytest.mark.parametrize("src", [
     # the stack slot written moves down one every 1,024 iterations: out of the frame after
     # 65,536, long after the exploration's budget; widened, the offset is unbounded

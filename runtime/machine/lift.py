@@ -12,7 +12,9 @@ memory, a map's value buffer or the reserved ringbuf record, so compiled code
 can never touch anything else.  Array lookups and updates are address
 arithmetic, hash and LRU lookups a native probe of the map's own buffers;
 other helpers call back into Python.  An instruction budget holds as in the
-interpreter (counted per basic block).
+interpreter: every block adds its instructions to the count, which is compared with the
+budget where a backward jump lands (every cycle passes one) and at each exit, so a run over
+the budget faults as the interpreter's does, at the next loop head or exit.
 
 The code holds no address of the process that runs it: map buffers and the
 helper callback are read from an address table the environment points to
@@ -182,7 +184,7 @@ class Lifter:
         fn = self.funcs[entry]
         env = fn.args[0]
         body = self._reachable(entry, entries)
-        leaders = {entry}
+        leaders, heads = {entry}, set()
         for pc in body:
             ins = self.slots[pc]
             if ins is None or ins.cls not in (I.JMP, I.JMP32):
@@ -192,6 +194,9 @@ class Lifter:
                     leaders.add(pc + 1)
                 continue
             leaders |= {pc + 1 + ins.jump_offset, pc + 1}
+            if ins.jump_offset < 0:
+                heads.add(pc + 1 + ins.jump_offset)       # a backward jump's target: where the budget is checked
+        self.heads = heads
         leaders = sorted(x for x in leaders if x in body)
         b0 = fn.append_basic_block("entry")
         b = L.IRBuilder(b0)
@@ -253,7 +258,7 @@ class Lifter:
             b.position_at_end(blocks[start])
             n = sum(1 for pc in range(start, end) if self.slots[pc] is not None)
             if self.counted:
-                self._count(n, start)
+                self._count(n, start, start in self.heads)
             terminated = False
             for pc in range(start, end):
                 ins = self.slots[pc]
@@ -291,11 +296,18 @@ class Lifter:
         a = self.addr(map_slot(index, buffer))
         return self.b.add(a, I64(offset)) if offset else a
 
-    def _count(self, n, pc):
+    def _count(self, n, pc, check: bool):
+        """Add a block's ``n`` instructions to the count; where ``check`` (a loop head), fault
+        if it passed the budget."""
         b = self.b
         ex = b.add(b.load(self.count, typ=I64), I64(n))
         b.store(ex, self.count)
-        with b.if_then(b.icmp_unsigned(">", ex, self.budget), likely=False):
+        if check:
+            self._check_budget(pc)
+
+    def _check_budget(self, pc):
+        b = self.b
+        with b.if_then(b.icmp_unsigned(">", b.load(self.count, typ=I64), self.budget), likely=False):
             self._set_fault(FAULT_BUDGET, pc, I64(0))
             b.ret(I64(0))
 
@@ -413,6 +425,8 @@ class Lifter:
             return False
         op = ins.op
         if op == I.EXIT:
+            if self.counted:
+                self._check_budget(pc)
             self._ret(self.reg(0))
             return True
         if op == I.CALL:
