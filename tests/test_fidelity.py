@@ -144,16 +144,19 @@ def test_an_allreduce_takes_the_fitted_alpha_beta(tmp_path):
 
 
 # ---- the serving stack -------------------------------------------------------------------------
-def test_the_stack_adds_its_floor_tail_and_factors(tmp_path):
+def test_the_stack_adds_its_floor_tail_and_factors(tmp_path, monkeypatch):
+    """The vllm stack's floor holds a short prefill; a stack's kernel factor stretches every
+    kernel and its tail comes after the last (a made-up stack, so that both differ from 1 and 0
+    whatever the fit gives)."""
+    monkeypatch.setitem(figures()["stacks"], "slow", {"kernel_factor": {"h100_sxm": 1.25}, "tail_ms": 3.0})
     folder = compile_text(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"))
-    stack = Stack.named("vllm")
     none, _ = run(folder, prompt=16, tp=8, stack="none")
     vllm, _ = run(folder, prompt=16, tp=8, stack="vllm")
-    assert none["ttft_ms"] < stack.floor("h100_sxm") == pytest.approx(vllm["ttft_ms"])   # short: the floor
+    assert none["ttft_ms"] < Stack.named("vllm").floor("h100_sxm") == pytest.approx(vllm["ttft_ms"])   # the floor
     long_none, _ = run(folder, prompt=2048, tp=8, stack="none")
-    long_vllm, _ = run(folder, prompt=2048, tp=8, stack="vllm")
-    assert long_vllm["compute_ms"] == pytest.approx(long_none["compute_ms"] * stack.kernels("h100_sxm"), rel=1e-6)
-    assert long_vllm["ttft_ms"] > long_none["ttft_ms"] + stack.tail_ms
+    long_slow, _ = run(folder, prompt=2048, tp=8, stack="slow")
+    assert long_slow["compute_ms"] == pytest.approx(long_none["compute_ms"] * 1.25, rel=1e-6)
+    assert long_slow["ttft_ms"] - long_none["ttft_ms"] == pytest.approx(0.25 * long_none["compute_ms"] + 3.0, rel=0.01)
 
 
 def test_the_stack_is_chosen_by_the_workload_or_the_command_line(tmp_path):

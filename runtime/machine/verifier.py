@@ -763,7 +763,6 @@ class Verifier:
             st.top.regs[ins.dst] = narrowed
 
 
-
 def _result_align(op: int, d: Scalar, s: Scalar, bits: int) -> int:
     """How many low bits of a ``bits``-wide operation's result are known zero, from its
     operands': exact modulo 2**bits, so wrapping, truncation to 32 bits and overflow keep it."""
