@@ -244,3 +244,24 @@ def test_handing_chunks_on_at_their_start_changes_nothing_but_the_events(spec):
     fewer, every = _deliveries(named, False), _deliveries(named, True)
     assert fewer[:2] == every[:2]
     assert fewer[2] < every[2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(gaps=st.lists(st.tuples(st.floats(0, 50), st.floats(0, 40)), max_size=60), tail=st.floats(0, 20),
+       bins=st.integers(1, 30))
+def test_a_links_timeline_is_the_busy_share_of_each_bin(gaps, tail, bins):
+    """The report's utilisation timeline (`stats.utilisation`, vectorised) against its
+    definition: per bin, the overlap of every interval the link sent in, over the bin's width
+    (an interval may run past the end of the run)."""
+    import numpy as np
+
+    from fabric_ext.runtime.simulation.stats import utilisation
+    t, intervals = 0.0, []
+    for gap, length in gaps:
+        intervals.append((t + gap, t + gap + length, 1))
+        t += gap + length
+    horizon = max(t - tail, 1e-3) if intervals and tail < t else t + tail + 1.0
+    width = horizon / bins
+    expected = [min(sum(max(0.0, min(b, (k + 1) * width) - max(a, k * width)) for a, b, _ in intervals) / width, 1.0)
+                for k in range(bins)]
+    assert np.allclose(utilisation(intervals, horizon, bins), expected, atol=1e-9)

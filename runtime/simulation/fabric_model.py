@@ -345,6 +345,7 @@ class Fabric:
         self.device_island, self.island_kind = device_island, island_kind
         self.hooks = hooks or HookSite()
         self.servers: dict[tuple[str, str], Server] = {}
+        self.latency = {(u, v): e.get("latency") or 0 for u, v, e in graph.edges(data=True)}   # ns, per link
         shared: dict[str, Server] = {}
         for u, v, e in graph.edges(data=True):
             mem = u if u in memory_channels else v if v in memory_channels else None
@@ -609,7 +610,7 @@ class Fabric:
         u, v = chunk.path[chunk.hop], chunk.path[chunk.hop + 1]
         chunk.hop += 1
         chunk.queue = None          # a transmit queue holds at the NIC it was chosen at
-        latency = self.g.edges[u, v].get("latency") or 0
+        latency = self.latency[u, v]
         if chunk.trail is not None and latency:
             chunk.trail.append(("latency", end, end + latency, (u, v)))
         self.sim.at(end + latency, self._arrive, chunk)

@@ -8,7 +8,7 @@ events is `decisions.DecisionCache`; device decisions (route, tier) come back as
 from __future__ import annotations
 
 from fabric_ext.contract.flows import MovementTable
-from fabric_ext.contract.hooks import firing
+from fabric_ext.contract.hooks import firing, hooks_of
 from fabric_ext.contract.topology import island_role
 
 from .decisions import DecisionCache, HookPlan
@@ -42,6 +42,7 @@ class ShimHookSite(HookSite):
         self.remembered = DecisionCache()
         self.fabric: Fabric | None = None     # the fabric that asks (`bind`)
         self.before_event = None          # callable(island, hook, movement) run before an event's program
+        self._enter_islands: set | None = None    # `_entering`
         for shim in shims.values():
             shim.on_detach = self.remembered.forget
 
@@ -142,7 +143,19 @@ class ShimHookSite(HookSite):
             self.set_prefetch(island, d["prefetch"], "issue", movement)
         return self._devices(d) if not APPLIED.isdisjoint(d) else None
 
+    def _entering(self) -> set:
+        """The islands with a program on a hook that fires as a chunk enters them (worked out
+        at the first such event, as plans are: programs are attached before a run; a detach
+        only makes it ask in vain)."""
+        if self._enter_islands is None:
+            self._enter_islands = {isl for isl, shim in self.shims.items()
+                                   if any(shim.has(h.name) for h in hooks_of(self.islands[isl]["kind"]).values()
+                                          if h.moment == "enter")}
+        return self._enter_islands
+
     def on_enter(self, chunk, island):
+        if island not in (self._enter_islands if self._enter_islands is not None else self._entering()):
+            return None
         t, path, hop = chunk.transfer, chunk.path, chunk.hop
         if path is t.path:
             standing = self.remembered.standing.get((t, island, "enter"))

@@ -95,17 +95,25 @@ def collect(r: RunRecord) -> dict:
 
 def utilisation(intervals: list, horizon: float, bins: int = TIMELINE_BINS) -> np.ndarray:
     """The share of each of ``bins`` equal bins of [0, horizon] a link spent sending."""
-    timeline = np.zeros(bins)
+    if not intervals:
+        return np.zeros(bins)
     width = horizon / bins
-    for start, stop, _ in intervals:
-        a, b = int(start // width), int(min(stop, horizon - 1e-9) // width)
-        if a == b:
-            timeline[min(a, bins - 1)] += stop - start
-        else:
-            for k in range(a, min(b, bins - 1) + 1):
-                lo, hi = max(start, k * width), min(stop, (k + 1) * width)
-                timeline[k] += max(0.0, hi - lo)
-    return np.minimum(timeline / width, 1.0)
+    span = np.array(intervals, dtype=float)[:, :2]
+    return np.minimum(np.diff(_sent_before(span[:, 0], span[:, 1], np.arange(bins + 1) * width)) / width, 1.0)
+
+
+def _sent_before(start, stop, edges):
+    """How long a link has sent before each of ``edges``: its intervals never overlap (it sends
+    one chunk at a time), so in time order those begun before an edge are whole but the last,
+    which the edge may cut."""
+    order = np.argsort(start, kind="stable")
+    start, stop = start[order], stop[order]
+    length = np.maximum(stop - start, 0.0)
+    whole = np.concatenate([[0.0], np.cumsum(length)])
+    begun = np.searchsorted(start, edges, side="right")
+    last = np.maximum(begun - 1, 0)
+    cut = np.where(begun > 0, np.clip(edges - start[last], 0.0, length[last]), 0.0)
+    return whole[last] + cut
 
 
 def _link(srv, horizon: float) -> dict:
