@@ -42,7 +42,7 @@ class ShimHookSite(HookSite):
         self.remembered = DecisionCache()
         self.fabric: Fabric | None = None     # the fabric that asks (`bind`)
         self.before_event = None          # callable(island, hook, movement) run before an event's program
-        self._enter_islands: set | None = None    # `_entering`
+        self._watched: dict[str, set] = {}     # moment -> islands with a program on one of its hooks
         for shim in shims.values():
             shim.on_detach = self.remembered.forget
 
@@ -143,18 +143,18 @@ class ShimHookSite(HookSite):
             self.set_prefetch(island, d["prefetch"], "issue", movement)
         return self._devices(d) if not APPLIED.isdisjoint(d) else None
 
-    def _entering(self) -> set:
-        """The islands with a program on a hook that fires as a chunk enters them (worked out
-        at the first such event, as plans are: programs are attached before a run; a detach
-        only makes it ask in vain)."""
-        if self._enter_islands is None:
-            self._enter_islands = {isl for isl, shim in self.shims.items()
-                                   if any(shim.has(h.name) for h in hooks_of(self.islands[isl]["kind"]).values()
-                                          if h.moment == "enter")}
-        return self._enter_islands
+    def _watching(self, moment: str) -> set:
+        """The islands with a program on a hook that fires at ``moment`` ("enter", "deliver"),
+        worked out at the first such event, as plans are: programs are attached before a run
+        (a detach only makes the site ask in vain)."""
+        if moment not in self._watched:
+            self._watched[moment] = {isl for isl, shim in self.shims.items()
+                                     if any(shim.has(h.name) for h in hooks_of(self.islands[isl]["kind"]).values()
+                                            if h.moment == moment)}
+        return self._watched[moment]
 
     def on_enter(self, chunk, island):
-        if island not in (self._enter_islands if self._enter_islands is not None else self._entering()):
+        if island not in self._watching("enter"):
             return None
         t, path, hop = chunk.transfer, chunk.path, chunk.hop
         if path is t.path:
@@ -224,7 +224,8 @@ class ShimHookSite(HookSite):
         return firing(self.islands[island]["kind"], "enter", island_role(island, src, dst, self.device_island))
 
     def on_delivered(self, chunk, island, latency):
-        if not self._one_hook_plan(island, "complete", chunk.transfer.movement_id).hooks:
+        if island not in self._watching("deliver") or \
+                not self._one_hook_plan(island, "complete", chunk.transfer.movement_id).hooks:
             return
         fields = self._chunk_fields(chunk)
         fields["latency"] = int(latency)
