@@ -17,12 +17,6 @@ class Type:
     def __call__(self, value) -> Constant:
         return Constant(self, value)
 
-    def __eq__(self, other) -> bool:
-        return str(self) == str(other)
-
-    def __hash__(self) -> int:
-        return hash(str(self))
-
     def as_pointer(self) -> PointerType:
         return PointerType(self)
 
