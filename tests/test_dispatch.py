@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from fabric_ext.contract.bundle import Folder, create_maps, load_bundle, load_manifest
 from fabric_ext.contract.context import ContextCodec
+from fabric_ext.contract.hooks import HOOKS
 from fabric_ext.runtime.machine.interp import Interpreter
 from fabric_ext.runtime.simulation import dispatch
 from policy_helpers import compiled
@@ -66,6 +67,24 @@ def test_remembering_decisions_changes_nothing_but_the_runs(name, monkeypatch):
     runs = {i["name"]: i["invocations"] for i in ran["islands"]}
     fewer = {i["name"]: i["invocations"] for i in remembered["islands"]}
     assert sum(fewer.values()) < sum(runs.values())
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_islands_with_no_enter_or_complete_program_are_not_asked_and_nothing_changes(name, monkeypatch):
+    """The hook site asks the enter and complete hooks only at islands with a program on one
+    (`ShimHookSite._watching`): the islands it watches are exactly those, and a run that asks
+    every island gives the same report."""
+    from fabric_ext.runtime.simulation.hook_site import ShimHookSite
+    report, eng = run_engine(compiled(name))
+    man = load_manifest(compiled(name))
+    kinds = {i["name"]: i["kind"] for i in man["fabric"]["islands"]}
+    for moment in ("enter", "deliver"):
+        hooks = {(k, h) for (k, h), hk in HOOKS.items() if hk.moment == moment}
+        assert eng.site._watching(moment) == {p["island"] for p in man["programs"] if (kinds[p["island"]], p["hook"]) in hooks}
+    assert eng.site._watching("enter")          # each bundled policy acts on entering some island
+    monkeypatch.setattr(ShimHookSite, "_watching", lambda self, moment: self.shims)
+    everywhere, _ = run_engine(compiled(name))
+    assert _timeless(report) == _timeless(everywhere)
 
 
 def test_issue_decisions_stand_for_the_transfer_and_still_act(monkeypatch):
