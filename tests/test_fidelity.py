@@ -255,3 +255,15 @@ def test_the_stacks_alibi_attention_factor_stretches_only_alibi_attention(tmp_pa
     llama = compile_text(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"), name="llama")
     assert run(llama, prompt=2048, tp=8, stack="slow_alibi")[0]["ttft_ms"] == \
         run(llama, prompt=2048, tp=8, stack="none")[0]["ttft_ms"]
+
+
+def test_the_stack_fit_holds_kernel_factors_and_the_tail_at_their_floors():
+    """`validation._at_least_zero`: where least squares would make a held unknown negative (a
+    kernel faster than its profile, a tail that takes time back), it is held at 0 and the
+    others refitted; unheld unknowns may be negative."""
+    import numpy as np
+    a = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]])
+    rhs = np.array([-1.0, 0.0, 1.0])             # unconstrained: x = (-1, 1)
+    assert np.allclose(validation._at_least_zero(a, rhs, []), [-1.0, 1.0])
+    held = validation._at_least_zero(a, rhs, [0])
+    assert held[0] == 0.0 and np.allclose(held[1], np.linalg.lstsq(a[:, 1:], rhs, rcond=None)[0][0])

@@ -127,14 +127,11 @@ class Stack:
     def floor(self, gpu: str) -> float:
         return float(self.floor_ms.get(gpu, 0.0))
 
-    def kernels(self, gpu: str) -> float:
-        return float(self.kernel_factor.get(gpu, 1.0))
-
     def kernel(self, gpu: str, op: Operator) -> float:
         """Op's time in this stack relative to the compute model's: the GPU's kernel factor,
         and for attention with ALiBi biases the stack's own kernel's factor beside it (a stack
         may time ALiBi with another kernel than the FlashAttention curve describes)."""
-        factor = self.kernels(gpu)
+        factor = float(self.kernel_factor.get(gpu, 1.0))
         if op.kind == ATTENTION and op.alibi:
             factor *= float(self.alibi_attention_factor.get(gpu, 1.0))
         return factor

@@ -29,7 +29,6 @@ class Timing:
             raise WorkloadError(f"unknown serving stack '{stack_name}': stacks are "
                                 f"{', '.join(figures()['stacks'])}") from None
         self.timers = {g: self._timer(g, gpu_props.get(g, {})) for g in gpus}
-        self.profile = {g: self.timers[g].gpu.name for g in gpus}
         self.durations: dict[tuple, float] = {}      # (gpu, pass, block) -> ns of its operators
         self._ops: dict[tuple, list] = {}            # (pass, block) -> its operators
         self.operator_ms = defaultdict(float)        # operator -> ms on the first GPU, the whole prefill
@@ -56,7 +55,8 @@ class Timing:
         return self.durations[key]
 
     def _ns(self, g, op) -> float:
-        return self.timers[g].time(op) * 1e9 * self.stack.kernel(self.profile[g], op)
+        timer = self.timers[g]
+        return timer.time(op) * 1e9 * self.stack.kernel(timer.gpu.name, op)
 
     def block(self, p: int, block: str) -> list:
         """The operators of one layer's ``block`` ("attention" or "ffn") in pass p, on one GPU."""
