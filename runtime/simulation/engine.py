@@ -61,7 +61,7 @@ class RunOptions:
     progress: object = None          # callable(Progress) or None
     trace: bool = False              # record spans for a Perfetto trace (and the evidence for its stall flows)
     eager_ticks: bool = False        # run each tick at its time instead of lazily (tests compare the two)
-    finish_events: bool = False      # an event at every chunk's end of transmission (`fabric_model.Server`)
+    per_chunk_events: bool = False   # an event at every end of transmission and every arrival (`fabric_model`)
     max_events: int | None = DEFAULT_MAX_EVENTS   # a run that passes this many events stops (None: no limit)
     stack: str | None = None         # serving-stack profile (figures.json "stacks"), else the workload's
     context_tracer: object = None    # callable(island, hook, ctx bytes) for every event a program acts on
@@ -155,7 +155,7 @@ class Engine:
         kinds = {n: i["kind"] for n, i in self.islands.items()}
         engines = {n: int(self._gpu_figure(n, "copy_engines")) for n, d in self.devices.items() if d["kind"] == "gpu"}
         return Fabric(self.sim, g, self.device_island, kinds, wires, mem, self.site, engines,
-                      self.opts.finish_events, self._evidence)
+                      self.opts.per_chunk_events, self._evidence)
 
     @property
     def _evidence(self) -> bool:

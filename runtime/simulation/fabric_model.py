@@ -103,7 +103,8 @@ class Transfer:
     driver: list | None = None    # the copy engines that issue its chunks (None: issued at once)
     pace: float = 0.0             # B/s a collective's chunks cross each link at (0: the link's bandwidth)
     fixed_cost: bool = True       # whether its chunks pay the links' fixed cost (a collective's is in its alpha)
-    last_chunk: object = None     # with evidence on: the chunk whose delivery ended it
+    last_chunk: object = None     # with evidence on: the chunk whose arrival ended it
+    landing: float = 0.0          # when the last chunk counted before its arrival arrives (`Fabric._landed`)
 
     @property
     def flow(self) -> tuple:
@@ -153,15 +154,15 @@ class Server:
     it starts (``sent_at(chunk, end)`` schedules what follows its end) and the link stays
     busy until ``free_at``; a chunk enqueued before then waits for it as for a finish.
     Transmission is never preempted, so this is the per-chunk model with fewer events
-    (``finish_events`` restores an event at every end; the tests compare the two)."""
+    (``per_chunk_events`` restores an event at every end; the tests compare the two)."""
 
-    def __init__(self, sim: Sim, name: str, bw: float, overhead: float = 0.0, finish_events: bool = False):
+    def __init__(self, sim: Sim, name: str, bw: float, overhead: float = 0.0, per_chunk_events: bool = False):
         self.sim, self.name, self.bw, self.overhead = sim, name, bw, overhead
         self.queues: dict[int, OrderedDict] = {}   # class -> flow -> chunks, only classes with chunks
         self.classes: list[int] = []               # those classes, negated and sorted: highest first
         self.busy = False              # True while a finish, or the start at free_at, is scheduled
         self.free_at = 0.0             # the end of a transmission that has no event of its own
-        self.finish_events = finish_events
+        self.per_chunk_events = per_chunk_events
         self.bytes = 0
         self.intervals: list[tuple[float, float, int]] = []
         self.queued_bytes = 0          # bytes waiting, not yet on the link
@@ -245,7 +246,7 @@ class Server:
             if now > chunk.enqueued:
                 chunk.trail.append(("queue", chunk.enqueued, now, self))
             chunk.trail.append(("send", now, now + dt, self))
-        if sent_at is not None and not self.classes and chunk.engine is None and not self.finish_events:
+        if sent_at is not None and not self.classes and chunk.engine is None and not self.per_chunk_events:
             self.busy, self.free_at = False, now + dt
             sent_at(chunk, now + dt)
         else:
@@ -312,6 +313,11 @@ CLASS_STREAM = {"weights": 1, "kv": 2, "activations": 3}
 class HookSite:
     """What the fabric asks at decision points; the engine implements it with shims."""
 
+    def asks(self, island: str, moment: str) -> bool:
+        """Whether the site may act on events at ``island`` at ``moment`` ("enter",
+        "deliver"): where it does not, the fabric need not ask, nor have an event to."""
+        return True
+
     def on_issue(self, chunk: Chunk, island: str, role: str) -> dict | None:
         """A chunk is about to be issued at a GPU: its decisions, read only (None: nothing for
         the fabric to apply)."""
@@ -336,12 +342,13 @@ class Fabric:
     def __init__(self, sim: Sim, graph: DiGraph, device_island: dict[str, str],
                  island_kind: dict[str, str], wires: dict[str, tuple[float, float]],
                  memory_channels: dict[str, float], hooks: HookSite | None = None,
-                 copy_engines: dict[str, int] | None = None, finish_events: bool = False,
+                 copy_engines: dict[str, int] | None = None, per_chunk_events: bool = False,
                  evidence: bool = False):
         """``evidence``: record every chunk's life (`Chunk.trail`) and what each link sent
         (`Server.occupants`), for `explain`; off, nothing is recorded."""
         self.sim, self.g = sim, graph
         self.evidence = evidence
+        self.per_chunk_events = per_chunk_events   # an event at every arrival too (see `_lands_quietly`)
         self.device_island, self.island_kind = device_island, island_kind
         self.hooks = hooks or HookSite()
         self.servers: dict[tuple[str, str], Server] = {}
@@ -351,11 +358,11 @@ class Fabric:
             mem = u if u in memory_channels else v if v in memory_channels else None
             if mem is not None and e.get("kind") == "internal":
                 if mem not in shared:
-                    shared[mem] = Server(sim, f"{mem} memory", memory_channels[mem], finish_events=finish_events)
+                    shared[mem] = Server(sim, f"{mem} memory", memory_channels[mem], per_chunk_events=per_chunk_events)
                     shared[mem].ends = (mem, "memory")
                 self.servers[(u, v)] = shared[mem]
             else:
-                self.servers[(u, v)] = Server(sim, f"{u}->{v}", e["bw"], e.get("setup") or 0.0, finish_events)
+                self.servers[(u, v)] = Server(sim, f"{u}->{v}", e["bw"], e.get("setup") or 0.0, per_chunk_events)
                 self.servers[(u, v)].ends = (u, v)
         self.wires = {dev: Server(sim, f"{dev}->wire", bw, overhead) for dev, (bw, overhead) in wires.items()}
         for dev, srv in self.wires.items():
@@ -376,6 +383,7 @@ class Fabric:
         self._port_index: dict[tuple[str, str], int] = {}
         self._routes: dict[tuple[str, str], list[str]] = {}
         self._ends_of: dict[tuple[str, str, str], list[tuple[str, str]]] = {}
+        self._quiet: dict[tuple, bool] = {}     # (transfer's ends, chunk's end, island it came from) -> `_nothing_asked`
 
     # -- paths ------------------------------------------------------------------------
     def route(self, src: str, dst: str) -> list[str] | None:
@@ -613,7 +621,43 @@ class Fabric:
         latency = self.latency[u, v]
         if chunk.trail is not None and latency:
             chunk.trail.append(("latency", end, end + latency, (u, v)))
-        self.sim.at(end + latency, self._arrive, chunk)
+        if self.per_chunk_events or not self._lands_quietly(chunk):
+            self.sim.at(end + latency, self._arrive, chunk)
+        else:
+            self._landed(chunk, end + latency)
+
+    def _lands_quietly(self, chunk: Chunk) -> bool:
+        """Whether the chunk's arrival at the device it was just sent to would only count it
+        as delivered: the end of its path, no hook to ask there, no wire to leave by, no copy
+        engine to free, and not the chunk that completes its transfer."""
+        path, t = chunk.path, chunk.transfer
+        if chunk.hop + 1 < len(path) or chunk.engine is not None or chunk.parts:
+            return False
+        key = (t.path[0], t.path[-1], path[-1], chunk.island)
+        quiet = self._quiet.get(key)
+        if quiet is None:
+            quiet = self._quiet[key] = self._nothing_asked(t, path[-1], chunk.island)
+        return quiet and t.chunks_done + 1 < t.chunks_total
+
+    def _nothing_asked(self, t: Transfer, dev: str, came_from: str | None) -> bool:
+        """Whether arriving at ``dev`` from island ``came_from`` at the end of its path asks
+        the hook site nothing for a chunk of ``t`` (`_arrive`, `_forward`, `_delivered`)."""
+        isl = self.device_island.get(dev)
+        if dev in self.wires or (isl is not None and isl != came_from and self.hooks.asks(isl, "enter")):
+            return False
+        return not any(self.hooks.asks(end, "deliver") for end, _ in self._ends(t, "deliver"))
+
+    @staticmethod
+    def _landed(chunk: Chunk, at: float) -> None:
+        """Count a chunk as delivered before it arrives (at ``at``): nothing reads the count
+        until its transfer completes, and the completion waits for the chunk (`_delivered`)."""
+        t = chunk.transfer
+        t.queue_waits.append(chunk.waited)
+        t.chunks_done += 1
+        if at > t.landing:
+            t.landing = at
+            if chunk.trail is not None:
+                t.last_chunk = chunk        # the last to arrive so far
 
     def _delivered(self, chunk: Chunk) -> None:
         now = self.sim.now
@@ -626,8 +670,15 @@ class Fabric:
             for isl, _ in self._ends(t, "deliver"):
                 self.hooks.on_delivered(part, isl, now - t.start)
             if t.chunks_done == t.chunks_total:
-                t.end = now
-                if chunk.trail is not None:
-                    t.last_chunk = chunk
-                if t.on_done is not None:
-                    t.on_done(t)
+                if t.landing > now:     # a chunk counted ahead (`_landed`) is still on its way
+                    self.sim.at(t.landing, self._complete, t)
+                else:
+                    if chunk.trail is not None:
+                        t.last_chunk = chunk
+                    self._complete(t)
+
+    def _complete(self, t: Transfer) -> None:
+        """The transfer's last chunk has arrived."""
+        t.end = self.sim.now
+        if t.on_done is not None:
+            t.on_done(t)

@@ -153,6 +153,9 @@ class ShimHookSite(HookSite):
                                             if h.moment == moment)}
         return self._watched[moment]
 
+    def asks(self, island, moment):
+        return island in self._watching(moment)
+
     def on_enter(self, chunk, island):
         if island not in self._watching("enter"):
             return None
