@@ -31,8 +31,9 @@ class HookPlan:
 
 @dataclass(slots=True)
 class Standing:
-    decisions: dict             # read-only, as every Known's
+    decisions: dict | None      # what the fabric applies, read-only (None: nothing)
     repeats: list[Known]        # the decisions these are, whose hits the uses count as
+    prefetch: int = 0           # an issue hook's prefetch decision, which the hook site applies
     uses: int = 0
 
 
@@ -42,9 +43,10 @@ class DecisionCache:
     standing: dict[tuple, Standing] = field(default_factory=dict)    # (transfer, island, moment) -> Standing
     _settled: list[Standing] = field(default_factory=list)
 
-    def stand(self, transfer, island: str, moment: str, decisions: dict, repeats: list[Known]) -> None:
+    def stand(self, transfer, island: str, moment: str, decisions: dict | None, repeats: list[Known],
+              prefetch: int = 0) -> None:
         """``decisions`` hold for the transfer's later chunks at ``island`` at ``moment``."""
-        self.standing[transfer, island, moment] = s = Standing(decisions, repeats)
+        self.standing[transfer, island, moment] = s = Standing(decisions, repeats, prefetch)
         self._settled.append(s)
 
     def forget(self, island: str) -> None:

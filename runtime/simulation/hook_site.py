@@ -18,6 +18,8 @@ from .figures import figures
 
 # context fields that are the same for every chunk of a transfer (`Transfer.ctx`)
 TRANSFER_FIELDS = ("movement", "class", "operator", "src", "dst", "layer", "critical")
+# the standing decisions' moment of an issue hook, by the island's role in the transfer
+ISSUE_MOMENT = {"src": "issue/src", "dst": "issue/dst"}
 # context fields counted only for a handler that reads them (`ShimHookSite._queue_fields`)
 QUEUE_SPLIT = frozenset({"queued_ahead_hi", "queued_ahead_lo"})
 
@@ -112,11 +114,13 @@ class ShimHookSite(HookSite):
 
     def on_issue(self, chunk, island, role):
         t = chunk.transfer
-        moment = "issue/" + role
+        moment = ISSUE_MOMENT[role]
         standing = self.remembered.standing.get((t, island, moment))
         if standing is not None:
             standing.uses += 1
-            return self._issued(island, standing.decisions, t.movement_id)
+            if standing.prefetch:
+                self.set_prefetch(island, standing.prefetch, "issue", t.movement_id)
+            return standing.decisions
         plan = self._one_hook_plan(island, "issue", t.movement_id)
         if not plan.hooks:
             return None
@@ -128,9 +132,10 @@ class ShimHookSite(HookSite):
         known = self.decide(island, "issue", fields)
         if known is None:
             return None
+        applied = self._issued(island, known.decisions, t.movement_id)
         if plan.static and not self.trace and known.kept:    # the same for every chunk of the transfer
-            self.remembered.stand(t, island, moment, known.decisions, [known])
-        return self._issued(island, known.decisions, t.movement_id)
+            self.remembered.stand(t, island, moment, applied, [known], known.decisions.get("prefetch", 0))
+        return applied
 
     def set_prefetch(self, gpu: str, depth: int, hook: str, movement: int | None) -> None:
         """A program's ``prefetch`` decision: the GPU's depth from now on (the latest word holds)."""
