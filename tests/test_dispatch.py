@@ -114,6 +114,28 @@ def test_issue_decisions_stand_for_the_transfer_and_still_act(monkeypatch):
     assert all(eng.site.prefetch[g] == 2 for g in eng.gpus)
 
 
+def test_a_standing_prefetch_decision_speaks_for_every_chunk(tmp_path, monkeypatch):
+    """An issue decision that stands for a transfer applies its prefetch again for each later
+    chunk, as the program would: the GPU's depth (and the decision named as its source) follows
+    the latest chunk issued, attention's or FFN's.  A run that asks the program for every chunk
+    gives the same report and the same last word."""
+    from fabric_ext.runtime.simulation.decisions import DecisionCache
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0 }
+movement attn = weights(attention) : pool0 -> gpu*
+movement ffn = weights(ffn) : pool0 -> gpu*
+policy p { on attn.issue at gpu* { prefetch = 1 } on ffn.issue at gpu* { prefetch = 3 } }""")
+    standing, eng = run_engine(out)
+    last = (dict(eng.site.prefetch), dict(eng.site.prefetch_by))
+    assert eng.site.remembered.standing
+    monkeypatch.setattr(DecisionCache, "stand", lambda self, *args, **kw: None)
+    asked, eng = run_engine(out)
+    assert not eng.site.remembered.standing
+    assert {**_timeless(standing), "islands": 0} == {**_timeless(asked), "islands": 0}
+    assert (dict(eng.site.prefetch), dict(eng.site.prefetch_by)) == last
+
+
 def test_remembered_decisions_follow_the_fields_the_handler_reads(tmp_path):
     out = compile_text(tmp_path, """
 import "fabrics/dgx_cxl.fx"
