@@ -225,6 +225,9 @@ class Ranker(Recorder):
     def asks(self, island, moment):
         return moment == "enter" and island != "sink"
 
+    def on_enter(self, chunk, island):
+        return super().on_enter(chunk, island) if island != "sink" else None
+
     def on_delivered(self, chunk, island, latency):
         pass
 

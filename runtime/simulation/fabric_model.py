@@ -629,7 +629,8 @@ class Fabric:
     def _lands_quietly(self, chunk: Chunk) -> bool:
         """Whether the chunk's arrival at the device it was just sent to would only count it
         as delivered: the end of its path, no hook to ask there, no wire to leave by, no copy
-        engine to free, and not the chunk that completes its transfer."""
+        engine to free, not a coalesced chunk (its parts may be of several transfers), and not
+        the chunk that completes its transfer."""
         path, t = chunk.path, chunk.transfer
         if chunk.hop + 1 < len(path) or chunk.engine is not None or chunk.parts:
             return False
