@@ -68,10 +68,16 @@ class _Period:
         bytes), keeping each port's last transmission: it may still be in service at t."""
         n = len(self.carry)
         skip = bisect.bisect_left(record[3 * self.cursor::3], t)
-        for i in range(self.cursor, self.cursor + skip):
-            lane = int(record[3 * i + 1])
-            if lane < n:
+        # backwards: only each port's last transmission counts, and once every port has
+        # one the rest are moot
+        seen = set()
+        for i in range(self.cursor + skip - 1, self.cursor - 1, -1):
+            lane = record[3 * i + 1]
+            if lane < n and lane not in seen:
+                seen.add(lane)
                 self.carry[lane] = (record[3 * i], self.service(lane, record[3 * i + 2]), record[3 * i + 2])
+                if len(seen) == n:
+                    break
         self.cursor += skip
 
     def due_by(self, upto: float) -> int:
