@@ -3,6 +3,8 @@ import errno
 import multiprocessing as mp
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fabric_ext.runtime.machine.maps import ARRAY, BPF_EXIST, BPF_NOEXIST, HASH, LRU_HASH, PERCPU_ARRAY, Map, MapError
 
@@ -73,3 +75,49 @@ def test_shared_memory_map_is_seen_by_another_process():
     assert q.get(timeout=5) == 41
     assert m[7] == 42
     m.close()
+
+
+@st.composite
+def _tables(draw):
+    """A hash map's key size and capacity, keys put in (some deleted again: tombstones) and a
+    key to look up: one of them or not."""
+    key_size = draw(st.integers(1, 24))
+    max_entries = draw(st.integers(1, 12))
+    # often a prefix all keys share: only a later word tells them apart
+    shared = draw(st.binary(min_size=key_size - 1, max_size=key_size - 1)) if draw(st.booleans()) else b""
+    tail = st.binary(min_size=key_size - len(shared), max_size=key_size - len(shared)).map(shared.__add__)
+    keys = draw(st.lists(tail, max_size=max_entries, unique=True))
+    gone = draw(st.lists(st.sampled_from(keys), unique=True)) if keys else []
+    probe = draw(st.sampled_from(keys) if keys and draw(st.booleans()) else tail)
+    return key_size, max_entries, keys, gone, probe
+
+
+@settings(max_examples=150, deadline=None)
+@given(_tables(), st.sampled_from([HASH, LRU_HASH]))
+def test_compiled_probe_finds_what_maps_py_placed(table, kind):
+    """The JIT inlines a hash map's probe (`lift.Lifter._hash_lookup`): over keys of every size
+    (whole 8-byte words and every tail), full tables and tombstones, it must find exactly the
+    slots maps.py put them in (`maps.hash_slot`), as the interpreter (which asks maps.py) does."""
+    from fabric_ext.runtime.machine import isa as I
+    from fabric_ext.runtime.machine.interp import Interpreter
+    from fabric_ext.runtime.machine.jit import JitBackend
+    from fabric_ext.runtime.machine.program import Program
+    from fabric_ext.runtime.machine.verifier import verify
+    key_size, max_entries, keys, gone, probe = table
+    m = Map("h", kind, key_size, 8, max_entries)
+    for i, key in enumerate(keys):
+        assert m.update(key, V(i + 1)) == 0
+    for key in gone:
+        assert m.delete(key) == 0
+    insns = [I.Insn(I.ST | I.MEM | I.B, dst=10, off=j - key_size, imm=byte) for j, byte in enumerate(probe)]
+    insns += [I.Insn(I.LD | I.IMM | I.DW, dst=1, src=I.PSEUDO_MAP_FD, imm=0),
+              I.Insn(I.ALU64 | I.MOV | I.X, dst=2, src=10), I.Insn(I.ALU64 | I.ADD | I.K, dst=2, imm=-key_size),
+              I.Insn(I.JMP | I.CALL, imm=1), I.Insn(I.JMP | I.JEQ | I.K, dst=0, imm=0, off=2),
+              I.Insn(I.LDX | I.MEM | I.DW, dst=0, src=0, off=0), I.Insn(I.JMP | I.EXIT),
+              I.Insn(I.ALU64 | I.MOV | I.K, dst=0, imm=0), I.Insn(I.JMP | I.EXIT)]
+    prog = Program("probe", insns, [m])
+    verify(prog)
+    want = keys.index(probe) + 1 if probe in keys and probe not in gone else 0
+    assert Interpreter().run(prog) == want
+    jit = JitBackend()
+    assert jit.run(jit.load(prog)) == want

@@ -317,8 +317,9 @@ class IRBuilder:
         ref = f'%"{name}"' if name else self.block.function.fresh()
         return Instruction(PointerType(type_), ref, self.block, self._line(f"{ref} = alloca {type_}"))
 
-    def load(self, ptr: Value, typ: Type) -> Instruction:
-        return self._value(typ, f"load {typ}, ptr {ptr.ref}")
+    def load(self, ptr: Value, typ: Type, align: int = 0) -> Instruction:
+        """``align``: what the address is known to be a multiple of (0: the type's own alignment)."""
+        return self._value(typ, f"load {typ}, ptr {ptr.ref}" + (f", align {align}" if align else ""))
 
     def store(self, value: Value, ptr: Value) -> None:
         self._line(f"store {value}, ptr {ptr.ref}")

@@ -30,7 +30,7 @@ import llvmlite.binding as llvm
 from . import helpers as Hl
 from . import irtext as L
 from . import isa as I
-from .maps import ARRAY, EMPTY, HASH, LRU_HASH, PERCPU_ARRAY, PERCPU_HASH, RINGBUF, USED
+from .maps import ARRAY, EMPTY, HASH, HASH_MULTIPLIER, LRU_HASH, PERCPU_ARRAY, PERCPU_HASH, RINGBUF, USED
 from .program import Program
 from .semantics import ctx_write_mask
 
@@ -40,15 +40,6 @@ STACK_SIZE, MAX_FRAMES, MAP_HANDLE = I.STACK_SIZE, I.MAX_FRAMES, I.MAP_HANDLE
 FAULT_OOB, FAULT_BUDGET, FAULT_HELPER, FAULT_DEPTH = 1, 2, 3, 4
 FAULTS = {FAULT_OOB: "out-of-bounds access", FAULT_BUDGET: "instruction budget exhausted",
           FAULT_HELPER: "helper failed", FAULT_DEPTH: "call depth exceeds 8 frames"}
-
-
-def _crc_entry(i: int) -> int:
-    for _ in range(8):
-        i = (i >> 1) ^ 0xEDB88320 if i & 1 else i >> 1
-    return i
-
-
-CRC_TABLE = [_crc_entry(i) for i in range(256)]   # the table of zlib.crc32, which maps.py hashes keys with
 
 
 class Env(ctypes.Structure):
@@ -148,7 +139,6 @@ class Lifter:
         self.mask_g = None
         if self.mask:
             self.mask_g = _const_bytes(self.m, "ctx_mask", self.mask)
-        self.crc = None                 # the CRC-32 table, added by the first hash lookup
         self.map_regions = [(i, m.values.nbytes) for i, m in enumerate(prog.maps) if m.type != RINGBUF]
         self.invariant = self.m.add_metadata([])
         self.funcs = {}
@@ -614,20 +604,16 @@ class Lifter:
         return b.select(inb, b.select(ok, I64(0), eexist), e2big)
 
     def _hash_lookup(self, index, m, key_ptr):
-        """Linear probe of the map's open-addressing table, hashing the key with CRC-32 as maps.py does."""
+        """Linear probe of the map's open-addressing table, hashing the key as maps.py does
+        (`maps.hash_slot`): its 8-byte words, each loaded once, hashed and compared whole."""
         b = self.b
         fn = self.fn
         ks, cap = m.key_size, m.cap
-        if self.crc is None:
-            self.crc = _const_bytes(self.m, "crc_table", b"".join(v.to_bytes(4, "little") for v in CRC_TABLE))
-        crc = I32(0xFFFFFFFF)
-        for k in range(ks):
-            byte = b.zext(b.load(b.gep(key_ptr, [I64(k)], source_etype=I8), typ=I8), I32)
-            ix = b.zext(b.and_(b.xor(crc, byte), I32(0xFF)), I64)
-            t = b.load(b.gep(self.crc, [ix], inbounds=True, source_etype=I32), typ=I32)
-            crc = b.xor(t, b.lshr(crc, I32(8)))
-        h = b.zext(b.xor(crc, I32(0xFFFFFFFF)), I64)
-        h = b.and_(h, I64(cap - 1))
+        words = [self._le_word(key_ptr, off, min(8, ks - off)) for off in range(0, ks, 8)]
+        h = I64(0)
+        for k, w in enumerate(words):
+            h = b.mul(b.xor(h, w) if k else w, I64(HASH_MULTIPLIER))
+        h = b.lshr(h, I64(65 - cap.bit_length())) if cap > 1 and words else I64(0)
         head = fn.append_basic_block("probe")
         body = fn.append_basic_block("probe_body")
         cmpb = fn.append_basic_block("probe_cmp")
@@ -648,12 +634,10 @@ class Lifter:
         is_used = b.icmp_unsigned("==", st, I8(USED))
         b.cbranch(is_empty, miss, cmpb)
         b.position_at_end(cmpb)
-        kbase = b.add(self.map_addr(index, "keys"), b.mul(s, I64(ks)))
+        kbase = b.inttoptr(b.add(self.map_addr(index, "keys"), b.mul(s, I64(ks))), PTR)
         same = is_used
-        for k in range(ks):
-            x = b.load(b.inttoptr(b.add(kbase, I64(k)), PTR), typ=I8)
-            y = b.load(b.gep(key_ptr, [I64(k)], source_etype=I8), typ=I8)
-            same = b.and_(same, b.icmp_unsigned("==", x, y))
+        for k, w in enumerate(words):
+            same = b.and_(same, b.icmp_unsigned("==", self._le_word(kbase, 8 * k, min(8, ks - 8 * k)), w))
         i.add_incoming(nxt, cmpb)
         b.cbranch(same, found, head)
         b.position_at_end(found)
@@ -671,6 +655,21 @@ class Lifter:
         phi.add_incoming(addr, found)
         phi.add_incoming(I64(0), miss)
         return phi
+
+    def _le_word(self, ptr, offset: int, size: int):
+        """The ``size`` (1 to 8) bytes at ``ptr + offset`` as a little-endian i64, zero-extended:
+        one load per power-of-two piece (a 7-byte tail is 4 + 2 + 1), none past the end, at
+        any alignment."""
+        b, word, shift = self.b, None, 0
+        for width in (8, 4, 2, 1):
+            if size - shift >= width:
+                typ = L.IntType(8 * width)
+                at = b.gep(ptr, [I64(offset + shift)], source_etype=I8)
+                part = b.load(at, typ=typ, align=1)
+                part = part if width == 8 else b.zext(part, I64)
+                word = part if word is None else b.or_(word, b.shl(part, I64(8 * shift)))
+                shift += width
+        return word
 
     # -- batch entry ------------------------------------------------------------------------------------
     def _batch(self):

@@ -9,7 +9,6 @@ addressing tables in buffers too, so a map can live in shared memory
 from __future__ import annotations
 
 import errno
-import zlib
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -31,6 +30,23 @@ from .maptypes import (  # noqa: F401  (the map type numbers, also read from her
 BPF_ANY, BPF_NOEXIST, BPF_EXIST = 0, 1, 2
 
 EMPTY, USED, TOMB = 0, 1, 2
+
+#: 2^64 divided by the golden ratio: multiplying by it and keeping the top bits (Fibonacci
+#: hashing) spreads keys that differ in any bit, consecutive ids included, over the table
+HASH_MULTIPLIER = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+
+
+def hash_slot(key: bytes, cap: int) -> int:
+    """Where a key's probe starts in a hash table of ``cap`` slots (a power of two).  The key
+    is read as 8-byte little-endian words, the last one zero-padded; each is folded in as
+    h = (h ^ word) * HASH_MULTIPLIER mod 2^64, and the slot is the top log2(cap) bits of h.
+    Compiled code hashes the same way (`lift.Lifter._hash_lookup`): a multiply per word,
+    where a bytewise hash (zlib's CRC-32, before) needs a table load per byte."""
+    h = 0
+    for i in range(0, len(key), 8):
+        h = ((h ^ int.from_bytes(key[i:i + 8], "little")) * HASH_MULTIPLIER) & _MASK64
+    return h >> (65 - cap.bit_length()) if cap > 1 else 0
 
 
 class MapError(InputError):
@@ -121,7 +137,7 @@ class Map:
     def _probe(self, key: bytes):
         """(slot holding key or None, first free slot or None)."""
         ks, cap = self.key_size, self.cap
-        h = zlib.crc32(key) & (cap - 1)
+        h = hash_slot(key, cap)
         free = None
         for i in range(cap):
             s = (h + i) & (cap - 1)
