@@ -109,6 +109,7 @@ def test_compiled_probe_finds_what_maps_py_placed(table, kind):
         assert m.update(key, V(i + 1)) == 0
     for key in gone:
         assert m.delete(key) == 0
+    assert list(m.dump()) == sorted(int.from_bytes(k, "little") for k in keys if k not in gone)
     insns = [I.Insn(I.ST | I.MEM | I.B, dst=10, off=j - key_size, imm=byte) for j, byte in enumerate(probe)]
     insns += [I.Insn(I.LD | I.IMM | I.DW, dst=1, src=I.PSEUDO_MAP_FD, imm=0),
               I.Insn(I.ALU64 | I.MOV | I.X, dst=2, src=10), I.Insn(I.ALU64 | I.ADD | I.K, dst=2, imm=-key_size),

@@ -274,7 +274,8 @@ class Map:
                 for c in range(self.ncpus)]
 
     def dump(self) -> dict:
-        """Non-zero entries as {key: value} integers (keys ≤ 8 bytes), or records for a ringbuf."""
+        """Non-zero entries as {key: value} integers (keys ≤ 8 bytes) in key order (not the
+        table's, which the hash decides), or records for a ringbuf."""
         if self.type == RINGBUF:
             return {"records": [r.hex() for r in self.records], "dropped": self.dropped}
         out = {}
@@ -284,7 +285,7 @@ class Map:
                 else int.from_bytes(v, "little")
             if total or self.hashed:
                 out[int.from_bytes(k, "little")] = total
-        return out
+        return dict(sorted(out.items()))
 
     # -- ringbuf ------------------------------------------------------------------------
     def ringbuf_room(self, size: int) -> bool:
