@@ -42,7 +42,7 @@ def hash_slot(key: bytes, cap: int) -> int:
     is read as 8-byte little-endian words, the last one zero-padded; each is folded in as
     h = (h ^ word) * HASH_MULTIPLIER mod 2^64, and the slot is the top log2(cap) bits of h.
     Compiled code hashes the same way (`lift.Lifter._hash_lookup`): a multiply per word,
-    where a bytewise hash (zlib's CRC-32, before) needs a table load per byte."""
+    where a byte-wise hash such as CRC-32 needs a table load per byte."""
     h = 0
     for i in range(0, len(key), 8):
         h = ((h ^ int.from_bytes(key[i:i + 8], "little")) * HASH_MULTIPLIER) & _MASK64
