@@ -303,6 +303,40 @@ def test_a_transfer_completes_when_a_chunk_counted_ahead_arrives():
     assert quiet_events < every_events
 
 
+def test_an_arrival_from_another_island_is_asked_though_one_from_inside_landed_quietly():
+    """Whether an arrival at the end of a path asks anything depends on where the chunk came
+    from: from inside the destination's island it enters nothing, from another island it
+    enters it.  A transfer that lands quietly from inside first must not make a later one,
+    arriving from outside, skip its enter hook."""
+    g = DiGraph()
+    for a, b in (("a", "m"), ("m", "d"), ("a", "d")):
+        g.add_edge(a, b, bw=10 * GBps, latency=100, kind="cxl")
+
+    class Entering(HookSite):
+        def __init__(self):
+            self.entered = []
+
+        def asks(self, island, moment):
+            return moment == "enter" and island == "I"
+
+        def on_enter(self, chunk, island):
+            self.entered.append((chunk.transfer.name, chunk.index, chunk.path[chunk.hop]))
+            return None
+    seen = []
+    for per_chunk in (False, True):
+        sim, site = Sim(), Entering()
+        f = Fabric(sim, g, {"a": "A", "m": "I", "d": "I"}, {"A": "cxl_switch", "I": "cxl_switch"}, {}, {}, site,
+                   per_chunk_events=per_chunk)
+        inside = transfer("a", "d", 2 * MiB, name="inside", path=["a", "m", "d"])
+        outside = transfer("a", "d", 2 * MiB, name="outside")
+        f.start(inside)
+        sim.at(1e6, f.start, outside)
+        sim.run()
+        seen.append(sorted(site.entered))
+    assert ("outside", 0, "d") in seen[1]
+    assert seen[0] == seen[1]
+
+
 @settings(max_examples=200, deadline=None)
 @given(gaps=st.lists(st.tuples(st.floats(0, 50), st.floats(0, 40)), max_size=60), tail=st.floats(0, 20),
        bins=st.integers(1, 30))
