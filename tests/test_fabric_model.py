@@ -346,7 +346,7 @@ def test_a_links_timeline_is_the_busy_share_of_each_bin(gaps, tail, bins):
     (an interval may run past the end of the run)."""
     import numpy as np
 
-    from fabric_ext.runtime.simulation.stats import utilisation
+    from fabric_ext.runtime.simulation.stats import spans, utilisation
     t, intervals = 0.0, []
     for gap, length in gaps:
         intervals.append((t + gap, t + gap + length, 1))
@@ -355,4 +355,4 @@ def test_a_links_timeline_is_the_busy_share_of_each_bin(gaps, tail, bins):
     width = horizon / bins
     expected = [min(sum(max(0.0, min(b, (k + 1) * width) - max(a, k * width)) for a, b, _ in intervals) / width, 1.0)
                 for k in range(bins)]
-    assert np.allclose(utilisation(intervals, horizon, bins), expected, atol=1e-9)
+    assert np.allclose(utilisation(spans(intervals), horizon, bins), expected, atol=1e-9)

@@ -613,7 +613,7 @@ class Lifter:
         h = I64(0)
         for k, w in enumerate(words):
             h = b.mul(b.xor(h, w) if k else w, I64(HASH_MULTIPLIER))
-        h = b.lshr(h, I64(65 - cap.bit_length())) if cap > 1 and words else I64(0)
+        h = b.lshr(h, I64(65 - cap.bit_length())) if cap > 1 else I64(0)     # (LLVM: a shift by 64 is poison)
         head = fn.append_basic_block("probe")
         body = fn.append_basic_block("probe_body")
         cmpb = fn.append_basic_block("probe_cmp")

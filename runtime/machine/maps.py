@@ -46,7 +46,7 @@ def hash_slot(key: bytes, cap: int) -> int:
     h = 0
     for i in range(0, len(key), 8):
         h = ((h ^ int.from_bytes(key[i:i + 8], "little")) * HASH_MULTIPLIER) & _MASK64
-    return h >> (65 - cap.bit_length()) if cap > 1 else 0
+    return h >> (65 - cap.bit_length())     # cap 1: h >> 64, slot 0
 
 
 class MapError(InputError):

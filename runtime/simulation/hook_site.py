@@ -18,8 +18,6 @@ from .figures import figures
 
 # context fields that are the same for every chunk of a transfer (`Transfer.ctx`)
 TRANSFER_FIELDS = ("movement", "class", "operator", "src", "dst", "layer", "critical")
-# the standing decisions' moment of an issue hook, by the island's role in the transfer
-ISSUE_MOMENT = {"src": "issue/src", "dst": "issue/dst"}
 # context fields counted only for a handler that reads them (`ShimHookSite._queue_fields`)
 QUEUE_SPLIT = frozenset({"queued_ahead_hi", "queued_ahead_lo"})
 
@@ -114,7 +112,7 @@ class ShimHookSite(HookSite):
 
     def on_issue(self, chunk, island, role):
         t = chunk.transfer
-        moment = ISSUE_MOMENT[role]
+        moment = "issue/" + role
         standing = self.remembered.standing.get((t, island, moment))
         if standing is not None:
             standing.uses += 1

@@ -102,13 +102,12 @@ def spans(intervals: list) -> np.ndarray:
     return flat.reshape(-1, 3)
 
 
-def utilisation(intervals: list | np.ndarray, horizon: float, bins: int = TIMELINE_BINS) -> np.ndarray:
-    """The share of each of ``bins`` equal bins of [0, horizon] a link spent sending
-    (``intervals``: a link's, or their `spans`)."""
-    if not len(intervals):
+def utilisation(span: np.ndarray, horizon: float, bins: int = TIMELINE_BINS) -> np.ndarray:
+    """The share of each of ``bins`` equal bins of [0, horizon] a link spent sending (``span``:
+    its intervals as `spans`)."""
+    if not len(span):
         return np.zeros(bins)
     width = horizon / bins
-    span = intervals if isinstance(intervals, np.ndarray) else spans(intervals)
     return np.minimum(np.diff(_sent_before(span[:, 0], span[:, 1], np.arange(bins + 1) * width)) / width, 1.0)
 
 

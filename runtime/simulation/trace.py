@@ -13,7 +13,7 @@ The trace is drawn from a `stats.RunRecord` of a run made with ``trace=True``.
 """
 from __future__ import annotations
 
-from .stats import RunRecord, utilisation
+from .stats import RunRecord, spans, utilisation
 
 BASELINE_PID = 1000         # the baseline's processes are numbered from here
 UTIL_BINS = 200             # counter points per link over the run
@@ -104,7 +104,7 @@ def _counters(pid: int, name: str, points: list[tuple[float, float]], key: str) 
 def _utilisation(intervals: list, horizon: float) -> list[tuple[float, float]]:
     """A link's busy share (percent) in UTIL_BINS equal bins of the run (`stats.utilisation`)."""
     width = horizon / UTIL_BINS
-    return [(k * width, round(float(u) * 100, 2)) for k, u in enumerate(utilisation(intervals, horizon, UTIL_BINS))]
+    return [(k * width, round(float(u) * 100, 2)) for k, u in enumerate(utilisation(spans(intervals), horizon, UTIL_BINS))]
 
 
 def _depth(srv, horizon: float) -> list[tuple[float, int]]:
