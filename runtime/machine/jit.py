@@ -45,32 +45,29 @@ _cache: CodeCache | None = None
 
 
 class _Tier:
-    """An MCJIT engine and how it optimises: programs with loops get LLVM's full -O2
-    pipeline and -O3 code generation, because that is where their time goes; straight-line
-    programs (every policy handler) run a few dozen instructions per call, so they get a
-    short pipeline (SROA, instcombine, CFG simplification, DCE) and fast instruction
-    selection, which compiles several times faster for the same run time per call.  GVN
-    took a fifth of their compile and bought no measurable run time; without instcombine
-    they compile faster still but run 10-25 % slower."""
+    """An MCJIT engine and how it optimises.  Every program gets a short IR pipeline (SROA,
+    instcombine, CFG simplification, DCE); what differs is code generation: programs with
+    loops get -O3 (the selection DAG, the greedy register allocator, loop strength
+    reduction), where their time goes, and straight-line ones (every policy handler: a few
+    dozen instructions per call) get fast instruction selection, several times faster to
+    compile for the same run time.  LLVM's full -O2 pipeline bought the bench's loops no run
+    time over the short one and doubled their compile; GVN took a fifth of a straight-line
+    program's compile and bought nothing measurable; without instcombine programs run
+    10-25 % slower (docs/performance.md)."""
 
     def __init__(self, loops: bool):
         llvm.initialize_native_target()
         llvm.initialize_native_asmprinter()
-        self.loops = loops
         self.tm = llvm.Target.from_default_triple().create_target_machine(opt=3 if loops else 0, jit=True)
         self.engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), self.tm)
 
     def optimise(self, mod) -> None:
-        pb = llvm.create_pass_builder(self.tm, llvm.create_pipeline_tuning_options(speed_level=2 if self.loops else 0))
-        if self.loops:
-            pb.getModulePassManager().run(mod, pb)
-            return
         mpm = llvm.create_new_module_pass_manager()
         mpm.add_sroa_pass()
         mpm.add_instruction_combine_pass()
         mpm.add_simplify_cfg_pass()
         mpm.add_dead_code_elimination_pass()
-        mpm.run(mod, pb)
+        mpm.run(mod, llvm.create_pass_builder(self.tm, llvm.create_pipeline_tuning_options()))
 
 
 def _tier(loops: bool) -> _Tier:
