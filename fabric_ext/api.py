@@ -181,7 +181,7 @@ def run(bundle: Bundle | str | Path, *, model: str | None = None, prompt: int | 
     from fabric_ext.runtime.machine.backends import get_backend
     from fabric_ext.runtime.simulation import stats
     from fabric_ext.runtime.simulation.engine import Engine, RunOptions
-    from fabric_ext.runtime.simulation.fabric_model import DEFAULT_MAX_EVENTS
+    from fabric_ext.runtime.simulation.sim import DEFAULT_MAX_EVENTS
     if not isinstance(bundle, Bundle):
         bundle = Bundle.read_folder(bundle)
     vm = get_backend(backend, jit_checks=jit_checks)

@@ -216,7 +216,7 @@ def test_the_context_tracer_sees_what_the_programs_are_given():
 @pytest.mark.parametrize("name", POLICIES)
 def test_ends_of_transmission_without_events_change_nothing_but_the_events(name):
     """Every bundled policy gives the same report, hook deliveries and map contents included,
-    with an event at every chunk's end of transmission and without (`fabric_model.Server`)."""
+    with an event at every chunk's end of transmission and without (`servers.Server`)."""
     from fabric_ext.runtime.machine.jit import JitBackend
     fewer, _ = run_engine(compiled(name), backend=JitBackend())
     every, _ = run_engine(compiled(name), backend=JitBackend(), per_chunk_events=True)

@@ -4,7 +4,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fabric_ext.contract.digraph import DiGraph
-from fabric_ext.runtime.simulation.fabric_model import Fabric, HookSite, Sim, Transfer
+from fabric_ext.runtime.simulation.fabric_model import Fabric, HookSite
+from fabric_ext.runtime.simulation.servers import Transfer
+from fabric_ext.runtime.simulation.sim import Sim
 
 GBps = 1e9
 MiB = 2**20
@@ -148,7 +150,6 @@ def test_a_route_back_through_a_crossed_device_is_refused_and_counted():
     """A switch program that sends every chunk to a neighbour whose shortest way on comes
     back through the switch would loop forever: the fabric refuses it and counts it."""
     from fabric_ext.contract.digraph import DiGraph
-    from fabric_ext.runtime.simulation.fabric_model import Fabric, HookSite, Sim, Transfer
 
     class SendToCpu(HookSite):
         def on_enter(self, chunk, island):
@@ -171,7 +172,7 @@ def test_a_transfer_between_unlinked_devices_is_a_clear_error():
     import pytest
 
     from fabric_ext.contract.digraph import DiGraph
-    from fabric_ext.runtime.simulation.fabric_model import Fabric, NoPath, Sim, Transfer
+    from fabric_ext.runtime.simulation.fabric_model import NoPath
     g = DiGraph()
     g.add_edge("a", "b", bw=1e9, latency=1.0)
     g.add_node("c")
@@ -184,7 +185,6 @@ def test_a_link_pays_its_fixed_cost_per_chunk():
     """bytes / bandwidth plus the fixed cost, once per chunk: 4 chunks of 1000 B at 1 B/ns with
     a 500 ns cost take 6000 ns; as one chunk, 4500 ns."""
     from fabric_ext.contract.digraph import DiGraph
-    from fabric_ext.runtime.simulation.fabric_model import Fabric, Sim, Transfer
     for chunk, ends in ((1000, 6000.0), (4000, 4500.0)):     # one chunk: 4000 + 500
         g = DiGraph()
         g.add_edge("a", "b", bw=1e9, latency=0.0, setup=500.0)

@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 
 from fabric_ext.contract.context import ContextCodec
 from fabric_ext.contract.hooks import HOOKS
-from fabric_ext.runtime.simulation.fabric_model import Chunk, Server, Sim, Transfer
+from fabric_ext.runtime.simulation.servers import Chunk, Server, Transfer
+from fabric_ext.runtime.simulation.sim import Sim
 from fabric_ext.runtime.simulation.ticks import TickSource
 from policy_helpers import compiled
 from test_runtime import compile_text, run_engine

@@ -32,7 +32,7 @@ def reference_policy() -> Path:
 
 
 def build_parser():
-    from .fabric_model import DEFAULT_MAX_EVENTS
+    from .sim import DEFAULT_MAX_EVENTS
     p = _Parser(prog="fabric-run", description="Run compiled fabric policies on an LLM prefill and report "
                                                  "its dataflow statistics.")
     p.add_argument("--version", action="version", version=f"fabric-run {__version__}")
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
         if signal.getsignal(sig) is signal.SIG_DFL:
             signal.signal(sig, _exit_on_signal)
     from ..machine.kernel import KernelError, KernelVerifierError
-    from .fabric_model import EventLimit
+    from .sim import EventLimit
     if args.max_events is not None and args.max_events < 0:
         print("fabric-run: --max-events must be 0 (no limit) or more", file=sys.stderr)
         return EXIT_USAGE

@@ -19,11 +19,12 @@ from fabric_ext.contract.bundle import Folder
 from fabric_ext.contract.digraph import DiGraph
 from fabric_ext.contract.schema import PROP_RANGES
 
-from .fabric_model import DEFAULT_MAX_EVENTS, Fabric, Sim
+from .fabric_model import Fabric
 from .figures import default, figures
 from .hook_site import ShimHookSite
 from .prefill import Prefill, Progress  # noqa: F401  (Progress: what RunOptions.progress is called with)
 from .shims import SHIMS
+from .sim import DEFAULT_MAX_EVENTS, Sim
 from .stats import RunRecord
 from .ticks import BLOCK, TickSource, catch_up_together
 from .timing import Timing, profile_of

@@ -1,7 +1,7 @@
 """Why the GPUs waited: a root-cause chain for every stall (`fabric-run --explain`).
 
 A run with evidence on (`RunOptions(explain=True)`) records every chunk's life as steps that
-tile it in time (`fabric_model.Step`: pending, held by a ``defer`` or ``rate`` decision,
+tile it in time (`servers.Step`: pending, held by a ``defer`` or ``rate`` decision,
 waiting for a copy engine, queued at a link, sent, in flight) and what every link sent
 (`Server.occupants`).  A stall (`prefill.Stall`) is a GPU waiting from ``start`` to ``end``
 for the input that arrived last (or the all-reduce's ring).  Its chain splits that wait
@@ -29,7 +29,7 @@ import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .fabric_model import DEFAULT_PRIORITY, Step
+from .servers import DEFAULT_PRIORITY, Step
 
 COVER = 0.9            # the chains shown cover this share of all stall time, longest first
 SHOWN = 5              # chains printed in the text (the JSON has every one)

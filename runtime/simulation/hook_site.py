@@ -13,8 +13,9 @@ from fabric_ext.contract.topology import island_role
 
 from .decisions import DecisionCache, HookPlan
 from .dispatch import Known
-from .fabric_model import APPLIED, Fabric, HookSite, Transfer
+from .fabric_model import APPLIED, Fabric, HookSite
 from .figures import figures
+from .servers import Transfer
 
 # context fields that are the same for every chunk of a transfer (`Transfer.ctx`)
 TRANSFER_FIELDS = ("movement", "class", "operator", "src", "dst", "layer", "critical")

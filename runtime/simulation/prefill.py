@@ -26,7 +26,7 @@ class Stall(NamedTuple):
     unit: tuple                 # (pass, layer, operator)
     start: float
     end: float
-    transfer: object            # fabric_model.Transfer
+    transfer: object            # servers.Transfer
     prefetch: tuple | None      # an input issued the prefetch depth ahead: (depth, (hook, movement) of
                                 # the decision that set it, or None: the workload's); None: issued at the start
 

@@ -38,7 +38,7 @@ class RunRecord:
     events: int                         # simulated events
     layer_stats: dict[int, dict]        # per layer: compute and stall ms
     stall_by_movement: dict[str, float]  # ns the GPUs waited for each movement
-    transfers: list                     # every transfer (fabric_model.Transfer)
+    transfers: list                     # every transfer (servers.Transfer)
     servers: list                       # every link server and wire, once each
     islands: list[dict]                 # each shim's summary
     faults: list[dict]

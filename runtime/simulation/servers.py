@@ -1,0 +1,250 @@
+"""What the fabric model moves and what moves it: transfers split into chunks, the servers that
+send them (a directed link, or a memory channel both directions share) and the GPUs' copy engines.
+
+A server has per-priority queues: strict priority between classes (7 first), round-robin
+between flows within a class, so two equal flows each get half and a high-priority flow gets
+all it asks for.  A chunk is sent whole (bytes / bandwidth, plus the link's fixed cost per
+chunk) and never preempted.  A copy engine takes one chunk at a time and is busy with it
+until it has left its first link.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from fabric_ext.contract.hooks import PRIORITY
+
+from .sim import Sim
+
+DEFAULT_PRIORITY = PRIORITY.default      # the catalogue's: a chunk no program ranked
+
+
+@dataclass(slots=True, eq=False)
+class Transfer:
+    """One movement of bytes from src to dst; split into chunks (each transfer is its own: equal
+    by identity, so a hook site may key what it remembers by it)."""
+    name: str                 # movement name ("" when no declared movement matches)
+    movement_id: int
+    cls: str
+    operator: str
+    src: str
+    dst: str
+    bytes: int
+    layer: int = 0
+    critical: bool = False
+    on_done: object = None
+    chunk_bytes: int = 2 << 20
+    path: list = field(default_factory=list)
+    start: float = 0.0
+    end: float = 0.0
+    chunks_total: int = 0
+    chunks_done: int = 0
+    queue_waits: list = field(default_factory=list)
+    ctx: dict = field(default_factory=dict)     # the hook site's context fields, the same for every chunk
+    pending: deque = field(default_factory=deque)  # chunks not yet issued, in order
+    driver: list | None = None    # the copy engines that issue its chunks (None: issued at once)
+    pace: float = 0.0             # B/s a collective's chunks cross each link at (0: the link's bandwidth)
+    fixed_cost: bool = True       # whether its chunks pay the links' fixed cost (a collective's is in its alpha)
+    last_chunk: object = None     # with evidence on: the chunk whose arrival ended it
+    landing: float = 0.0          # when the last chunk counted before its arrival arrives (`Fabric._landed`)
+
+    @property
+    def flow(self) -> tuple:
+        return (self.name, self.src, self.dst)
+
+
+class Step(NamedTuple):
+    """One span of a chunk's life (``Fabric(evidence=True)``): a chunk's steps tile the time
+    from its transfer's start to its delivery.  Recorded as plain tuples (``Step(*entry)``
+    reads one): a run makes millions."""
+    kind: str          # pending | defer | rate | engine | queue | send | latency
+    start: float       # ns
+    end: float
+    where: object      # a Server (queue, send), an island (defer, rate), a CopyEngine, a (u, v) link
+    moment: str = ""   # defer, rate: the moment of the decision ("issue" or "enter")
+
+
+@dataclass(slots=True)
+class Chunk:
+    transfer: Transfer
+    index: int
+    bytes: int
+    path: list
+    hop: int = 0
+    priority: int = DEFAULT_PRIORITY
+    enqueued: float = 0.0
+    waited: float = 0.0
+    island: str | None = None
+    parts: list = field(default_factory=list)   # chunks merged into this one by coalescing
+    queue: object = None      # the NIC transmit queue it leaves by (None: its flow's own)
+    engine: object = None     # the copy engine busy with it until it leaves its first link
+    trail: list | None = None  # with evidence on: its life, as `Step` tuples that tile it in time
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.transfer.chunks_total - 1
+
+
+class Server:
+    """A transmission resource: one directed link, or a memory channel both directions share.
+    Each chunk costs ``overhead`` ns on top of its bytes: the link's fixed cost per transfer
+    (DMA descriptor and doorbell on PCIe/CXL, one message on NVLink, a frame on a wire).
+
+    A chunk's end of transmission is an event only where something must happen then: a
+    chunk queued behind it starts, its copy engine is freed, it is delivered.  A chunk that
+    starts with nothing queued behind it and was enqueued with ``sent_at`` is handed on when
+    it starts (``sent_at(chunk, end)`` schedules what follows its end) and the link stays
+    busy until ``free_at``; a chunk enqueued before then waits for it as for a finish.
+    Transmission is never preempted, so this is the per-chunk model with fewer events
+    (``per_chunk_events`` restores an event at every end; the tests compare the two)."""
+
+    def __init__(self, sim: Sim, name: str, bw: float, overhead: float = 0.0, per_chunk_events: bool = False):
+        self.sim, self.name, self.bw, self.overhead = sim, name, bw, overhead
+        self.queues: dict[int, OrderedDict] = {}   # class -> flow -> chunks, only classes with chunks
+        self.classes: list[int] = []               # those classes, negated and sorted: highest first
+        self.busy = False              # True while a finish, or the start at free_at, is scheduled
+        self.free_at = 0.0             # the end of a transmission that has no event of its own
+        self.per_chunk_events = per_chunk_events
+        self.bytes = 0
+        self.intervals: list[tuple[float, float, int]] = []
+        self.queued_bytes = 0          # bytes waiting, not yet on the link
+        self.on_dequeue = None         # callable(chunk, wait ns) as a chunk starts on the link, if watched
+        self.record: list | None = None           # where a watcher wants transmission starts
+        self.sent_lane = 0
+        self.enqueued_lane: int | None = None     # ... and enqueues, if it does
+        self.occupants: list | None = None        # with evidence on, per interval: (transfer, priority,
+                                                  # chunk index, when the chunk was enqueued)
+        self.ends = ("", "")                      # (device, what it leads to: a device, "memory", "wire")
+
+    def watch(self, record: list | None, sent_lane: int, enqueued_lane: int | None = None) -> None:
+        """Append time, lane and bytes to ``record`` at every transmission start, and at every
+        enqueue if given a lane for those: flat, so a tick source converts it in one call.
+        A record of None stops it."""
+        self.record, self.sent_lane = record, sent_lane
+        self.enqueued_lane = enqueued_lane if record is not None else None
+
+    def enqueue(self, chunk: Chunk, done, sent_at=None) -> None:
+        """Queue a chunk; ``done(chunk)`` runs at its end of transmission, or, where
+        ``sent_at`` is given, maybe ``sent_at(chunk, end)`` at its start instead (see above)."""
+        now = chunk.enqueued = self.sim.now
+        self.queued_bytes += chunk.bytes
+        if self.enqueued_lane is not None:
+            self.record.extend((now, self.enqueued_lane, chunk.bytes))
+        if not self.busy and not self.classes and now >= self.free_at:
+            self._transmit(chunk, done, sent_at)    # an idle link: it goes at once, past the queues
+            return
+        q = self.queues.get(chunk.priority)
+        if q is None:
+            q = self.queues[chunk.priority] = OrderedDict()
+            bisect.insort(self.classes, -chunk.priority)
+        q.setdefault(chunk.queue or chunk.transfer.flow, deque()).append((chunk, done, sent_at))
+        if not self.busy:
+            if now < self.free_at:        # the link is still sending a handed-on chunk
+                self.busy = True
+                self.sim.at(self.free_at, self._start)
+            else:
+                self._start()
+
+    def _start(self) -> None:
+        if not self.classes:
+            self.busy = False
+            return
+        prio = -self.classes[0]                # the highest class with a chunk waiting
+        q = self.queues[prio]
+        flow, d = next(iter(q.items()))
+        chunk, done, sent_at = d.popleft()
+        q.move_to_end(flow)                    # round robin between flows of one class
+        if not d:
+            del q[flow]
+            if not q:
+                del self.queues[prio]
+                self.classes.pop(0)
+        self._transmit(chunk, done, sent_at)
+
+    def queued_above(self, priority: int) -> int:
+        """Bytes queued in classes above ``priority``: they leave before a chunk of it."""
+        return sum(c.bytes for p, q in self.queues.items() if p > priority
+                   for chunks in q.values() for c, _, _ in chunks)
+
+    def _transmit(self, chunk: Chunk, done, sent_at) -> None:
+        self.busy = True
+        now = self.sim.now
+        chunk.waited += now - chunk.enqueued
+        if self.on_dequeue is not None:
+            self.on_dequeue(chunk, now - chunk.enqueued)
+        t = chunk.transfer
+        if t.fixed_cost:
+            dt = chunk.bytes / self.bw * 1e9 + self.overhead
+        else:       # a collective: at its bus bandwidth (where below the link's), its fixed cost in its alpha
+            dt = chunk.bytes / min(t.pace, self.bw) * 1e9
+        self.bytes += chunk.bytes
+        self.queued_bytes -= chunk.bytes
+        self.intervals.append((now, now + dt, chunk.bytes))
+        if self.record is not None:
+            self.record.extend((now, self.sent_lane, chunk.bytes))
+        if self.occupants is not None:
+            self.occupants.append((t, chunk.priority, chunk.index, chunk.enqueued))
+        if chunk.trail is not None:
+            if now > chunk.enqueued:
+                chunk.trail.append(("queue", chunk.enqueued, now, self))
+            chunk.trail.append(("send", now, now + dt, self))
+        if sent_at is not None and not self.classes and chunk.engine is None and not self.per_chunk_events:
+            self.busy, self.free_at = False, now + dt
+            sent_at(chunk, now + dt)
+        else:
+            self.sim.at(now + dt, self._finish, chunk, done)
+
+    def _finish(self, chunk, done) -> None:
+        done(chunk)
+        self._start()
+
+
+class CopyEngine:
+    """One DMA engine of a GPU.  It takes one chunk at a time from its streams (round robin
+    between streams) and is busy with it until the chunk has left the first link of its
+    path; what waits for it counts as queueing.  A stream serves its transfers in order, one
+    after another, as a CUDA stream does: the next chunk of the transfer it took from last
+    goes first (a chunk held back by ``defer`` or ``rate`` lets the next transfer go)."""
+
+    def __init__(self, sim: Sim, name: str, take):
+        self.sim, self.name, self._take = sim, name, take
+        self.streams: OrderedDict[int, deque] = OrderedDict()
+        self.current: dict[int, Transfer] = {}     # stream -> the transfer it took from last
+        self.busy = False
+        self.chunks = 0
+        self.bytes = 0
+
+    def submit(self, chunk: Chunk, stream: int) -> None:
+        chunk.enqueued = self.sim.now
+        q = self.streams.setdefault(stream, deque())
+        if self.current.get(stream) is chunk.transfer:
+            q.appendleft(chunk)
+        else:
+            q.append(chunk)
+        if not self.busy:
+            self._next()
+
+    def release(self) -> None:
+        self.busy = False
+        self._next()
+
+    def _next(self) -> None:
+        if not self.streams:
+            return
+        stream, q = next(iter(self.streams.items()))
+        chunk = q.popleft()
+        if q:
+            self.streams.move_to_end(stream)
+        else:
+            del self.streams[stream]
+        self.current[stream] = chunk.transfer
+        self.busy = True
+        self.chunks += 1
+        self.bytes += chunk.bytes
+        chunk.waited += self.sim.now - chunk.enqueued
+        if chunk.trail is not None and self.sim.now > chunk.enqueued:
+            chunk.trail.append(("engine", chunk.enqueued, self.sim.now, self))
+        chunk.engine = self
+        self._take(chunk)

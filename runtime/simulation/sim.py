@@ -1,0 +1,45 @@
+"""The event loop under the fabric model: callbacks at simulated times, a bound on events."""
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from fabric_ext.runtime.machine.errors import InputError
+
+#: ~50x the events of the largest bundled run (Llama-3-70B, 32k tokens: ~420,000); a few minutes of run
+DEFAULT_MAX_EVENTS = 20_000_000
+
+
+class EventLimit(InputError):
+    """A run that passed its limit on events (``Sim.max_events``)."""
+
+
+class Sim:
+    """A minimal event loop: callbacks at simulated times (ns).  ``max_events`` bounds a run
+    (None: no bound), so that no input can make one endless."""
+
+    def __init__(self, max_events: int | None = None):
+        self.now = 0.0
+        self._heap: list = []
+        self._seq = itertools.count()
+        self.events = 0
+        self.max_events = max_events
+
+    def at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), fn, args))
+
+    def run(self, until: float | None = None) -> None:
+        heap = self._heap
+        limit = self.max_events if self.max_events is not None else float("inf")
+        while heap:
+            t, _, fn, args = heap[0]
+            if until is not None and t > until:
+                break
+            heapq.heappop(heap)
+            self.now = t
+            self.events += 1
+            if self.events > limit:
+                raise EventLimit(f"the run passed {limit:,} events at {t / 1e6:.3f} ms of simulated time")
+            fn(*args)
+
+
