@@ -1,11 +1,11 @@
 """The fabric model against analytic answers."""
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fabric_ext.contract.digraph import DiGraph
 from fabric_ext.runtime.simulation.fabric_model import Fabric, HookSite
-from fabric_ext.runtime.simulation.servers import Transfer
+from fabric_ext.runtime.simulation.servers import Chunk, Server, Transfer
 from fabric_ext.runtime.simulation.sim import Sim
 
 GBps = 1e9
@@ -252,26 +252,62 @@ flows = st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 400_000), st.i
 
 @settings(max_examples=100, deadline=None)
 @given(flows)
-def test_handing_chunks_on_at_their_start_changes_nothing_but_the_events(spec):
-    """Without an event at every end of transmission, every chunk is delivered at the same
-    time, having waited as long, and every link sends the same intervals (flows of random
-    sizes, start times and priorities meeting at one link)."""
+def test_where_every_arrival_asks_the_run_is_the_per_chunk_one(spec):
+    """A chunk is handed on as it starts only where its arrival asks nothing: with a hook on
+    every delivery, the run is the per-chunk one, event for event (flows of random sizes,
+    start times and priorities meeting at one link)."""
     named = [(f"f{i}", src, start, nbytes, prio) for i, (src, start, nbytes, prio) in enumerate(spec)]
-    fewer, every = _deliveries(named, False), _deliveries(named, True)
-    assert fewer[:3] == every[:3]
-    assert fewer[3] < every[3]
+    assert _deliveries(named, False) == _deliveries(named, True)
+
+
+# chunks that reach one place at the same time, where the order of the events at that
+# time decides which goes first: a start at the end of a handed-on chunk (the first), and
+# an arrival scheduled at a handed-on chunk's start (the others)
+SAME_TIME = ([("a", 0, 1, 0), ("b", 0, 1, 0), ("b", 0, 1, 0), ("a", 0, 1, 0)],
+             [("c", 300, MiB // 2, 7), ("a", 600, 3 * MiB // 2, 7), ("a", 300, MiB // 2 + 1, 0), ("b", 300, 2, 0),
+              ("a", 0, 1, 1), ("c", 0, 1, 1)],
+             [("c", 0, 3 * MiB // 2, 7), ("c", 0, MiB, 1), ("b", 0, MiB // 2, 0), ("b", 0, MiB // 2, 7),
+              ("a", 350, MiB // 2 + 1, 1)])
 
 
 @settings(max_examples=100, deadline=None)
 @given(flows)
+@example(SAME_TIME[0])
+@example(SAME_TIME[1])
+@example(SAME_TIME[2])
 def test_landing_without_an_event_changes_nothing_but_the_events(spec):
     """Where nothing is asked at a chunk's destination, its arrival has no event unless it
-    completes its transfer (`Fabric._lands_quietly`): every transfer still ends at the same
-    time, with the same waits, and every link sends the same intervals."""
+    completes its transfer (`Fabric._lands_quietly`), nor, where nothing waits behind it,
+    its end of transmission: every transfer still ends at the same time, with the same
+    waits, and every link sends the same intervals, also where chunks meet at one time."""
     named = [(f"f{i}", src, start, nbytes, prio) for i, (src, start, nbytes, prio) in enumerate(spec)]
     fewer, every = _deliveries(named, False, Ranker), _deliveries(named, True, Ranker)
     assert fewer[:3] == every[:3]
     assert fewer[3] < every[3] or all(chunks == 1 for _, chunks, _ in every[2])
+
+
+def _link_order(per_chunk_events):
+    """One link (10 bytes/ns): chunk x is handed on at 0 and sends until 100; y (class 0) is
+    queued behind it at 60; z (class 7) arrives at 100 by an event scheduled at 40, before
+    y came.  The finish x would have had was placed at 0, before z's arrival."""
+    sim = Sim()
+    link = Server(sim, "s->sink", 10 * GBps, per_chunk_events=per_chunk_events)
+    started = []
+    link.on_dequeue = lambda chunk, wait: started.append((chunk.transfer.name, sim.now))
+    x, y, z = (Chunk(transfer("s", "sink", 1000, name=name), 0, 1000, ["s", "sink"], priority=prio)
+               for name, prio in (("x", 0), ("y", 0), ("z", 7)))
+    link.enqueue(x, lambda chunk: None, lambda chunk, end: True)
+    sim.at(40, sim.at, 100, link.enqueue, z, lambda chunk: None)
+    sim.at(60, link.enqueue, y, lambda chunk: None)
+    sim.run()
+    return started
+
+
+def test_a_start_after_a_handed_on_chunk_keeps_the_place_of_its_finish():
+    """At the end of a handed-on chunk, the next starts where the finish event would have
+    been among that time's events: y, queued first, goes before z, which arrives at the
+    same time (as with an event at every end), though the start was scheduled after z."""
+    assert _link_order(False) == _link_order(True) == [("x", 0.0), ("y", 100.0), ("z", 200.0)]
 
 
 def test_a_transfer_completes_when_a_chunk_counted_ahead_arrives():

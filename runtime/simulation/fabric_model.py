@@ -330,7 +330,7 @@ class Fabric:
     def _forward(self, chunk: Chunk) -> None:
         path, hop = chunk.path, chunk.hop
         if hop + 1 < len(path):
-            self.servers[(path[hop], path[hop + 1])].enqueue(chunk, self._sent, self._sent_at)
+            self.servers[(path[hop], path[hop + 1])].enqueue(chunk, self._sent, self._handed_on)
         elif path[hop] in self.wires and chunk.island is not None:
             chunk.island = None  # leaves on the wire once
             self.wires[path[hop]].enqueue(chunk, self._delivered)
@@ -338,30 +338,40 @@ class Fabric:
             self._delivered(chunk)
 
     def _sent(self, chunk: Chunk) -> None:
+        """The chunk's end of transmission: it arrives at the next device a latency later."""
         if chunk.engine is not None:
             self._free_engine(chunk)
-        self._sent_at(chunk, self.sim.now)
+        arrival = self._leave(chunk, self.sim.now)
+        if self.per_chunk_events or not self._lands_quietly(chunk, chunk.hop):
+            self.sim.at(arrival, self._arrive, chunk)
+        else:
+            self._landed(chunk, arrival)
 
-    def _sent_at(self, chunk: Chunk, end: float) -> None:
-        """The chunk leaves its link at ``end``: it arrives at the next device a latency later."""
+    def _handed_on(self, chunk: Chunk, end: float) -> bool:
+        """A server offers to be done with the chunk as it starts (`Server`): taken where its
+        arrival will be quiet, so that nothing it does after ``end`` has an event to order."""
+        if not self._lands_quietly(chunk, chunk.hop + 1):
+            return False
+        self._landed(chunk, self._leave(chunk, end))
+        return True
+
+    def _leave(self, chunk: Chunk, end: float) -> float:
+        """The chunk leaves its link at ``end`` for the next hop; when it arrives there."""
         u, v = chunk.path[chunk.hop], chunk.path[chunk.hop + 1]
         chunk.hop += 1
         chunk.queue = None          # a transmit queue holds at the NIC it was chosen at
         latency = self.latency[u, v]
         if chunk.trail is not None and latency:
             chunk.trail.append(("latency", end, end + latency, (u, v)))
-        if self.per_chunk_events or not self._lands_quietly(chunk):
-            self.sim.at(end + latency, self._arrive, chunk)
-        else:
-            self._landed(chunk, end + latency)
+        return end + latency
 
-    def _lands_quietly(self, chunk: Chunk) -> bool:
-        """Whether the chunk's arrival at the device it was just sent to would only count it
-        as delivered: the end of its path, no hook to ask there, no wire to leave by, no copy
+    def _lands_quietly(self, chunk: Chunk, hop: int) -> bool:
+        """Whether the chunk's arrival at ``hop`` of its path would only count it as
+        delivered: the end of its path, no hook to ask there, no wire to leave by, no copy
         engine to free, not a coalesced chunk (its parts may be of several transfers), and not
         the chunk that completes its transfer."""
         path, t = chunk.path, chunk.transfer
-        if chunk.hop + 1 < len(path) or chunk.engine is not None or chunk.parts:
+        if hop + 1 < len(path) or chunk.engine is not None or chunk.parts:
             return False
         key = (t.path[0], t.path[-1], path[-1], chunk.island)
         quiet = self._quiet.get(key)

@@ -93,12 +93,14 @@ class Server:
     (DMA descriptor and doorbell on PCIe/CXL, one message on NVLink, a frame on a wire).
 
     A chunk's end of transmission is an event only where something must happen then: a
-    chunk queued behind it starts, its copy engine is freed, it is delivered.  A chunk that
-    starts with nothing queued behind it and was enqueued with ``sent_at`` is handed on when
-    it starts (``sent_at(chunk, end)`` schedules what follows its end) and the link stays
-    busy until ``free_at``; a chunk enqueued before then waits for it as for a finish.
-    Transmission is never preempted, so this is the per-chunk model with fewer events
-    (``per_chunk_events`` restores an event at every end; the tests compare the two)."""
+    chunk queued behind it starts, its copy engine is freed, it arrives somewhere that
+    asks.  A chunk that starts with nothing queued behind it is offered to the enqueuer's
+    ``handed_on(chunk, end)``; where that takes it (nothing the chunk does after ``end``
+    has an event), the link is done with it at once and stays busy until ``free_at``.  A
+    chunk enqueued before then starts at ``free_at``, in the place among that time's events
+    that the finish event would have had (`Sim.place`).  Transmission is never preempted,
+    so this is the per-chunk model with fewer events, in the same order (``per_chunk_events``
+    restores an event at every end; the tests compare the two)."""
 
     def __init__(self, sim: Sim, name: str, bw: float, overhead: float = 0.0, per_chunk_events: bool = False):
         self.sim, self.name, self.bw, self.overhead = sim, name, bw, overhead
@@ -106,6 +108,7 @@ class Server:
         self.classes: list[int] = []               # those classes, negated and sorted: highest first
         self.busy = False              # True while a finish, or the start at free_at, is scheduled
         self.free_at = 0.0             # the end of a transmission that has no event of its own
+        self.free_place = 0            # ... and the place its finish event would have had (`Sim.place`)
         self.per_chunk_events = per_chunk_events
         self.bytes = 0
         self.intervals: list[tuple[float, float, int]] = []
@@ -125,25 +128,25 @@ class Server:
         self.record, self.sent_lane = record, sent_lane
         self.enqueued_lane = enqueued_lane if record is not None else None
 
-    def enqueue(self, chunk: Chunk, done, sent_at=None) -> None:
-        """Queue a chunk; ``done(chunk)`` runs at its end of transmission, or, where
-        ``sent_at`` is given, maybe ``sent_at(chunk, end)`` at its start instead (see above)."""
+    def enqueue(self, chunk: Chunk, done, handed_on=None) -> None:
+        """Queue a chunk; ``done(chunk)`` runs at its end of transmission, unless
+        ``handed_on(chunk, end)``, where given, takes it as it starts (see above)."""
         now = chunk.enqueued = self.sim.now
         self.queued_bytes += chunk.bytes
         if self.enqueued_lane is not None:
             self.record.extend((now, self.enqueued_lane, chunk.bytes))
         if not self.busy and not self.classes and now >= self.free_at:
-            self._transmit(chunk, done, sent_at)    # an idle link: it goes at once, past the queues
+            self._transmit(chunk, done, handed_on)    # an idle link: it goes at once, past the queues
             return
         q = self.queues.get(chunk.priority)
         if q is None:
             q = self.queues[chunk.priority] = OrderedDict()
             bisect.insort(self.classes, -chunk.priority)
-        q.setdefault(chunk.queue or chunk.transfer.flow, deque()).append((chunk, done, sent_at))
+        q.setdefault(chunk.queue or chunk.transfer.flow, deque()).append((chunk, done, handed_on))
         if not self.busy:
-            if now < self.free_at:        # the link is still sending a handed-on chunk
-                self.busy = True
-                self.sim.at(self.free_at, self._start)
+            if now < self.free_at:        # the link is still sending a handed-on chunk: start
+                self.busy = True          # the next where its finish would have
+                self.sim.at_place(self.free_at, self.free_place, self._start)
             else:
                 self._start()
 
@@ -154,21 +157,21 @@ class Server:
         prio = -self.classes[0]                # the highest class with a chunk waiting
         q = self.queues[prio]
         flow, d = next(iter(q.items()))
-        chunk, done, sent_at = d.popleft()
+        chunk, done, handed_on = d.popleft()
         q.move_to_end(flow)                    # round robin between flows of one class
         if not d:
             del q[flow]
             if not q:
                 del self.queues[prio]
                 self.classes.pop(0)
-        self._transmit(chunk, done, sent_at)
+        self._transmit(chunk, done, handed_on)
 
     def queued_above(self, priority: int) -> int:
         """Bytes queued in classes above ``priority``: they leave before a chunk of it."""
         return sum(c.bytes for p, q in self.queues.items() if p > priority
                    for chunks in q.values() for c, _, _ in chunks)
 
-    def _transmit(self, chunk: Chunk, done, sent_at) -> None:
+    def _transmit(self, chunk: Chunk, done, handed_on) -> None:
         self.busy = True
         now = self.sim.now
         chunk.waited += now - chunk.enqueued
@@ -190,9 +193,9 @@ class Server:
             if now > chunk.enqueued:
                 chunk.trail.append(("queue", chunk.enqueued, now, self))
             chunk.trail.append(("send", now, now + dt, self))
-        if sent_at is not None and not self.classes and chunk.engine is None and not self.per_chunk_events:
-            self.busy, self.free_at = False, now + dt
-            sent_at(chunk, now + dt)
+        if handed_on is not None and not self.classes and chunk.engine is None and not self.per_chunk_events \
+                and handed_on(chunk, now + dt):
+            self.busy, self.free_at, self.free_place = False, now + dt, self.sim.place()
         else:
             self.sim.at(now + dt, self._finish, chunk, done)
 

@@ -28,6 +28,15 @@ class Sim:
     def at(self, t: float, fn, *args) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), fn, args))
 
+    def place(self) -> int:
+        """A place in the order of events at one time, as an event scheduled now would have
+        (`at_place`): for an event that stands in for one not scheduled."""
+        return next(self._seq)
+
+    def at_place(self, t: float, place: int, fn, *args) -> None:
+        """`at`, ordered among events at time t as if scheduled when ``place`` was taken."""
+        heapq.heappush(self._heap, (t, place, fn, args))
+
     def run(self, until: float | None = None) -> None:
         heap = self._heap
         limit = self.max_events if self.max_events is not None else float("inf")
