@@ -45,15 +45,13 @@ _cache: CodeCache | None = None
 
 
 class _Tier:
-    """An MCJIT engine and how it optimises.  Every program gets a short IR pipeline (SROA,
-    instcombine, CFG simplification, DCE); what differs is code generation: programs with
+    """An MCJIT engine and how it optimises.  Every program gets the same short IR pipeline
+    (SROA, instcombine, CFG simplification, DCE); code generation differs: programs with
     loops get -O3 (the selection DAG, the greedy register allocator, loop strength
     reduction), where their time goes, and straight-line ones (every policy handler: a few
-    dozen instructions per call) get fast instruction selection, several times faster to
-    compile for the same run time.  LLVM's full -O2 pipeline bought the bench's loops no run
-    time over the short one and doubled their compile; GVN took a fifth of a straight-line
-    program's compile and bought nothing measurable; without instcombine programs run
-    10-25 % slower (docs/performance.md)."""
+    dozen instructions per call) fast instruction selection, several times faster to
+    compile for the same run time.  LLVM's -O2 pipeline and GVN cost compile time and bought
+    the bench's programs no run time (docs/performance.md)."""
 
     def __init__(self, loops: bool):
         llvm.initialize_native_target()

@@ -193,8 +193,7 @@ class Server:
             if now > chunk.enqueued:
                 chunk.trail.append(("queue", chunk.enqueued, now, self))
             chunk.trail.append(("send", now, now + dt, self))
-        if handed_on is not None and not self.classes and chunk.engine is None and not self.per_chunk_events \
-                and handed_on(chunk, now + dt):
+        if handed_on is not None and not self.classes and not self.per_chunk_events and handed_on(chunk, now + dt):
             self.busy, self.free_at, self.free_place = False, now + dt, self.sim.place()
         else:
             self.sim.at(now + dt, self._finish, chunk, done)
