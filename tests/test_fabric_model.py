@@ -286,6 +286,32 @@ def test_landing_without_an_event_changes_nothing_but_the_events(spec):
     assert fewer[3] < every[3] or all(chunks == 1 for _, chunks, _ in every[2])
 
 
+class AsksNothing(HookSite):
+    def asks(self, island, moment):
+        return False
+
+
+def _engine_run(per_chunk_events):
+    """A GPU with one copy engine sends four chunks over its one link to a device where
+    nothing is asked: every chunk but the last lands without an event."""
+    sim = Sim()
+    g = line()
+    f = Fabric(sim, g, {n: n for n in g}, {n: "gpu" for n in g}, {}, {}, AsksNothing(),
+               copy_engines={"d0": 1}, per_chunk_events=per_chunk_events)
+    t = transfer("d0", "d1", 4 * MiB)
+    f.start(t)
+    sim.run()
+    return t.end, t.chunks_done, sorted(t.queue_waits), sim.events
+
+
+def test_a_chunk_holding_a_copy_engine_is_not_handed_on():
+    """Its engine is freed at its end of transmission, an event even where it then lands
+    quietly; handed on, the engine would stay busy and the transfer's next chunk wait forever."""
+    fewer, every = _engine_run(False), _engine_run(True)
+    assert fewer[:3] == every[:3] and fewer[1] == 4
+    assert fewer[0] == pytest.approx(4 * MiB / 10e9 * 1e9 + 100)
+
+
 def _link_order(per_chunk_events):
     """One link (10 bytes/ns): chunk x is handed on at 0 and sends until 100; y (class 0) is
     queued behind it at 60; z (class 7) arrives at 100 by an event scheduled at 40, before
