@@ -5,6 +5,7 @@ must leave the same r0, the same context and the same map contents.  The JIT run
 twice: unverified, with a run-time check on every access, and verified, with none where the
 verifier proved the access."""
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -199,3 +200,44 @@ def test_given_memory_sized_around_its_proven_reach(size, seed):
             outcome.append(("fault", e.pc))
     assert outcome[0] == outcome[1]
     assert (outcome[0][0] == "fault") == (size < 304)
+
+
+def test_the_checked_code_for_short_memory_is_compiled_only_when_a_short_run_comes():
+    """The JIT compiles a program whose proven accesses reach into its given memory once,
+    for runs with all of it; a run (or a batch's rows) with less takes code compiled without
+    the proof, made when the first such run comes, and agrees with the interpreter."""
+    import numpy as np
+
+    from fabric_ext.runtime.machine.asm import assemble
+    from fabric_ext.runtime.machine.jit import JitBackend
+    from fabric_ext.runtime.machine.program import VMFault
+    prog = Program("given", assemble(GIVEN_MEMORY))
+    verify(prog)
+    jb = JitBackend()
+    c = jb.load(prog)
+    whole = bytearray(range(256)) * 2
+    want = Interpreter().run(Interpreter().load(prog), mem=bytearray(whole))
+    assert jb.run(c, mem=bytearray(whole)) == want
+    made = jb.load_stats()["compiled"] + jb.load_stats()["from_cache"] + jb.load_stats()["in_process"]
+    assert made == 1
+    rows = np.zeros((3, 200), dtype=np.uint8)
+    with pytest.raises(VMFault) as short:
+        jb.run_batch(c, rows)
+    assert "out-of-bounds" in str(short.value) and short.value.row == 0
+    st = jb.load_stats()
+    assert st["compiled"] + st["from_cache"] + st["in_process"] == 2
+
+
+def test_the_code_compiled_with_the_proof_faults_rather_than_read_past_short_memory():
+    """Defence in depth: were a short run ever sent to the code compiled for all the given
+    memory, its guard faults before any unchecked access."""
+    from fabric_ext.runtime.machine.asm import assemble
+    from fabric_ext.runtime.machine.jit import JitBackend
+    from fabric_ext.runtime.machine.program import VMFault
+    prog = Program("given", assemble(GIVEN_MEMORY))
+    verify(prog)
+    jb = JitBackend()
+    c = jb.load(prog)
+    c.min_mem = 0          # as if the backend did not tell a short run
+    with pytest.raises(VMFault, match="16 bytes of given memory, less than the 304"):
+        jb.run(c, mem=bytearray(16))

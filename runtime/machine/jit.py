@@ -23,6 +23,7 @@ from .lift import (
     FAULT_BUDGET,
     FAULT_HELPER,
     FAULT_OOB,
+    FAULT_SHORT,
     FAULTS,
     MAP_HANDLE,
     MAX_FRAMES,
@@ -32,6 +33,7 @@ from .lift import (
     acyclic,
     address_table,
     map_slot,
+    mem_need,
 )
 from .maps import RINGBUF
 from .program import JIT_CHECKS, Backend, Program, VMFault
@@ -82,7 +84,7 @@ def code_cache() -> CodeCache:
     return _cache
 
 
-def _code_key(cache: CodeCache, prog: Program, proof: dict | None, counted: bool) -> str:
+def _code_key(cache: CodeCache, prog: Program, proof: dict | None, counted: bool, short_mem: bool) -> str:
     """A digest of everything the lifter reads: equal digests, equal object code."""
     shapes = ";".join(f"{m.type},{m.key_size},{m.value_size},{m.max_entries},{m.cap},{m.values.nbytes}"
                       for m in prog.maps)
@@ -90,16 +92,18 @@ def _code_key(cache: CodeCache, prog: Program, proof: dict | None, counted: bool
     proven = "-" if proof is None else ";".join(f"{pc}:{','.join(sorted(k))}:{prog.mem_extent.get(pc, '')}"
                                                  for pc, k in sorted(proof.items())) + \
         ";calls:" + ",".join(f"{pc}={i}" for pc, i in sorted(prog.call_maps.items()))
-    return cache.key(prog.code, shapes.encode(), mask, proven.encode(), b"counted" if counted else b"")
+    return cache.key(prog.code, shapes.encode(), mask, proven.encode(), b"counted" if counted else b"",
+                     b"short" if short_mem else b"")
 
 
-def _native_code(prog: Program, proof: dict | None, budget: int, stats: dict) -> tuple[int, int]:
+def _native_code(prog: Program, proof: dict | None, budget: int, stats: dict,
+                 short_mem: bool = False) -> tuple[int, int]:
     """Entry and batch-entry addresses of the program's native code: made in this process
     already, read from the code cache, or lifted, optimised and compiled (then cached)."""
     loops = not acyclic(prog)
     counted = loops or len(prog.slots) > budget
     cache = code_cache()
-    key = _code_key(cache, prog, proof, counted)
+    key = _code_key(cache, prog, proof, counted, short_mem)
     if key in _native:
         stats["reused"] += 1
         return _native[key]
@@ -108,7 +112,7 @@ def _native_code(prog: Program, proof: dict | None, budget: int, stats: dict) ->
     obj = cache.get(key)
     if obj is None:
         t = time.perf_counter()
-        mod = llvm.parse_assembly(str(Lifter(prog, name, proof, counted).build()))
+        mod = llvm.parse_assembly(str(Lifter(prog, name, proof, counted, short_mem).build()))
         mod.verify()
         tier.optimise(mod)
         obj = tier.tm.emit_object(mod)
@@ -193,7 +197,9 @@ class _Compiled:
         self.env_addr = ctypes.addressof(self.env)
         self.stack = ctypes.create_string_buffer(STACK_SIZE * MAX_FRAMES)
         self.fast = False     # env holds the fixed fields (budget, stack, no memory) of the hot path
-        self.min_ctx = 0      # contexts shorter than this run the checked variant
+        self.proof = None     # what the code was compiled with
+        self.min_ctx = 0      # the code assumes a context of at least this many bytes ...
+        self.min_mem = 0      # ... and this much given memory (r1's: the context, else the memory)
 
 
 class JitBackend(Backend):
@@ -236,16 +242,18 @@ class JitBackend(Backend):
     def load(self, prog: Program) -> _Compiled:
         return self._compile(prog, prog.proof if self.checks == "unproven" else None)
 
-    def _compile(self, prog: Program, proof: dict | None) -> _Compiled:
+    def _compile(self, prog: Program, proof: dict | None, short_mem: bool = False) -> _Compiled:
         key = (prog.code, tuple((m.values.ctypes.data, m.values.nbytes) for m in prog.maps),
-               ctx_write_mask(prog.hook, prog.ctx_size) if prog.ctx_size else b"", proof is not None)
+               ctx_write_mask(prog.hook, prog.ctx_size) if prog.ctx_size else b"", proof is not None, short_mem)
         if key in self.compiled:
             return self.compiled[key]
         t = time.perf_counter()
-        compiled = _Compiled(prog, *_native_code(prog, proof, self.budget, self.stats), CALLBACK(self._callback))
+        compiled = _Compiled(prog, *_native_code(prog, proof, self.budget, self.stats, short_mem),
+                             CALLBACK(self._callback))
         self.stats["load_s"] += time.perf_counter() - t
-        # the proof assumes a whole context: a shorter one runs the checked code
+        compiled.proof = proof
         compiled.min_ctx = prog.ctx_size if proof is not None else 0
+        compiled.min_mem = 0 if short_mem else mem_need(prog, proof)
         self.compiled[key] = compiled
         return compiled
 
@@ -257,8 +265,17 @@ class JitBackend(Backend):
                 "compile_ms": round(st["compile_s"] * 1e3, 3), "load_ms": round(st["load_s"] * 1e3, 3),
                 "cache": str(code_cache().dir) if code_cache().dir else None}
 
-    def _checked(self, c: _Compiled) -> _Compiled:
-        return self._compile(c.prog, None)
+    def _for_run(self, c: _Compiled, ctx_len: int | None, mem_len: int) -> _Compiled:
+        """c, or where a run gives less than c assumes, the code compiled for that when the first
+        such run comes: without the proof for a context shorter than the hook's (the proof
+        assumes a whole one); with every access into the given memory checked for less of it
+        than the proven accesses reach (`mem_need`)."""
+        if c.min_ctx and (ctx_len is None or ctx_len < c.min_ctx):
+            return self._compile(c.prog, None)
+        given = ctx_len if ctx_len is not None else mem_len      # r1's: the context, else the memory
+        if given < c.min_mem:
+            return self._compile(c.prog, c.proof, short_mem=True)
+        return c
 
     def _prepare(self, c: _Compiled, ctx, mem):
         e = c.env
@@ -283,8 +300,8 @@ class JitBackend(Backend):
         return keep
 
     def run(self, c: _Compiled, ctx=None, mem=None) -> int:
-        if c.min_ctx and (ctx is None or len(ctx) < c.min_ctx):
-            c = self._checked(c)
+        if c.min_ctx or c.min_mem:
+            c = self._for_run(c, len(ctx) if ctx is not None else None, len(mem) if mem is not None else 0)
         self.current = c
         e = c.env
         if mem is None and isinstance(ctx, ctypes.Array):   # the shims' hot path: a reused buffer
@@ -312,8 +329,8 @@ class JitBackend(Backend):
             raise ValueError("contexts must be a writable C-contiguous 2-D uint8 array")
         if not ctxs.size:
             return 0
-        if ctxs.shape[1] < c.min_ctx:
-            c = self._checked(c)
+        if c.min_ctx or c.min_mem:
+            c = self._for_run(c, ctxs.shape[1], 0)
         self.current = c
         if not c.fast:
             self._prepare(c, None, None)
@@ -341,4 +358,6 @@ class JitBackend(Backend):
                 why = f"instruction budget of {self.budget} exhausted"
             elif e.fault == FAULT_HELPER:
                 why = f"helper call failed: {getattr(self, 'helper_error', '')}"
+            elif e.fault == FAULT_SHORT:      # `short` sends such a run to the checked code
+                why = f"{e.fault_addr} bytes of given memory, less than the {mem_need(c.prog, c.proof)} its code assumes"
             raise VMFault(c.prog, int(e.fault_pc), why)

@@ -37,9 +37,10 @@ from .semantics import ctx_write_mask
 I1, I8, I32, I64 = L.IntType(1), L.IntType(8), L.IntType(32), L.IntType(64)
 PTR = L.PointerType()
 STACK_SIZE, MAX_FRAMES, MAP_HANDLE = I.STACK_SIZE, I.MAX_FRAMES, I.MAP_HANDLE
-FAULT_OOB, FAULT_BUDGET, FAULT_HELPER, FAULT_DEPTH = 1, 2, 3, 4
+FAULT_OOB, FAULT_BUDGET, FAULT_HELPER, FAULT_DEPTH, FAULT_SHORT = 1, 2, 3, 4, 5
 FAULTS = {FAULT_OOB: "out-of-bounds access", FAULT_BUDGET: "instruction budget exhausted",
-          FAULT_HELPER: "helper failed", FAULT_DEPTH: "call depth exceeds 8 frames"}
+          FAULT_HELPER: "helper failed", FAULT_DEPTH: "call depth exceeds 8 frames",
+          FAULT_SHORT: "given memory shorter than the proof assumes"}
 
 
 class Env(ctypes.Structure):
@@ -115,6 +116,19 @@ def acyclic(prog: Program) -> bool:
     return True
 
 
+def mem_need(prog: Program, proof: dict | None) -> int:
+    """Bytes of given memory (r1's: the context, else the memory) that make every access the
+    verifier proved to reach into it safe without a check: the native code is compiled for
+    at least that much, and a backend runs a shorter one on code that checks those accesses
+    (`Lifter`'s ``short_mem``).
+    0 where there is no such access, no proof, or a local call (a subprogram is compiled
+    with every check)."""
+    if proof is None or any(ins is not None and ins.opcode == I.JMP | I.CALL and ins.src == I.PSEUDO_CALL
+                            for ins in prog.slots):
+        return 0
+    return max((n for pc, n in prog.mem_extent.items() if proof.get(pc) == {"mem"}), default=0)
+
+
 def _env_arg(arg) -> None:
     """The env is always a whole `Env`, so LLVM may load its fields early.  It is not marked
     ``noalias``: the helper callback writes fields of it (a fault, a ringbuf record) through
@@ -126,12 +140,14 @@ def _env_arg(arg) -> None:
 class Lifter:
     """Builds the LLVM module for one program."""
 
-    def __init__(self, prog: Program, name: str, proof: dict | None, counted: bool):
+    def __init__(self, prog: Program, name: str, proof: dict | None, counted: bool, short_mem: bool = False):
         """``counted``: the code counts instructions against the budget.  A program without
         cycles or calls runs each instruction at most once, so within a budget at least as
-        long as itself it can never exhaust it and needs no count."""
+        long as itself it can never exhaust it and needs no count.  ``short_mem``: the code
+        is for runs given less memory than its proven accesses reach (`mem_need`), each
+        access into it checked; otherwise it runs only with all of it."""
         self.p, self.name, self.proof = prog, name, proof
-        self.counted = counted
+        self.counted, self.short_mem = counted, short_mem
         self.m = L.Module(name=name)
         self.m.triple = llvm.get_default_triple()
         self.slots = prog.slots
@@ -142,7 +158,7 @@ class Lifter:
         self.map_regions = [(i, m.values.nbytes) for i, m in enumerate(prog.maps) if m.type != RINGBUF]
         self.invariant = self.m.add_metadata([])
         self.funcs = {}
-        self.mem_unchecked = False      # emitting the version of the body run with enough given memory
+        self.mem_unchecked = False      # the code runs only with all the given memory it may reach (`mem_need`)
 
     # -- structure --------------------------------------------------------------------------
     def entries(self) -> list[int]:
@@ -201,7 +217,7 @@ class Lifter:
         # the regions fixed for a run, loaded once (a ringbuf record's, which a helper call
         # may change, is loaded at each access)
         self.fixed = {name: self.env_get(name) for name in ("stack", "ctx", "ctx_len", "mem", "mem_len")}
-        need = self._mem_need() if entries == [0] else 0
+        need = 0 if self.short_mem else mem_need(self.p, self.proof)
         if entry == 0:
             b.store(self.env_get("stack"), self.regs[10])
             b.store(b.add(self.env_get("stack"), I64(STACK_SIZE)), self.regs[10])
@@ -216,27 +232,22 @@ class Lifter:
             b.store(fn.args[6], self.regs[10])
         self.fault_bb = fn.append_basic_block("fault")
         entry_bb = b.block
+        # where the given memory holds every byte the verifier proved an access may reach,
+        # those accesses need no check; a run with less is the ``short_mem`` code's (the
+        # backend's to choose): here it only faults
+        self.mem_unchecked = bool(need)
+        first = self._body(fn, leaders, body, "")
+        b.position_at_end(entry_bb)
         if need:
-            # two versions of the body: where the given memory holds every byte the verifier
-            # proved an access may reach, those accesses need no check; else each is checked
-            self.mem_unchecked = True
-            fast = self._body(fn, leaders, body, "fast")
-            self.mem_unchecked = False
-            slow = self._body(fn, leaders, body, "")
-            b.position_at_end(entry_bb)
-            b.cbranch(b.icmp_unsigned(">=", given, I64(need)), fast, slow)
+            short = fn.append_basic_block("short")
+            b.cbranch(b.icmp_unsigned(">=", given, I64(need)), first, short)
+            b.position_at_end(short)
+            self._set_fault(FAULT_SHORT, 0, given)
+            b.ret(I64(0))
         else:
-            first = self._body(fn, leaders, body, "")
-            b.position_at_end(entry_bb)
             b.branch(first)
         b.position_at_end(self.fault_bb)
         b.ret(I64(0))
-
-    def _mem_need(self) -> int:
-        """Bytes of given memory that make every proven access to it safe (0: no such access)."""
-        if self.proof is None:
-            return 0
-        return max((n for pc, n in self.p.mem_extent.items() if self.proof.get(pc) == {"mem"}), default=0)
 
     def _body(self, fn, leaders, body, tag: str):
         """Emit the subprogram's blocks (named with ``tag``); returns its first block."""
@@ -340,8 +351,8 @@ class Lifter:
         No check where the verifier proved the access on every path (see `verify`).  A pointer
         into memory given at run time is checked against the regions the verifier found the
         pointer can point into and the context (with no proof, against every region), except
-        in the body's version run when that memory holds all the verifier proved the program
-        reaches of it (`Program.mem_extent`, `_function`)."""
+        where the code runs only with all the verifier proved the program reaches of that
+        memory (`Program.mem_extent`, `mem_need`)."""
         b = self.b
         kinds = self.proof.get(pc) if self.proof is not None else None
         if kinds and "mem" not in kinds or self.mem_unchecked and kinds == {"mem"} and pc in self.p.mem_extent:
