@@ -5,6 +5,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import POLICIES
 from fabric_ext.codegen.driver import build
@@ -417,3 +419,15 @@ policy p {{ on w_in.issue at gpu0 {{ stream = 3 }} }}"""
         report, _ = run_engine(compile_text(tmp_path, text.format(n=n), f"ce{n}"), prompt=256, tp=1)
         used = [c["chunks"] for c in report["copy_engines"]]
         assert len(used) == n and used[(3 - 1) % n] == sum(used) > 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(st.one_of(st.floats(-1e12, 1e12), st.integers(0, 4).map(float)), max_size=40),
+       q=st.one_of(st.sampled_from([0, 50, 99, 100]), st.floats(0, 100)))
+def test_report_percentiles_are_numpys_to_the_last_bit(values, q):
+    """The report's queue percentiles skip numpy.percentile's set-up; they must not differ from it."""
+    import numpy as np
+
+    from fabric_ext.runtime.simulation.stats import percentiles
+    want = float(np.percentile(values, q)) if values else 0.0
+    assert percentiles(values, (q,)) == [want]
