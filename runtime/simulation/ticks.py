@@ -66,19 +66,14 @@ class _Period:
     def skip_to(self, record: list, t: float) -> None:
         """Move the cursor past the records before time t (the record is flat: time, lane,
         bytes), keeping each port's last transmission: it may still be in service at t."""
-        n = len(self.carry)
-        skip = bisect.bisect_left(record[3 * self.cursor::3], t)
-        # backwards: only each port's last transmission counts, and once every port has
-        # one the rest are moot
-        seen = set()
-        for i in range(self.cursor + skip - 1, self.cursor - 1, -1):
-            lane = record[3 * i + 1]
-            if lane < n and lane not in seen:
-                seen.add(lane)
+        n, lo = len(self.carry), self.cursor
+        hi = lo + bisect.bisect_left(record[3 * lo::3], t)
+        # only each port's last transmission counts (the dict keeps a lane's last index)
+        last = {lane: i for i, lane in enumerate(record[3 * lo + 1:3 * hi:3], lo)}
+        for lane, i in last.items():
+            if lane < n:
                 self.carry[lane] = (record[3 * i], self.service(lane, record[3 * i + 2]), record[3 * i + 2])
-                if len(seen) == n:
-                    break
-        self.cursor += skip
+        self.cursor = hi
 
     def due_by(self, upto: float) -> int:
         """How many ticks are due by ``upto``."""
