@@ -238,6 +238,6 @@ def test_the_code_compiled_with_the_proof_faults_rather_than_read_past_short_mem
     verify(prog)
     jb = JitBackend()
     c = jb.load(prog)
-    c.min_mem = 0          # as if the backend did not tell a short run
+    c.min_given = 0          # as if the backend did not tell a short run
     with pytest.raises(VMFault, match="16 bytes of given memory, less than the 304"):
         jb.run(c, mem=bytearray(16))

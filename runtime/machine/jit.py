@@ -200,6 +200,7 @@ class _Compiled:
         self.proof = None     # what the code was compiled with
         self.min_ctx = 0      # the code assumes a context of at least this many bytes ...
         self.min_mem = 0      # ... and this much given memory (r1's: the context, else the memory)
+        self.min_given = 0    # the larger: a run given at least this much runs this code
 
 
 class JitBackend(Backend):
@@ -254,6 +255,7 @@ class JitBackend(Backend):
         compiled.proof = proof
         compiled.min_ctx = prog.ctx_size if proof is not None else 0
         compiled.min_mem = 0 if short_mem else mem_need(prog, proof)
+        compiled.min_given = max(compiled.min_ctx, compiled.min_mem)
         self.compiled[key] = compiled
         return compiled
 
@@ -300,7 +302,7 @@ class JitBackend(Backend):
         return keep
 
     def run(self, c: _Compiled, ctx=None, mem=None) -> int:
-        if c.min_ctx or c.min_mem:
+        if c.min_given and (ctx is None or len(ctx) < c.min_given):
             c = self._for_run(c, len(ctx) if ctx is not None else None, len(mem) if mem is not None else 0)
         self.current = c
         e = c.env
@@ -329,7 +331,7 @@ class JitBackend(Backend):
             raise ValueError("contexts must be a writable C-contiguous 2-D uint8 array")
         if not ctxs.size:
             return 0
-        if c.min_ctx or c.min_mem:
+        if ctxs.shape[1] < c.min_given:
             c = self._for_run(c, ctxs.shape[1], 0)
         self.current = c
         if not c.fast:
@@ -358,6 +360,6 @@ class JitBackend(Backend):
                 why = f"instruction budget of {self.budget} exhausted"
             elif e.fault == FAULT_HELPER:
                 why = f"helper call failed: {getattr(self, 'helper_error', '')}"
-            elif e.fault == FAULT_SHORT:      # `short` sends such a run to the checked code
+            elif e.fault == FAULT_SHORT:      # `_for_run` sends such a run to other code
                 why = f"{e.fault_addr} bytes of given memory, less than the {mem_need(c.prog, c.proof)} its code assumes"
             raise VMFault(c.prog, int(e.fault_pc), why)

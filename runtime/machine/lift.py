@@ -120,9 +120,8 @@ def mem_need(prog: Program, proof: dict | None) -> int:
     """Bytes of given memory (r1's: the context, else the memory) that make every access the
     verifier proved to reach into it safe without a check: the native code is compiled for
     at least that much, and a backend runs a shorter one on code that checks those accesses
-    (`Lifter`'s ``short_mem``).
-    0 where there is no such access, no proof, or a local call (a subprogram is compiled
-    with every check)."""
+    (`Lifter`'s ``short_mem``).  0 where there is no such access, no proof, or a local call
+    (a subprogram is compiled with every check)."""
     if proof is None or any(ins is not None and ins.opcode == I.JMP | I.CALL and ins.src == I.PSEUDO_CALL
                             for ins in prog.slots):
         return 0
