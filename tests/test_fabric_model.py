@@ -418,3 +418,30 @@ def test_a_links_timeline_is_the_busy_share_of_each_bin(gaps, tail, bins):
     expected = [min(sum(max(0.0, min(b, (k + 1) * width) - max(a, k * width)) for a, b, _ in intervals) / width, 1.0)
                 for k in range(bins)]
     assert np.allclose(utilisation(spans(intervals), horizon, bins), expected, atol=1e-9)
+
+
+@pytest.mark.parametrize("asking", [True, False])
+def test_a_gpu_issue_hook_is_asked_only_where_the_site_asks_there(asking):
+    """The fabric asks a hook site's issue hook for every chunk at a GPU end where the site
+    says it asks at that moment (`HookSite.asks`), and never elsewhere: with no program on a
+    GPU's issue hook, a run costs it nothing per chunk."""
+    class Issue(HookSite):
+        def __init__(self):
+            self.seen = 0
+
+        def asks(self, island, moment):
+            return moment != "issue" or asking
+
+        def on_issue(self, chunk, island, role):
+            self.seen += 1
+            return {"defer": 1000}
+
+    hooks = Issue()
+    sim = Sim()
+    f = Fabric(sim, line(latency=0), {"d0": "d0", "d1": "d1"}, {"d0": "gpu", "d1": "gpu"}, {}, {}, hooks)
+    t = transfer("d0", "d1", 4 * MiB)
+    f.start(t)
+    sim.run()
+    assert hooks.seen == (8 if asking else 0)          # each of 4 chunks at both GPU ends
+    # each end defers every chunk in turn; without copy engines the chunks are all issued at once
+    assert t.end == pytest.approx(4 * MiB / 10e9 * 1e9 + (2000 if asking else 0))

@@ -43,7 +43,7 @@ class HookSite:
     """What the fabric asks at decision points; the engine implements it with shims."""
 
     def asks(self, island: str, moment: str) -> bool:
-        """Whether the site may act on events at ``island`` at ``moment`` ("enter",
+        """Whether the site may act on events at ``island`` at ``moment`` ("issue", "enter",
         "deliver"): where it does not, the fabric need not ask, nor have an event to."""
         return True
 
@@ -222,14 +222,16 @@ class Fabric:
             engine.release()
 
     def _ends(self, t: Transfer, moment: str) -> list[tuple[str, str]]:
-        """The islands at a transfer's ends whose hooks fire at ``moment`` (the catalogue's),
-        with their role: the source first, then the destination (the order their programs
-        see its chunks in).  Asked for every chunk, so kept per pair of ends."""
+        """The islands at a transfer's ends whose hooks fire at ``moment`` (the catalogue's)
+        and that the hook site asks there, with their role: the source first, then the
+        destination (the order their programs see its chunks in).  Asked for every chunk, so
+        kept per pair of ends."""
         key = (t.path[0], t.path[-1], moment)
         if key not in self._ends_of:
             ends = [(key[0], "src")] + ([(key[1], "dst")] if key[1] != key[0] else [])
             self._ends_of[key] = [(isl, role) for isl, role in ((self.device_island.get(e), r) for e, r in ends)
-                                  if isl is not None and firing(self.island_kind.get(isl, ""), moment, role)]
+                                  if isl is not None and firing(self.island_kind.get(isl, ""), moment, role)
+                                  and self.hooks.asks(isl, moment)]
         return self._ends_of[key]
 
     def _apply(self, chunk: Chunk, island: str, d: dict, now: float, moment: str = "enter") -> float:
@@ -385,7 +387,7 @@ class Fabric:
         isl = self.device_island.get(dev)
         if dev in self.wires or (isl is not None and isl != came_from and self.hooks.asks(isl, "enter")):
             return False
-        return not any(self.hooks.asks(end, "deliver") for end, _ in self._ends(t, "deliver"))
+        return not self._ends(t, "deliver")
 
     @staticmethod
     def _landed(chunk: Chunk, at: float) -> None:

@@ -148,7 +148,7 @@ class ShimHookSite(HookSite):
         return self._devices(d) if not APPLIED.isdisjoint(d) else None
 
     def _watching(self, moment: str) -> set:
-        """The islands with a program on a hook that fires at ``moment`` ("enter", "deliver"),
+        """The islands with a program on a hook that fires at ``moment`` ("issue", "enter", "deliver"),
         worked out at the first such event, as plans are: programs are attached before a run
         (a detach only makes the site ask in vain)."""
         if moment not in self._watched:
