@@ -21,7 +21,7 @@ def percentiles(values: list, qs: tuple) -> list[float]:
     """The ``qs`` percentiles of ``values`` (0.0 each where there are none), interpolated
     between the closest ranks as `numpy.percentile` does by default, to the last bit: one
     sort for all of them, and none of that function's set-up (its first call imports
-    numpy.ma, about 12 ms of a short run)."""
+    numpy.ma)."""
     if not values:
         return [0.0] * len(qs)
     ranked = np.sort(np.asarray(values, dtype=float))
