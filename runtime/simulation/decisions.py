@@ -9,11 +9,13 @@ fields a program reads):
 - a `Standing` per (transfer, island, moment) where the plan is static: the decisions hold for
   every chunk of the transfer issued at the island (moment "issue/src" or "issue/dst") or
   entering it on the transfer's path ("enter"), so later chunks take them without asking the
-  shims.  Their uses are counted as hits of the decisions they
-  repeat when the run's report is drawn (`settle`).
+  shims.  They are kept on the transfer (`Transfer.standing`, keyed by island and moment),
+  where each of its chunks finds them in one lookup.  Their uses are counted as hits of the
+  decisions they repeat when the run's report is drawn (`settle`).
 
 A program detached after a fault takes its island's standing decisions with it (`forget`).
-The fabric holds none of this: it asks the hook site at each decision point.
+The fabric reads none of this (a transfer only carries its standing decisions for the hook
+site): it asks the hook site at each decision point.
 """
 from __future__ import annotations
 
@@ -40,18 +42,26 @@ class Standing:
 @dataclass
 class DecisionCache:
     plans: dict[tuple, HookPlan] = field(default_factory=dict)
-    standing: dict[tuple, Standing] = field(default_factory=dict)    # (transfer, island, moment) -> Standing
+    _holders: list = field(default_factory=list)       # the transfers with standing decisions
     _settled: list[Standing] = field(default_factory=list)
 
     def stand(self, transfer, island: str, moment: str, decisions: dict | None, repeats: list[Known],
               prefetch: int = 0) -> None:
         """``decisions`` hold for the transfer's later chunks at ``island`` at ``moment``."""
-        self.standing[transfer, island, moment] = s = Standing(decisions, repeats, prefetch)
+        if not transfer.standing:
+            self._holders.append(transfer)
+        transfer.standing[island, moment] = s = Standing(decisions, repeats, prefetch)
         self._settled.append(s)
+
+    @property
+    def standing(self) -> dict[tuple, Standing]:
+        """Every standing decision by (transfer, island, moment): a view, made when asked."""
+        return {(t, island, moment): s for t in self._holders for (island, moment), s in t.standing.items()}
 
     def forget(self, island: str) -> None:
         """A program of ``island`` was detached: what it decided no longer holds."""
-        self.standing = {k: s for k, s in self.standing.items() if k[1] != island}
+        for t in self._holders:
+            t.standing = {k: s for k, s in t.standing.items() if k[0] != island}
 
     def settle(self) -> None:
         """Count each standing decision's uses as hits of the decisions it repeats (once)."""

@@ -19,6 +19,8 @@ from .servers import Transfer
 
 # context fields that are the same for every chunk of a transfer (`Transfer.ctx`)
 TRANSFER_FIELDS = ("movement", "class", "operator", "src", "dst", "layer", "critical")
+# what a standing issue decision is kept under, per role of the island (`DecisionCache.stand`)
+ISSUE_MOMENT = {"src": "issue/src", "dst": "issue/dst"}
 # context fields counted only for a handler that reads them (`ShimHookSite._queue_fields`)
 QUEUE_SPLIT = frozenset({"queued_ahead_hi", "queued_ahead_lo"})
 
@@ -113,8 +115,8 @@ class ShimHookSite(HookSite):
 
     def on_issue(self, chunk, island, role):
         t = chunk.transfer
-        moment = "issue/" + role
-        standing = self.remembered.standing.get((t, island, moment))
+        moment = ISSUE_MOMENT[role]
+        standing = t.standing.get((island, moment))
         if standing is not None:
             standing.uses += 1
             if standing.prefetch:
@@ -161,14 +163,14 @@ class ShimHookSite(HookSite):
         return island in self._watching(moment)
 
     def on_enter(self, chunk, island):
-        if island not in self._watching("enter"):
-            return None
         t, path, hop = chunk.transfer, chunk.path, chunk.hop
-        if path is t.path:
-            standing = self.remembered.standing.get((t, island, "enter"))
+        if path is t.path:          # a decision stands only for the transfer's own path
+            standing = t.standing.get((island, "enter"))
             if standing is not None:
                 standing.uses += 1
                 return standing.decisions
+        if island not in self._watching("enter"):
+            return None
         where = (island, path[0], path[-1], t.movement_id)      # the ends say the role
         plan = self.remembered.plans.get(where) or \
             self._plan(where, island, self._enter_hooks(island, path[0], path[-1]), t.movement_id)

@@ -43,6 +43,7 @@ class Transfer:
     chunks_done: int = 0
     queue_waits: list = field(default_factory=list)
     ctx: dict = field(default_factory=dict)     # the hook site's context fields, the same for every chunk
+    standing: dict = field(default_factory=dict)   # the hook site's decisions that hold for every chunk
     pending: deque = field(default_factory=deque)  # chunks not yet issued, in order
     driver: list | None = None    # the copy engines that issue its chunks (None: issued at once)
     pace: float = 0.0             # B/s a collective's chunks cross each link at (0: the link's bandwidth)
