@@ -42,14 +42,13 @@ class Standing:
 @dataclass
 class DecisionCache:
     plans: dict[tuple, HookPlan] = field(default_factory=dict)
-    _holders: list = field(default_factory=list)       # the transfers with standing decisions
+    _holders: set = field(default_factory=set)         # the transfers with standing decisions
     _settled: list[Standing] = field(default_factory=list)
 
     def stand(self, transfer, island: str, moment: str, decisions: dict | None, repeats: list[Known],
               prefetch: int = 0) -> None:
         """``decisions`` hold for the transfer's later chunks at ``island`` at ``moment``."""
-        if not transfer.standing:
-            self._holders.append(transfer)
+        self._holders.add(transfer)
         transfer.standing[island, moment] = s = Standing(decisions, repeats, prefetch)
         self._settled.append(s)
 
