@@ -204,8 +204,8 @@ def test_given_memory_sized_around_its_proven_reach(size, seed):
 
 def test_the_checked_code_for_short_memory_is_compiled_only_when_a_short_run_comes():
     """The JIT compiles a program whose proven accesses reach into its given memory once,
-    for runs with all of it; a run (or a batch's rows) with less takes code compiled without
-    the proof, made when the first such run comes, and agrees with the interpreter."""
+    for runs with all of it; a run (or a batch's rows) with less takes code that checks those
+    accesses, made when the first such run comes, and agrees with the interpreter."""
     import numpy as np
 
     from fabric_ext.runtime.machine.asm import assemble

@@ -77,6 +77,12 @@ def _const_bytes(m, name: str, data: bytes):
     return g
 
 
+def local_calls(slots) -> list[tuple[int, I.Insn]]:
+    """Each call of a subprogram (a local call): its pc and instruction."""
+    return [(pc, ins) for pc, ins in enumerate(slots)
+            if ins is not None and ins.opcode == I.JMP | I.CALL and ins.src == I.PSEUDO_CALL]
+
+
 def acyclic(prog: Program) -> bool:
     """No local call and no cycle in the control-flow graph, reachable or not: then no
     instruction runs twice.  (LLVM lays out straight-line code with backward jumps too: a
@@ -93,7 +99,7 @@ def acyclic(prog: Program) -> bool:
         target = pc + 1 + ins.jump_offset
         return (target,) if ins.op == I.JA else (pc + 1, target)
 
-    if any(ins is not None and ins.cls == I.JMP and ins.op == I.CALL and ins.src == I.PSEUDO_CALL for ins in slots):
+    if local_calls(slots):
         return False
     state = [0] * n                 # 0 unvisited, 1 on the path, 2 done
     for root in range(n):
@@ -122,8 +128,7 @@ def mem_need(prog: Program, proof: dict | None) -> int:
     at least that much, and a backend runs a shorter one on code that checks those accesses
     (`Lifter`'s ``short_mem``).  0 where there is no such access, no proof, or a local call
     (a subprogram is compiled with every check)."""
-    if proof is None or any(ins is not None and ins.opcode == I.JMP | I.CALL and ins.src == I.PSEUDO_CALL
-                            for ins in prog.slots):
+    if proof is None or local_calls(prog.slots):
         return 0
     return max((n for pc, n in prog.mem_extent.items() if proof.get(pc) == {"mem"}), default=0)
 
@@ -161,11 +166,7 @@ class Lifter:
 
     # -- structure --------------------------------------------------------------------------
     def entries(self) -> list[int]:
-        out = {0}
-        for pc, ins in enumerate(self.slots):
-            if ins is not None and ins.opcode == I.JMP | I.CALL and ins.src == I.PSEUDO_CALL:
-                out.add(pc + 1 + ins.imm)
-        return sorted(out)
+        return sorted({0} | {pc + 1 + ins.imm for pc, ins in local_calls(self.slots)})
 
     def build(self):
         entries = self.entries()
@@ -235,7 +236,7 @@ class Lifter:
         # those accesses need no check; a run with less is the ``short_mem`` code's (the
         # backend's to choose): here it only faults
         self.mem_unchecked = bool(need)
-        first = self._body(fn, leaders, body, "")
+        first = self._body(fn, leaders, body)
         b.position_at_end(entry_bb)
         if need:
             short = fn.append_basic_block("short")
@@ -248,10 +249,10 @@ class Lifter:
         b.position_at_end(self.fault_bb)
         b.ret(I64(0))
 
-    def _body(self, fn, leaders, body, tag: str):
-        """Emit the subprogram's blocks (named with ``tag``); returns its first block."""
+    def _body(self, fn, leaders, body):
+        """Emit the subprogram's blocks; returns its first block."""
         b = self.b
-        blocks = {pc: fn.append_basic_block(f"{tag}pc{pc}") for pc in leaders}
+        blocks = {pc: fn.append_basic_block(f"pc{pc}") for pc in leaders}
         self.blocks = blocks
         for i, start in enumerate(leaders):
             end = leaders[i + 1] if i + 1 < len(leaders) else body.stop

@@ -424,4 +424,3 @@ class Fabric:
         t.end = self.sim.now
         if t.on_done is not None:
             t.on_done(t)
-

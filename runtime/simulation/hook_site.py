@@ -163,7 +163,7 @@ class ShimHookSite(HookSite):
         return island in self._watching(moment)
 
     def on_enter(self, chunk, island):
-        t, path, hop = chunk.transfer, chunk.path, chunk.hop
+        t, path = chunk.transfer, chunk.path
         if path is t.path:          # a decision stands only for the transfer's own path
             standing = t.standing.get((island, "enter"))
             if standing is not None:
@@ -178,6 +178,7 @@ class ShimHookSite(HookSite):
         if not hooks:
             return None
         fields = self._chunk_fields(chunk)
+        hop = chunk.hop
         fabric, dev = self.fabric, path[hop]
         fields["in_port"] = fabric.port_index(dev, path[hop - 1]) if hop else 0
         fields["out_port"] = fabric.port_index(dev, path[hop + 1]) if hop + 1 < len(path) else 0
