@@ -117,8 +117,11 @@ def test_memory_channel_is_shared_by_reads_and_writes():
 
 
 class Coalesce(HookSite):
+    def __init__(self, size=4 * MiB):
+        self.size = size
+
     def on_enter(self, chunk, island):
-        return {"coalesce": 4 * MiB} if island == "d1" else None
+        return {"coalesce": self.size} if island == "d1" else None
 
 
 def test_coalescing_merges_small_chunks_before_the_wire():
@@ -130,6 +133,19 @@ def test_coalescing_merges_small_chunks_before_the_wire():
     wire = f.wires["d1"]
     assert [b for _, _, b in wire.intervals] == [4 * MiB, 4 * MiB]
 
+
+def test_a_coalescing_buffer_holds_a_whole_transfer_in_linear_time():
+    """``coalesce`` larger than a transfer holds every chunk of it until the last: 100,000
+    chunks here, merged into one at the wire.  The held bytes were summed again for every
+    chunk held (5e9 additions for this transfer: the run never ended); now a running total."""
+    sim, f = fabric(line(latency=0), hooks=Coalesce(size=1 << 40), wires={"d1": (100 * GBps, 1000.0)})
+    t = transfer("d0", "d1", 100_000 * 4096, chunk=4096)
+    f.start(t)
+    sim.run()
+    wire = f.wires["d1"]
+    assert t.chunks_done == 100_000 and t.end > 0
+    assert [b for _, _, b in wire.intervals] == [100_000 * 4096]
+    assert not f.coalescing
 
 def test_route_decision_picks_the_egress():
     g = DiGraph()

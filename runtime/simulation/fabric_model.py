@@ -17,7 +17,7 @@ what comes back: ``priority``, ``rate`` (a token bucket at that island),
 """
 from __future__ import annotations
 
-from collections import deque
+from dataclasses import dataclass, field
 
 from fabric_ext.contract import topology
 from fabric_ext.contract.digraph import DiGraph
@@ -29,6 +29,13 @@ from .sim import Sim
 
 #: the decisions the fabric acts on (`Fabric._apply`, and at issue `stream` and `coalesce`)
 APPLIED = frozenset({"priority", "defer", "rate", "route", "tier", "queue", "stream", "coalesce"})
+
+
+@dataclass(slots=True)
+class _Held:
+    """The chunks of one flow held at one place to be coalesced (`Fabric._coalesce`)."""
+    chunks: list = field(default_factory=list)
+    bytes: int = 0
 
 
 class NoPath(InputError):
@@ -106,7 +113,7 @@ class Fabric:
         # what a tier may name (the catalogue's TIER_KINDS): switch-attached memory, and the
         # islands that are memories themselves (a GPU's HBM, the host's)
         self.memories = set(memory_channels) | {n for n, k in island_kind.items() if k in TIER_KINDS}
-        self.coalescing: dict[tuple, list] = {}
+        self.coalescing: dict[tuple, _Held] = {}
         self.transfers: list[Transfer] = []
         self._ports: dict[str, list[str]] = {}
         self._port_index: dict[tuple[str, str], int] = {}
@@ -162,14 +169,8 @@ class Fabric:
         t.path = t.path or self.route(t.src, t.dst)
         if t.path is None:
             raise NoPath(f"the fabric has no path from '{t.src}' to '{t.dst}' for {t.name}: link them")
-        n = max(1, -(-t.bytes // t.chunk_bytes))
-        t.chunks_total = n
+        t.chunks_total = max(1, -(-t.bytes // t.chunk_bytes))
         self.transfers.append(t)
-        t.pending = deque(Chunk(t, i, min(t.chunk_bytes, t.bytes - i * t.chunk_bytes) if t.bytes else 0, t.path)
-                          for i in range(n))
-        if self.evidence:
-            for c in t.pending:
-                c.trail = []
         t.driver = self._driver(t)
         self._issue(t)
 
@@ -184,8 +185,8 @@ class Fabric:
         """The transfer's next chunk meets the issue hooks at its GPU ends and goes to a copy
         engine; the one after it meets them when an engine takes it.  A chunk held to be
         coalesced counts as taken.  Without copy engines every chunk follows at once."""
-        while t.pending:
-            chunk = t.pending.popleft()
+        while t.issued < t.chunks_total:
+            chunk = self._next_chunk(t)
             release, stream, coalesce = self.sim.now, 0, 0
             if chunk.trail is not None and release > t.start:
                 chunk.trail.append(("pending", t.start, release, None))
@@ -209,6 +210,14 @@ class Fabric:
             else:
                 engine.submit(chunk, stream)
             return
+
+    def _next_chunk(self, t: Transfer) -> Chunk:
+        """The transfer's next chunk, made as it is issued: a transfer holds no chunk before,
+        however many bytes it moves."""
+        i = t.issued
+        t.issued += 1
+        return Chunk(t, i, min(t.chunk_bytes, t.bytes - i * t.chunk_bytes) if t.bytes else 0, t.path,
+                     trail=[] if self.evidence else None)
 
     def _taken(self, chunk: Chunk) -> None:
         """A copy engine took a chunk: it enters the fabric, and the next one is issued."""
@@ -319,15 +328,17 @@ class Fabric:
             engine, chunk.engine = chunk.engine, None
             self.sim.at(self.sim.now, engine.release)
         key = (where, chunk.transfer.flow)
-        buf = self.coalescing.setdefault(key, [])
-        buf.append(chunk)
-        total = sum(c.bytes for c in buf)
-        if total < size and not chunk.last:
+        held = self.coalescing.get(key)
+        if held is None:
+            held = self.coalescing[key] = _Held()
+        held.chunks.append(chunk)
+        held.bytes += chunk.bytes       # a running total: a buffer may hold a transfer's every chunk
+        if held.bytes < size and not chunk.last:
             return None
         del self.coalescing[key]
-        return Chunk(chunk.transfer, chunk.index, total, chunk.path, chunk.hop, chunk.priority,
-                     island=chunk.island, parts=[p for c in buf for p in (c.parts or [c])], queue=chunk.queue,
-                     trail=chunk.trail)
+        return Chunk(chunk.transfer, chunk.index, held.bytes, chunk.path, chunk.hop, chunk.priority,
+                     island=chunk.island, parts=[p for c in held.chunks for p in (c.parts or [c])],
+                     queue=chunk.queue, trail=chunk.trail)
 
     def _forward(self, chunk: Chunk) -> None:
         path, hop = chunk.path, chunk.hop

@@ -6,7 +6,7 @@ import itertools
 
 from fabric_ext.runtime.machine.errors import InputError
 
-#: ~50x the events of the largest bundled run (Llama-3-70B, 32k tokens: ~420,000); a few minutes of run
+#: ~100x the events of the largest bundled run (Llama-3-70B, 32k tokens, TP 8: ~200,000); a few minutes of run
 DEFAULT_MAX_EVENTS = 20_000_000
 
 
