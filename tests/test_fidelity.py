@@ -128,7 +128,7 @@ def test_an_unknown_gpu_profile_or_stack_is_an_error_at_its_line(tmp_path):
     assert "u.fx:3:" in r.stderr and "unknown serving stack 'vlm'" in r.stderr and "'vllm'" in r.stderr
     folder = compile_text(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"), "s")
     with pytest.raises(WorkloadError, match="unknown serving stack 'fast'"):
-        run(folder, stack="fast")
+        run(folder, stack="fast", tp=8)
 
 
 def test_an_allreduce_takes_the_fitted_alpha_beta(tmp_path):

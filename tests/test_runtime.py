@@ -99,6 +99,43 @@ def test_cli_reports_loading_errors_without_traceback(tmp_path):
     assert r.returncode == 1 and "unknown model 'gpt-17'" in r.stderr
 
 
+def test_a_workload_that_does_not_fit_its_memory_is_refused_before_it_runs():
+    """Every layer's KV of 2^36 prompts of 2^20 tokens is 8 PiB: the run used to grind through
+    months of simulated time until its event limit; now it is refused at once, as a machine
+    would refuse it, naming the memory, what does not fit and what to change."""
+    r = fabric_run("--prompt", 1 << 20, "--batch", 1 << 16, "--max-events", 100_000)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "does not fit in pool0: its weights (13.0 GiB) and KV cache (8,388,608.0 GiB)" in r.stderr
+    assert "more than its capacity of 1,024.0 GiB" in r.stderr
+    r = fabric_run("--policy", compiled("nic_pacing"), "--model", "llama3-70b", "--tp", "1")
+    assert r.returncode == 1 and "does not fit in gpu0: its weights (127.5 GiB)" in r.stderr
+    assert "more than its hbm of 80.0 GiB" in r.stderr and "raise tp" in r.stderr
+
+
+@pytest.mark.parametrize("capacity, fits", [("1023MiB", False), ("1GiB", True)])
+def test_the_capacity_of_a_memory_decides_whether_its_kv_fits(tmp_path, capacity, fits):
+    """8,192 tokens of Llama-3-8B's KV, every layer's, are 1 GiB (the weights stay in HBM):
+    they fit a pool of exactly that, not one a MiB smaller."""
+    out = compile_text(tmp_path, f"""
+fabric f {{
+  gpu gpu0, gpu1 {{ hbm: 80GiB }}
+  cxl_switch sw0
+  cxl_mem pool0 at sw0 {{ capacity: {capacity}; bw: 64GB/s }}
+  link gpu0 <-> sw0 {{ bw: 63GB/s; kind: cxl }}
+  link gpu1 <-> sw0 {{ bw: 63GB/s; kind: cxl }}
+  link gpu0 <-> gpu1 {{ bw: 450GB/s; kind: nvlink }}
+}}
+workload w {{ model: "llama3-8b"; prompt: 8192; tp: 2; weights: hbm; kv: pool0 }}
+movement kv = kv : gpu* -> pool0
+policy p {{ on kv.forward at sw0 {{ priority = 1 }} }}""")
+    if fits:
+        report, _ = run_engine(out, prompt=8192)
+        assert report["ttft_ms"] > 0
+    else:
+        from fabric_ext.runtime.simulation.workload import WorkloadError
+        with pytest.raises(WorkloadError, match=r"does not fit in pool0: its KV cache \(1.0 GiB\)"):
+            run_engine(out, prompt=8192)
+
 # ---- the run and what the policy buys -------------------------------------------------------
 def test_policy_beats_the_baseline_on_the_stress_case():
     with_policy, _ = run_engine(compiled("prefill_qos"))
@@ -431,3 +468,27 @@ def test_report_percentiles_are_numpys_to_the_last_bit(values, q):
     from fabric_ext.runtime.simulation.stats import percentiles
     want = float(np.percentile(values, q)) if values else 0.0
     assert percentiles(values, (q,)) == [want]
+
+
+def test_a_host_tier_into_a_full_hbm_is_refused_and_counted(tmp_path):
+    """Llama-3-70B at TP 1: the host program keeps every layer's weights in gpu0's HBM, which
+    holds about half of them beside the KV cache.  Layers are placed in order while they fit;
+    the rest stay in the pool, streamed, and each refused placement is counted."""
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-70b"; prompt: 512; tp: 1; weights: pool0; kv: hbm }
+movement w_in = weights : pool0 -> gpu*
+policy p { on cpu0.alloc { tier = gpu0 } }""")
+    report, _ = run_engine(out, model="llama3-70b", tp=1)
+    h, kv_heads, d, ffn, layers = 8192, 8, 128, 28672, 80
+    sizes = {"attention": (2 * h * 64 * d + 2 * h * kv_heads * d) * 2, "ffn": 3 * h * ffn * 2}
+    room, streamed, refused = 80 * 2**30 - layers * 512 * 2 * kv_heads * d * 2, 0, 0
+    for _ in range(layers):
+        for op in ("attention", "ffn"):
+            if sizes[op] <= room:
+                room -= sizes[op]
+            else:
+                streamed, refused = streamed + sizes[op], refused + 1
+    assert 0 < refused < 2 * layers
+    assert report["refused"]["tier"] == refused
+    assert next(m for m in report["movements"] if m["name"] == "w_in")["bytes"] == streamed

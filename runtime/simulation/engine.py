@@ -47,6 +47,14 @@ def _fewer_collections():
         gc.set_threshold(*old)
 
 
+#: the property that sizes each kind of device's memory (a GPU without one: its profile's figure)
+CAPACITY_PROP = {"gpu": "hbm", "cxl_mem": "capacity", "host": "dram", "dpu": "mem", "nic": "mem"}
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
 #: the figure (runtime/simulation/data/figures.json "links") each kind of link takes its fixed costs from
 LINK_FIGURE = {"nvlink": "nvlink4", "pcie": "pcie5_x16", "cxl": "cxl2_x16"}
 
@@ -81,6 +89,7 @@ class Engine:
         self.islands = {i["name"]: i for i in manifest["fabric"]["islands"]}
         self.device_island = {d["name"]: d["island"] for d in manifest["fabric"]["devices"] if d["island"]}
         self.workload = self._workload()
+        self.room = self._room(self.workload)     # bytes free in each sized memory; host tiers take from it
         self.sim = Sim(opts.max_events)
         self.shims = {}
         if opts.attach:
@@ -134,6 +143,33 @@ class Engine:
             if where not in ("hbm", "none") and where not in self.devices:
                 raise WorkloadError(f"workload places data on unknown device '{where}'")
         return wl
+
+    def _room(self, wl: Workload) -> dict[str, float]:
+        """Bytes left in each memory that has a size (`CAPACITY_PROP`) once the workload's
+        weights and KV cache are in it: "hbm" (each GPU of the TP group: the least of theirs),
+        else a device.  Refuses a workload that does not fit."""
+        gpus = [d for d, v in self.devices.items() if v["kind"] == "gpu"][:wl.tp]
+        room = {"hbm": min(self._gpu_figure(g, "hbm") for g in gpus)}
+        smallest = min(gpus, key=lambda g: self._gpu_figure(g, "hbm"))
+        for dev, d in self.devices.items():
+            prop = CAPACITY_PROP.get(d["kind"])
+            size = self._gpu_figure(dev, prop) if prop == "hbm" else self._prop(dev, prop) if prop else None
+            if size:
+                room[dev] = float(size)
+        for where, kept in wl.kept_bytes().items():
+            if where not in room:
+                continue
+            need = sum(kept.values())
+            if need > room[where]:
+                dev = smallest if where == "hbm" else where
+                prop = CAPACITY_PROP[self.devices[dev]["kind"]]
+                what = " and ".join(f"{name} ({_gib(n)})" for name, n in kept.items())
+                raise WorkloadError(
+                    f"the workload does not fit in {dev}: its {what} need {_gib(need)}, more than "
+                    f"its {prop} of {_gib(room[where])}; lower the prompt or batch"
+                    f"{', raise tp' if where == 'hbm' else ''}, keep them elsewhere, or give {dev} more {prop}")
+            room[where] -= need
+        return room
 
     def _gpus(self):
         return [d for d, v in self.devices.items() if v["kind"] == "gpu"][: self.workload.tp]

@@ -83,9 +83,26 @@ class Prefill:
                     if tier and tier not in self.e.fabric.memories:
                         self.e.fabric.refused["tier"] += 1
                     elif tier:
-                        where = "hbm" if self.e.devices[tier]["kind"] == "gpu" else tier
+                        where = self._move_weights(op, w.weights, "hbm" if self.e.devices[tier]["kind"] == "gpu" else tier)
                 src[(layer, op)] = where
         return src
+
+    def _move_weights(self, op: str, frm: str, to: str) -> str:
+        """Where a layer's ``op`` weights go on a host program's tier: ``to`` where that memory
+        has room for them (`Engine.room`), else they stay (the decision refused and counted)."""
+        w, room = self.workload, self.e.room
+        if to == frm:
+            return to
+        def size(where):     # a GPU keeps its shard; a device, the whole group's
+            return w.weight_bytes(op) * (1 if where == "hbm" else w.tp)
+        if room.get(to, float("inf")) < size(to):
+            self.e.fabric.refused["tier"] += 1
+            return frm
+        if to in room:
+            room[to] -= size(to)
+        if frm in room:
+            room[frm] += size(frm)
+        return to
 
     def _issue_inputs(self, g, current):
         """Issue what the units up to the prefetch depth ahead need on GPU g: their weights

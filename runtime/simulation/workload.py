@@ -206,6 +206,18 @@ class Workload:
     def activation_bytes(self, n: int) -> int:
         return n * self.batch * self.model.hidden * self.model.dtype_bytes
 
+    def kept_bytes(self) -> dict[str, dict[str, int]]:
+        """What the prefill keeps in memory until it ends, by where ("hbm": on each GPU of the
+        TP group, else a device, for the whole group), then by what: every layer's weights,
+        and every layer's KV for the whole prompt and batch."""
+        m, out = self.model, {}
+        weights = (m.attn_weight_bytes() + m.ffn_weight_bytes()) // self.tp * m.layers
+        kv = self.kv_bytes(self.prompt) * m.layers
+        for what, where, per_gpu in (("weights", self.weights, weights), ("KV cache", self.kv, kv)):
+            if where != "none":
+                out.setdefault(where, {})[what] = per_gpu if where == "hbm" else per_gpu * self.tp
+        return out
+
 
 def prefill_flows(gpus: list[str], weights: str, kv: str, kv_export: str | None) -> list[tuple]:
     """(class, operator, source, destination) of every kind of transfer a prefill on ``gpus``
