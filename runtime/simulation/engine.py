@@ -149,8 +149,8 @@ class Engine:
         weights and KV cache are in it: "hbm" (each GPU of the TP group: the least of theirs),
         else a device.  Refuses a workload that does not fit."""
         gpus = [d for d, v in self.devices.items() if v["kind"] == "gpu"][:wl.tp]
-        room = {"hbm": min(self._gpu_figure(g, "hbm") for g in gpus)}
         smallest = min(gpus, key=lambda g: self._gpu_figure(g, "hbm"))
+        room = {"hbm": self._gpu_figure(smallest, "hbm")}
         for dev, d in self.devices.items():
             prop = CAPACITY_PROP.get(d["kind"])
             size = self._gpu_figure(dev, prop) if prop == "hbm" else self._prop(dev, prop) if prop else None

@@ -93,15 +93,15 @@ class Prefill:
         w, room = self.workload, self.e.room
         if to == frm:
             return to
-        def size(where):     # a GPU keeps its shard; a device, the whole group's
-            return w.weight_bytes(op) * (1 if where == "hbm" else w.tp)
-        if room.get(to, float("inf")) < size(to):
+        # a GPU keeps its shard; a device, the whole group's
+        size = {where: w.weight_bytes(op) * (1 if where == "hbm" else w.tp) for where in (frm, to)}
+        if room.get(to, float("inf")) < size[to]:
             self.e.fabric.refused["tier"] += 1
             return frm
         if to in room:
-            room[to] -= size(to)
+            room[to] -= size[to]
         if frm in room:
-            room[frm] += size(frm)
+            room[frm] += size[frm]
         return to
 
     def _issue_inputs(self, g, current):

@@ -211,7 +211,7 @@ class Workload:
         TP group, else a device, for the whole group), then by what: every layer's weights,
         and every layer's KV for the whole prompt and batch."""
         m, out = self.model, {}
-        weights = (m.attn_weight_bytes() + m.ffn_weight_bytes()) // self.tp * m.layers
+        weights = (self.weight_bytes("attention") + self.weight_bytes("ffn")) * m.layers
         kv = self.kv_bytes(self.prompt) * m.layers
         for what, where, per_gpu in (("weights", self.weights, weights), ("KV cache", self.kv, kv)):
             if where != "none":
