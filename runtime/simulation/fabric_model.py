@@ -185,8 +185,12 @@ class Fabric:
         """The transfer's next chunk meets the issue hooks at its GPU ends and goes to a copy
         engine; the one after it meets them when an engine takes it.  A chunk held to be
         coalesced counts as taken.  Without copy engines every chunk follows at once."""
-        while t.issued < t.chunks_total:
-            chunk = self._next_chunk(t)
+        while t.issued < t.chunks_total:      # each chunk is made as it is issued: none wait in memory
+            i = t.issued
+            t.issued = i + 1
+            chunk = Chunk(t, i, min(t.chunk_bytes, t.bytes - i * t.chunk_bytes) if t.bytes else 0, t.path)
+            if self.evidence:
+                chunk.trail = []
             release, stream, coalesce = self.sim.now, 0, 0
             if chunk.trail is not None and release > t.start:
                 chunk.trail.append(("pending", t.start, release, None))
@@ -210,14 +214,6 @@ class Fabric:
             else:
                 engine.submit(chunk, stream)
             return
-
-    def _next_chunk(self, t: Transfer) -> Chunk:
-        """The transfer's next chunk, made as it is issued: a transfer holds no chunk before,
-        however many bytes it moves."""
-        i = t.issued
-        t.issued += 1
-        return Chunk(t, i, min(t.chunk_bytes, t.bytes - i * t.chunk_bytes) if t.bytes else 0, t.path,
-                     trail=[] if self.evidence else None)
 
     def _taken(self, chunk: Chunk) -> None:
         """A copy engine took a chunk: it enters the fabric, and the next one is issued."""

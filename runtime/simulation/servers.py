@@ -44,7 +44,7 @@ class Transfer:
     queue_waits: list = field(default_factory=list)
     ctx: dict = field(default_factory=dict)     # the hook site's context fields, the same for every chunk
     standing: dict = field(default_factory=dict)   # the hook site's decisions that hold for every chunk
-    issued: int = 0               # chunks issued so far (`Fabric._next_chunk` makes each as it is)
+    issued: int = 0               # chunks issued so far (`Fabric._issue` makes each as it goes)
     driver: list | None = None    # the copy engines that issue its chunks (None: issued at once)
     pace: float = 0.0             # B/s a collective's chunks cross each link at (0: the link's bandwidth)
     fixed_cost: bool = True       # whether its chunks pay the links' fixed cost (a collective's is in its alpha)
