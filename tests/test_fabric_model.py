@@ -147,6 +147,7 @@ def test_a_coalescing_buffer_holds_a_whole_transfer_in_linear_time():
     assert [b for _, _, b in wire.intervals] == [100_000 * 4096]
     assert not f.coalescing
 
+
 def test_route_decision_picks_the_egress():
     g = DiGraph()
     for a, b, lat in (("s", "x", 10), ("x", "d", 10), ("s", "y", 100), ("y", "d", 100)):
@@ -461,3 +462,20 @@ def test_a_gpu_issue_hook_is_asked_only_where_the_site_asks_there(asking):
     assert hooks.seen == (8 if asking else 0)          # each of 4 chunks at both GPU ends
     # each end defers every chunk in turn; without copy engines the chunks are all issued at once
     assert t.end == pytest.approx(4 * MiB / 10e9 * 1e9 + (2000 if asking else 0))
+
+
+def test_a_transfer_holds_no_chunk_before_it_is_issued():
+    """A transfer's chunks are made as they are issued, not when it starts: after its start a
+    100,000-chunk transfer holds two, the one its copy engine took and the next, waiting for
+    that engine."""
+    import gc
+
+    sim = Sim()
+    g = line()
+    f = Fabric(sim, g, {n: n for n in g}, {n: "gpu" for n in g}, {}, {}, copy_engines={"d0": 1})
+    t = transfer("d0", "d1", 100_000 * 4096, chunk=4096)
+    f.start(t)
+    assert sum(isinstance(o, Chunk) for o in gc.get_objects()) == 2
+    sim.run()
+    assert t.chunks_done == 100_000
+    assert t.end == pytest.approx(100_000 * 4096 / 10e9 * 1e9 + 100)

@@ -136,6 +136,7 @@ policy p {{ on kv.forward at sw0 {{ priority = 1 }} }}""")
         with pytest.raises(WorkloadError, match=r"does not fit in pool0: its KV cache \(1.0 GiB\)"):
             run_engine(out, prompt=8192)
 
+
 # ---- the run and what the policy buys -------------------------------------------------------
 def test_policy_beats_the_baseline_on_the_stress_case():
     with_policy, _ = run_engine(compiled("prefill_qos"))

@@ -361,5 +361,5 @@ class JitBackend(Backend):
             elif e.fault == FAULT_HELPER:
                 why = f"helper call failed: {getattr(self, 'helper_error', '')}"
             elif e.fault == FAULT_SHORT:      # `_for_run` sends such a run to other code
-                why = f"{e.fault_addr} bytes of given memory, less than the {mem_need(c.prog, c.proof)} its code assumes"
+                why = f"{e.fault_addr} bytes of given memory, less than the {c.min_mem} its code assumes"
             raise VMFault(c.prog, int(e.fault_pc), why)

@@ -164,7 +164,7 @@ class Fabric:
 
     # -- transfers --------------------------------------------------------------------
     def start(self, t: Transfer) -> None:
-        """Split a transfer into chunks and issue the first."""
+        """Start a transfer: its chunks are made and issued from here on (`_issue`)."""
         t.start = self.sim.now
         t.path = t.path or self.route(t.src, t.dst)
         if t.path is None:

@@ -83,25 +83,23 @@ class Prefill:
                     if tier and tier not in self.e.fabric.memories:
                         self.e.fabric.refused["tier"] += 1
                     elif tier:
-                        where = self._move_weights(op, w.weights, "hbm" if self.e.devices[tier]["kind"] == "gpu" else tier)
+                        where = self._move_weights(op, "hbm" if self.e.devices[tier]["kind"] == "gpu" else tier)
                 src[(layer, op)] = where
         return src
 
-    def _move_weights(self, op: str, frm: str, to: str) -> str:
+    def _move_weights(self, op: str, to: str) -> str:
         """Where a layer's ``op`` weights go on a host program's tier: ``to`` where that memory
-        has room for them (`Engine.room`), else they stay (the decision refused and counted)."""
+        has room for them beside what it holds (`Engine.room`), else they stay where the
+        workload keeps them (the decision refused and counted)."""
         w, room = self.workload, self.e.room
-        if to == frm:
+        if to == w.weights:
             return to
-        # a GPU keeps its shard; a device, the whole group's
-        size = {where: w.weight_bytes(op) * (1 if where == "hbm" else w.tp) for where in (frm, to)}
-        if room.get(to, float("inf")) < size[to]:
+        need = w.weight_bytes(op) * (1 if to == "hbm" else w.tp)    # a GPU keeps its shard; a device, all
+        if room.get(to, float("inf")) < need:
             self.e.fabric.refused["tier"] += 1
-            return frm
+            return w.weights
         if to in room:
-            room[to] -= size[to]
-        if frm in room:
-            room[frm] += size[frm]
+            room[to] -= need
         return to
 
     def _issue_inputs(self, g, current):
