@@ -221,6 +221,48 @@ policy p {
     assert report["maps"]["saw"]["0"] > 0
 
 
+def _slow_gpus(tmp_path, handlers: str):
+    """A policy whose GPUs compute at 1 GFLOP/s: a 512-token prefill takes hours of simulated
+    time, almost all of it kernels, with a 10 us tick on the switch."""
+    from conftest import POLICIES
+    (tmp_path / "fabrics").mkdir()
+    (tmp_path / "fabrics" / "slow.fx").write_text(
+        (POLICIES / "fabrics" / "dgx_cxl.fx").read_text().replace("bf16: 989TFLOPs", "bf16: 1GFLOPs"))
+    return compile_text(tmp_path, """
+import "fabrics/slow.fx"
+workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0 }
+movement kv = kv : gpu* -> pool0
+map util : array<u32, percent>[16]
+map ticks : array<u32, count>[16]
+policy p {
+  on kv.forward at sw0 { if util[0] > 80% { rate = 16GB/s } }
+  HANDLERS
+}""".replace("HANDLERS", handlers))
+
+
+def test_a_long_quiet_stretch_costs_no_tick_events(tmp_path):
+    """Ticks whose each run overwrites the last are caught up in one run however long the
+    stretch, and the records are flushed only after events: hours of simulated kernels once
+    took an event every 4,096 ticks (one tick run each), 500,000 of them here."""
+    report, eng = run_engine(_slow_gpus(tmp_path, "on sw0.tick(10us) { util[ev.port] = ev.util_pct }"),
+                             max_events=20_000)
+    assert report["ttft_ms"] * 1e6 / (4096 * 10_000) > 100_000       # what the old clock took
+    sw0 = next(i for i in report["islands"] if i["name"] == "sw0")
+    assert sw0["per_hook"]["tick"] == report["ttft_ms"] * 1e6 // 10_000 * len(eng.fabric.ports("sw0"))
+    assert eng.shims["sw0"].invocations["tick"] < 20_000      # ports x runs: once per catch-up
+
+
+def test_ticks_that_must_each_run_count_against_the_event_limit(tmp_path):
+    """A counting tick over hours of simulated time is billions of runs, outside the event
+    loop: they count against --max-events, so the run stops (it ran for hours)."""
+    import pytest
+
+    from fabric_ext.runtime.simulation.sim import EventLimit
+    folder = _slow_gpus(tmp_path, "on sw0.tick(10us) { ticks[ev.port] += 1 }")
+    with pytest.raises(EventLimit, match=r"limit of 100,000 events and ticks .* tick programs run at 10[0-9,]+ tick"):
+        run_engine(folder, max_events=100_000)
+
+
 def test_utilisation_is_the_busy_share_of_the_window():
     """A chunk in service for half of a period reads 50 %, and a port busy through a
     period reads 100 % in every tick of it (it read 0 % or 100 %, as transmissions started)."""

@@ -225,7 +225,8 @@ class Engine:
                 continue
             peers = self.fabric.ports(island)
             src = TickSource(shim, island, periods, [self.fabric.server(island, p) for p in peers],
-                             [self.ids["devices"].get(p, 0) for p in peers], self.site.spans if self.opts.trace else None)
+                             [self.ids["devices"].get(p, 0) for p in peers], self.site.spans if self.opts.trace else None,
+                             charge=self.sim.charge_ticks)
             self.ticks.append(src)
         self._tick_groups = self._group_ticks()
         for src, group in self._tick_groups.items():
@@ -259,9 +260,12 @@ class Engine:
         always allowed), so the servers' records stay short."""
         if self.prefill.finished is None:
             self._catch_up(self.ticks, self.sim.now)
+            nxt = self.sim.next_time()
             due = [t.next_due for t in self.ticks if t.active]
-            if due:
-                self.sim.at(min(due) if self.opts.eager_ticks else self.sim.now + self._flush_every,
+            if due and nxt is not None:     # (with no other event the run is over)
+                # BLOCK periods on, or at the next event if that is later: the records grow only
+                # in events, so a quiet stretch (a long kernel) needs no flush, however long
+                self.sim.at(min(due) if self.opts.eager_ticks else max(self.sim.now + self._flush_every, nxt),
                             self._tick_clock)
 
     def _ticks_before(self, island, hook, movement):

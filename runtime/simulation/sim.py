@@ -15,8 +15,9 @@ class EventLimit(InputError):
 
 
 class Sim:
-    """A minimal event loop: callbacks at simulated times (ns).  ``max_events`` bounds a run
-    (None: no bound), so that no input can make one endless."""
+    """A minimal event loop: callbacks at simulated times (ns).  ``max_events`` bounds a run's
+    events and tick programs' runs together (None: no bound), so that no input can make one
+    endless."""
 
     def __init__(self, max_events: int | None = None):
         self.now = 0.0
@@ -24,6 +25,7 @@ class Sim:
         self._seq = itertools.count()
         self.events = 0
         self.max_events = max_events
+        self.ticks_run = 0        # tick times whose programs ran (`charge_ticks`): they count against the limit
 
     def at(self, t: float, fn, *args) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), fn, args))
@@ -37,6 +39,20 @@ class Sim:
         """`at`, ordered among events at time t as if scheduled when ``place`` was taken."""
         heapq.heappush(self._heap, (t, place, fn, args))
 
+    def next_time(self) -> float | None:
+        """When the next scheduled event is (None: none is)."""
+        return self._heap[0][0] if self._heap else None
+
+    def charge_ticks(self, n: int) -> None:
+        """Count ``n`` tick times about to run against the limit: ticks run in batches outside
+        the event loop, as many as simulated time allows (a short period over a long run)."""
+        self.ticks_run += n
+        if self.max_events is not None and self.events + self.ticks_run > self.max_events:
+            raise EventLimit(f"the run passed its limit of {self.max_events:,} events and ticks at "
+                             f"{self.now / 1e6:.3f} ms of simulated time: {self.events:,} events, tick programs "
+                             f"run at {self.ticks_run:,} tick times (a tick period short against the run's "
+                             "simulated time): lengthen the period")
+
     def run(self, until: float | None = None) -> None:
         heap = self._heap
         limit = self.max_events if self.max_events is not None else float("inf")
@@ -48,7 +64,8 @@ class Sim:
             self.now = t
             self.events += 1
             if self.events > limit:
-                raise EventLimit(f"the run passed {limit:,} events at {t / 1e6:.3f} ms of simulated time")
+                raise EventLimit(f"the run passed {limit:,} events at {t / 1e6:.3f} ms of simulated time (small "
+                                 "transfer chunks, a long prompt): use larger chunks")
             fn(*args)
 
 

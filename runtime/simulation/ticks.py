@@ -201,8 +201,9 @@ class TickSource:
     """Every tick period of one island's tick program, over the island's ports."""
 
     def __init__(self, shim, island: str, periods: list[int], servers: list, peers: list[int], spans=None,
-                 block: int = BLOCK):
-        self.shim, self.island, self.block = shim, island, block
+                 block: int = BLOCK, charge=None):
+        """``charge(n)``: told of every n tick times about to run (`Sim.charge_ticks` bounds them)."""
+        self.shim, self.island, self.block, self.charge = shim, island, block, charge
         self.end = float("inf")                          # no ticks after this time (the prefill's end)
         self.spans = spans                               # a list to record trace spans in, or None
         self.servers = servers
@@ -249,9 +250,11 @@ class TickSource:
             del self.record[:]
             return
         t = min(t, self.end)
+        # where only each period's last tick runs, one run covers any stretch (its cost is the
+        # records'); else a block of ticks at a time, so a long quiet stretch needs no huge buffer
+        one_run = self.elide and all(p.last_wins for p in self.periods)
         while self.next_due <= t:
-            # a block of ticks at a time, so a long quiet stretch needs no huge buffer
-            upto = min(t, self.next_due + (self.block - 1) * self.shortest)
+            upto = t if one_run else min(t, self.next_due + (self.block - 1) * self.shortest)
             if not self._run(upto):
                 return
             self.next_due = min(p.due for p in self.periods)
@@ -270,6 +273,8 @@ class TickSource:
             self.shim.pass_over("tick", passed * n)
         times = self._last_ticks(due, upto) if max(counts) == 1 else self._many_ticks(due, counts, upto)
         self._trim()
+        if self.charge is not None:
+            self.charge(len(times))
         rows = self.raw[:len(times) * n]
         ran = self.shim.deliver_batch("tick", rows, lambda row: float(times[row // n]))
         if self.spans is not None:
