@@ -24,6 +24,7 @@ I1, I8, I32, I64 = L.IntType(1), L.IntType(8), L.IntType(32), L.IntType(64)
 PTR = L.PointerType()
 INT = {1: I8, 2: L.IntType(16), 4: I32, 8: I64}
 HELPER = {h.name: h.id for h in HELPERS.values()}
+BTF_MAX_COLUMN = 0x3FF        # a .BTF.ext line record's column field: 10 bits
 _initialised = False
 
 
@@ -109,10 +110,13 @@ class _FnEmitter:
         self.fn.section = "syscall"
         self.fn.attributes.add("nounwind")
         self.fn.args[0].name = "ctx"
-        self.ctx = self.fn.args[0]
         self.sp = None
         self.entry = self.fn.append_basic_block("entry")
         self.b = L.IRBuilder(self.entry)
+        # every context access is a load or store at a constant offset from the context
+        # pointer itself, as the kernel requires (a pointer moved off it may not be read
+        # through): the marker keeps LLVM from reusing a moved pointer (BPFPreserveStaticOffset)
+        self.ctx = self.b.call(mod.static_offset, [self.fn.args[0]], name="ctx.fixed")
         self.vars = {v: self.b.alloca(I64, name=v.name) for v in prog.vars}
         self.keys = {n: self.b.alloca(INT[n], name=f"key{n}") for n in (1, 2, 4, 8)}
         self.vals = {n: self.b.alloca(INT[n], name=f"val{n}") for n in (1, 2, 4, 8)}
@@ -136,8 +140,10 @@ class _FnEmitter:
         self.fn.set_metadata("dbg", self.sp)
 
     def loc(self, span):
+        # .BTF.ext keeps a column in 10 bits under the line: a wider one would add to the line
         self.b.debug_metadata = self.mod.m.add_debug_info(
-            "DILocation", {"line": max(span.line, 1), "column": max(span.col, 1), "scope": self.sp})
+            "DILocation", {"line": max(span.line, 1), "column": min(max(span.col, 1), BTF_MAX_COLUMN),
+                           "scope": self.sp})
 
     # -- values ---------------------------------------------------------------------
     def field_ptr(self, f: ir.CtxField):
@@ -385,6 +391,7 @@ class _ModuleEmitter:
         self.maps = maps
         self.map_globals = {}
         self.ctx_types = {}
+        self.static_offset = L.Function(self.m, L.FunctionType(PTR, [PTR]), name="llvm.preserve.static.offset")
         used = sorted({name for p in programs for name in p.maps})
         for name in used:
             self.map_global(name, maps[name])
@@ -448,8 +455,9 @@ def compile_module(module: L.Module, opt: int = 2, mcpu: str = "v3") -> tuple[by
     mod.verify()
     target = llvm.Target.from_triple("bpfel")
     tm = target.create_target_machine(cpu=mcpu, opt=opt, reloc="static", codemodel="small")
-    if opt > 0:
-        pto = llvm.create_pipeline_tuning_options(speed_level=opt)
-        pb = llvm.create_pass_builder(tm, pto)
-        pb.getModulePassManager().run(mod, pb)
+    # at -O0 too: the BPF target's own passes turn the context accesses into the loads and
+    # stores at constant offsets the kernel wants (`_FnEmitter.__init__`)
+    pto = llvm.create_pipeline_tuning_options(speed_level=opt)
+    pb = llvm.create_pass_builder(tm, pto)
+    pb.getModulePassManager().run(mod, pb)
     return tm.emit_object(mod), str(mod)

@@ -250,6 +250,37 @@ def test_context_write_rules_from_the_hook_catalogue():
     assert "outside the" in str(e.value)
 
 
+def test_the_context_is_read_only_at_the_pointer_itself():
+    """The kernel reads a context only at an instruction's offset from the pointer it was
+    given (`dereference of modified ctx ptr`); so does this verifier, or it would accept what
+    the kernel refuses (LLVM moved the pointer once a handler used 60 maps)."""
+    from fabric_ext.contract.hooks import HOOKS
+    hook = HOOKS["cxl_switch", "forward"]
+    at = hook.offset("bytes")
+    moved = Program("moved", assemble(f"mov %r2, %r1\nadd %r2, {at}\nldxdw %r0, [%r2+0]\nexit"), hook=hook)
+    with pytest.raises(VerifierError, match=f"moved {at}..{at} bytes off the context"):
+        verify(moved)
+    verify(Program("direct", assemble(f"ldxdw %r0, [%r1+{at}]\nexit"), hook=hook))
+    if KERNEL_OK:
+        kb = kernel.KernelBackend()
+        try:
+            with pytest.raises(kernel.KernelVerifierError, match="modified ctx ptr"):
+                kb.load(moved)
+        finally:
+            kb.close()
+
+
+def test_a_program_may_use_as_many_maps_as_the_kernel_allows():
+    from fabric_ext.runtime.machine.elf import MapSpec
+    from fabric_ext.runtime.machine.maps import ARRAY
+    maps = [MapSpec(f"m{i}", ARRAY, 4, 8, 1).create() for i in range(isa.MAX_USED_MAPS + 1)]
+    src = "".join(f"lddw %r1, map {i}\n" for i in range(isa.MAX_USED_MAPS)) + "mov %r0, 0\nexit"
+    verify(Program("most", assemble(src), maps))
+    over = src.replace("mov %r0", f"lddw %r1, map {isa.MAX_USED_MAPS}\nmov %r0")
+    with pytest.raises(VerifierError, match="uses more than 64 maps"):
+        verify(Program("over", assemble(over), maps))
+
+
 @pytest.mark.parametrize("src,expected", [
     ("mov %r0, 0\njeq %r1, 0, +1\nmov %r0, 1\nexit", True),
     # a shared tail placed before the branch that reaches it: a backward jump, no cycle

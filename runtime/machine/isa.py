@@ -50,6 +50,7 @@ VERIFY_BUDGET = 1_000_000
 # what `lddw` src 1 leaves in a register at run time: a tag and the map's index
 MAP_HANDLE = 0xFFFF_0000_0000_0000
 MAX_MAP_BYTES = 64 * 2**20     # the largest map (keys and values) the machine creates
+MAX_USED_MAPS = 64             # the most maps one program may reference (the kernel's limit)
 
 MASK64 = (1 << 64) - 1
 MASK32 = (1 << 32) - 1

@@ -112,6 +112,7 @@ class Verifier:
             self.fail(0, "empty program")
         self.loop_heads = set()
         constants = set()            # what branches compare with: where widening stops
+        used_maps = set()
         for pc, ins in enumerate(slots):
             if ins is None:
                 continue
@@ -133,6 +134,11 @@ class Verifier:
             if ins.is_lddw:
                 if ins.src in (I.PSEUDO_MAP_FD, I.PSEUDO_MAP_VALUE) and ins.imm >= len(self.p.maps):
                     self.fail(pc, f"reference to map {ins.imm}, but the program has {len(self.p.maps)} maps")
+                if ins.src in (I.PSEUDO_MAP_FD, I.PSEUDO_MAP_VALUE):
+                    used_maps.add(ins.imm)
+                    if len(used_maps) > I.MAX_USED_MAPS:
+                        self.fail(pc, f"the program uses more than {I.MAX_USED_MAPS} maps, the most the "
+                                  "kernel allows one program: use fewer maps in this hook's handlers")
                 if ins.src not in (0, I.PSEUDO_MAP_FD, I.PSEUDO_MAP_VALUE):
                     self.fail(pc, f"unsupported lddw source {ins.src}")
             if c in (I.JMP, I.JMP32) and op not in (I.EXIT,):
@@ -473,6 +479,10 @@ class Verifier:
         if isinstance(ptr, OFFSET_POINTERS):
             lo, hi = ptr.lo + off, ptr.hi + off
         if isinstance(ptr, Ctx):
+            if ptr.lo or ptr.hi:
+                self.fail(pc, f"context access through a pointer moved {ptr.lo}..{ptr.hi} bytes off the context: "
+                          "the kernel reads a context only at an instruction's offset from the context pointer "
+                          "itself")
             if lo < 0 or hi + size > self.ctx_size:
                 self.fail(pc, f"context access at offset {lo} of {size} bytes is outside the "
                           f"{self.ctx_size}-byte context of {self._hook_name()}")
