@@ -144,6 +144,10 @@ def _kernel_verify(loaded, hooks, progs, specs, island, diags) -> str | None:
                 tail = "\n".join(e.log.strip().splitlines()[-3:])
                 diags.error(_span_of(specs[prog.name], pc, pir.handlers[0].span),
                             f"the kernel verifier rejects {island}.{pir.hook.name}: {tail}")
+            except kernel.KernelError as e:      # its maps, or the load itself (no verifier log)
+                pir = next(p for p in progs if p.name == prog.name)
+                diags.error(pir.handlers[0].span, f"--kernel-verify: the kernel refuses {island}.{pir.hook.name}: "
+                                                  f"{e.strerror or e}")
     finally:
         backend.close()
     return (f"kernel verifier of Linux {platform.release()}: {accepted} of {len(progs)} "

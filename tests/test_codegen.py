@@ -174,6 +174,28 @@ def test_fabricc_kernel_verify(tmp_path):
     assert len(said) == 10 and all("1 of 1 program accepted" in x or "2 of 2 programs accepted" in x for x in said)
 
 
+@pytest.mark.skipif(not KERNEL_OK, reason=KERNEL_WHY)
+def test_fabricc_kernel_verify_reports_a_map_the_kernel_cannot_create(monkeypatch):
+    """The kernel refusing a map (ENOMEM for 300 maps of a million entries) was an internal
+    error; it is a diagnostic at the program's handler, naming the map."""
+    import errno
+
+    real = kernel.create_map
+
+    def short_of_memory(map_type, key_size, value_size, max_entries, name, flags=0):
+        if name == "port_util":
+            raise kernel.KernelError(errno.ENOMEM, "bpf(BPF_MAP_CREATE): Cannot allocate memory")
+        return real(map_type, key_size, value_size, max_entries, name, flags)
+    monkeypatch.setattr(kernel, "create_map", short_of_memory)
+    d = Diagnostics()
+    assert build(POLICIES / "prefill_qos.fx", kernel_verify=True, diags=d) is None
+    errors = [x for x in d.items if x.severity == "error"]     # sw0's two programs use port_util
+    assert sorted(e.message.split(":")[1] for e in errors) == [" the kernel refuses sw0.forward",
+                                                               " the kernel refuses sw0.tick"]
+    assert all("cannot create map 'port_util'" in e.message and "Cannot allocate memory" in e.message
+               and e.span.line > 1 for e in errors)
+
+
 @pytest.mark.skipif(shutil.which("clang") is None, reason="clang is not installed")
 def test_the_listings_own_build_command_works(tmp_path):
     """The command a .bpf.c listing's header gives builds it as written, in a shell."""

@@ -25,6 +25,9 @@ from .program import Backend, Program, VMFault
 
 SYS_BPF = {"x86_64": 321, "aarch64": 280, "riscv64": 280, "ppc64le": 361, "s390x": 351}.get(platform.machine(), 321)
 MAP_CREATE, MAP_LOOKUP, MAP_UPDATE, MAP_DELETE, MAP_NEXT_KEY, PROG_LOAD, PROG_TEST_RUN = 0, 1, 2, 3, 4, 5, 10
+COMMAND_NAMES = {MAP_CREATE: "BPF_MAP_CREATE", MAP_LOOKUP: "BPF_MAP_LOOKUP_ELEM", MAP_UPDATE: "BPF_MAP_UPDATE_ELEM",
+                 MAP_DELETE: "BPF_MAP_DELETE_ELEM", MAP_NEXT_KEY: "BPF_MAP_GET_NEXT_KEY", PROG_LOAD: "BPF_PROG_LOAD",
+                 PROG_TEST_RUN: "BPF_PROG_TEST_RUN"}
 PROG_TYPE_SYSCALL, PROG_TYPE_XDP = 31, 6
 F_SLEEPABLE = 1 << 4
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -54,7 +57,7 @@ def bpf(cmd: int, attr: ctypes.Array) -> int:
     r = _libc.syscall(SYS_BPF, cmd, ctypes.byref(attr), ctypes.sizeof(attr))
     if r < 0:
         e = ctypes.get_errno()
-        raise KernelError(e, f"bpf({cmd}): {os.strerror(e)}")
+        raise KernelError(e, f"bpf({COMMAND_NAMES.get(cmd, cmd)}): {os.strerror(e)}")
     return r
 
 
@@ -269,7 +272,11 @@ class KernelBackend(Backend):
     def _fd(self, m) -> int:
         hit = self.map_fds.get(id(m))
         if hit is None:
-            fd = create_map(m.type, m.key_size, m.value_size, m.max_entries, m.name, m.flags)
+            try:
+                fd = create_map(m.type, m.key_size, m.value_size, m.max_entries, m.name, m.flags)
+            except KernelError as e:
+                raise KernelError(e.errno, f"the kernel cannot create map '{m.name}' ({m.max_entries:,} entries "
+                                  f"of {m.key_size + m.value_size} bytes): {e.strerror}") from None
             percpu = m.type in (PERCPU_HASH, PERCPU_ARRAY)
             stride = (m.value_size + 7) // 8 * 8
             for k, v in m.items():
