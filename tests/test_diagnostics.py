@@ -157,3 +157,23 @@ def test_removed_movement_properties_say_what_to_write_instead(tmp_path):
     errors = {d.message: " ".join(d.hints) for d in analyze(path).diags.errors}
     assert "gone" in errors["a movement has no property 'pattern'"]
     assert "priority" in errors["a movement has no property 'background'"]
+
+
+def test_a_long_line_is_shown_around_the_error(tmp_path):
+    """A generated policy's handler on one line of 10,000 columns: the diagnostic shows 120
+    columns around the error, the caret under it, not the whole line."""
+    path = tmp_path / "long.fx"
+    path.write_text(FABRIC + "policy p { on kv.forward at sw0 { " + "priority = 1 " * 800 + "rate = 10GBps } }\n")
+    a = analyze(path)
+    (d,) = a.diags.errors
+    source, caret = a.diags.render(d).splitlines()[1:3]
+    assert d.span.col > 10_000 and len(source) < 140
+    assert source[caret.index("~"):].startswith("10GBps")
+
+
+def test_a_line_of_an_objects_line_info_is_cut_around_its_column():
+    from fabric_ext.runtime.machine.program import SourceLine
+    text = "  on kv.forward { " + "m[1] = 1 " * 500 + "boom }"
+    shown = str(SourceLine("p.fx", 3, text.index("boom") + 1, text))
+    assert shown.startswith("p.fx:3:") and "boom" in shown and len(shown) < 130
+    assert str(SourceLine("p.fx", 3, 3, "  on kv.forward { }  ")) == "p.fx:3:3: on kv.forward { }"

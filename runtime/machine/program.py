@@ -16,7 +16,17 @@ class SourceLine:
     text: str = ""
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}:{self.col}" + (f": {self.text.strip()}" if self.text else "")
+        return f"{self.file}:{self.line}:{self.col}" + (f": {self.excerpt()}" if self.text.strip() else "")
+
+    def excerpt(self, width: int = 100) -> str:
+        """The line's text, cut to ``width`` characters around the column where it is longer
+        (a line of an object's BTF may be any length)."""
+        text = self.text.rstrip()
+        if len(text.strip()) <= width:
+            return text.strip()
+        start = max(0, min(self.col - 1 - width // 3, len(text) - width))     # the column counts from the line's start
+        piece = text[start:start + width]
+        return ("..." + piece if start else piece.lstrip()) + ("..." if start + width < len(text) else "")
 
 
 @dataclass
