@@ -20,6 +20,7 @@ from . import helpers as Hl
 from . import isa as I
 from .errors import InputError
 from .insn_rules import ATOMIC_IMMS, VALID_OPCODES, reserved_fields
+from .liveness import live_in
 from .program import Program
 from .semantics import alu, ctx_write_mask
 from .state import Frame, State
@@ -184,6 +185,7 @@ class Verifier:
         sooner); where widening loses what a loop needs (an index's relation to its bound),
         explore iteration by iteration again, up to the whole budget, as the kernel does."""
         self.structural()
+        self.live = live_in(self.p.slots)
         first = min(self.max_insns, FIRST_PASS)
         try:
             return self._explore(False, first)
@@ -215,6 +217,7 @@ class Verifier:
         widened: dict[int, State] = {}      # loop head -> the widened state explored from it
         processed = 0
         leaders = self._leaders()
+        dead = {pc: [r for r in range(10) if not self.live[pc] >> r & 1] for pc in leaders if pc < len(slots)}
         while work:
             pc, st, depth = work.pop()
             while len(path) > depth:
@@ -238,6 +241,9 @@ class Verifier:
                             widened[pc] = joined
                             st = joined.copy()
                 if pc in leaders:
+                    regs = st.top.regs
+                    for r in dead[pc]:      # what no path reads again: paths that differ only there meet
+                        regs[r] = UNINIT
                     k = st.key()
                     if pc in self.loop_heads and pc not in widened:
                         if (pc, k) in on_path:
