@@ -268,6 +268,10 @@ def _check_maps(prog: Program, sym: Symbols, diags: Diagnostics) -> None:
                 diags.error((m.max_entries or m.kind).span,
                             "a ringbuf needs a size that is a power of two and at least 4KiB",
                             f"write 'map {name} : ringbuf[64KiB]'")
+            elif size > S.MAX_MAP_BYTES:
+                diags.error(m.max_entries.span, f"ringbuf '{name}' is too large: {int(size):,} bytes",
+                            f"at most {S.MAX_MAP_BYTES // 2**20} MiB per map")
+                size = 0
             info.key_size, info.value_size, info.max_entries = 0, 0, int(size or 4096)
             sym.maps[name] = info
             continue

@@ -122,3 +122,23 @@ def test_compiled_probe_finds_what_maps_py_placed(table, kind):
     assert Interpreter().run(prog) == want
     jit = JitBackend()
     assert jit.run(jit.load(prog)) == want
+
+
+def test_a_ringbuf_holds_records_up_to_its_size_and_drops_the_rest():
+    """Its room is kept as records come (the sum over every record, per output, made a
+    large ring quadratic: a 1 GiB ring ran past 120 s); a record needs its bytes and an
+    8-byte header."""
+    from fabric_ext.runtime.machine.maps import RINGBUF
+    ring = Map("rb", RINGBUF, 0, 0, 4096)
+    assert all(ring.ringbuf_output(bytes(56)) == 0 for _ in range(64))      # 64 x (56 + 8) = 4096
+    assert ring.ring_used == 4096 and ring.dropped == 0
+    assert ring.ringbuf_output(b"") == -errno.EAGAIN and ring.dropped == 1
+    assert len(ring.dump()["records"]) == 64
+
+
+def test_a_ringbuf_larger_than_a_map_may_be_is_refused():
+    from fabric_ext.runtime.machine.elf import MapSpec
+    from fabric_ext.runtime.machine.isa import MAX_MAP_BYTES
+    from fabric_ext.runtime.machine.maps import RINGBUF
+    assert MapSpec("rb", RINGBUF, 0, 0, MAX_MAP_BYTES).problem() is None
+    assert "too large" in MapSpec("rb", RINGBUF, 0, 0, 2 * MAX_MAP_BYTES).problem()

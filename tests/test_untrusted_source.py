@@ -26,6 +26,7 @@ def fabricc(*args, cwd=None):
     ("rate_overflows", HANDLER.format("rate = 99999999999TB/s"), f"{LINE}:42", "more than fits in 64 bits"),
     ("two_to_the_64", HANDLER.format("rate = 18446744073709551616B/s"), f"{LINE}:42", "more than fits in 64 bits"),
     ("hex_overflows", "map big : array<u32, u64>[0x1ffffffffffffffff]\n", f"{LINE}:27", "more than fits"),
+    ("huge_ringbuf", "map rb : ringbuf[1TiB]\n", f"{LINE}:18", "ringbuf 'rb' is too large"),
     ("long_expression", HANDLER.format("priority = " + " + ".join(["1"] * 20000)), f"{LINE}:", "split the expression"),
     ("deep_ifs", HANDLER.format("if ev.bytes > 1 { " * 500 + "priority = 1 " + "} " * 500), f"{LINE}:",
      "nest more than 64 deep"),

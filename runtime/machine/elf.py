@@ -61,6 +61,8 @@ class MapSpec:
             return "max_entries must be at least 1"
         if self.type == RINGBUF:
             n = self.max_entries
+            if n > MAX_MAP_BYTES:
+                return f"ringbuf is too large (the runtime allows {MAX_MAP_BYTES >> 20} MiB per map)"
             return None if n >= 4096 and not n & (n - 1) else "ringbuf size must be a power of two of at least 4096"
         if self.key_size < 1 and self.type not in (ARRAY, PERCPU_ARRAY) or self.value_size < 1:
             return "key and value sizes must be at least 1"

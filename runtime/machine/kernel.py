@@ -321,6 +321,7 @@ class KernelBackend(Backend):
         for m, fd in self.map_fds.values():
             if m.type == RINGBUF:
                 m.records.extend(drain_ringbuf(fd, m.max_entries))
+                m.ring_used = sum(len(r) + 8 for r in m.records)
                 continue
             percpu = m.type in (PERCPU_HASH, PERCPU_ARRAY)
             stride = (m.value_size + 7) // 8 * 8

@@ -98,6 +98,7 @@ class Map:
         self.ncpus = ncpus if map_type in (PERCPU_ARRAY, PERCPU_HASH) else 1
         self.cpu = 0
         self.records: list[bytes] = []  # ringbuf output, oldest first
+        self.ring_used = 0              # ... and the bytes it holds, 8-byte headers included
         self.dropped = 0                # ringbuf records refused for want of room
         hashed = map_type in (HASH, PERCPU_HASH, LRU_HASH)
         self.cap = 1 << (2 * max_entries - 1).bit_length() if hashed else max_entries
@@ -291,8 +292,7 @@ class Map:
     def ringbuf_room(self, size: int) -> bool:
         """Whether a record of ``size`` bytes (plus its 8-byte header) fits; a refusal counts as
         a drop, as the kernel's ringbuf drops what does not fit."""
-        used = sum(len(r) + 8 for r in self.records)
-        if used + size + 8 > self.max_entries:
+        if self.ring_used + size + 8 > self.max_entries:
             self.dropped += 1
             return False
         return True
@@ -303,4 +303,5 @@ class Map:
         if not self.ringbuf_room(len(data)):
             return -errno.EAGAIN
         self.records.append(bytes(data))
+        self.ring_used += len(data) + 8      # kept, not summed per record: nothing consumes a ring during a run
         return 0
