@@ -354,3 +354,20 @@ def test_the_verifier_forgets_dead_registers_where_paths_meet():
             kb.load(prog)
         finally:
             kb.close()
+
+
+def test_an_interrupt_in_a_jit_helper_call_stops_the_run(monkeypatch):
+    """Ctrl-C (or fabric-run's exit on SIGTERM) while native code was in a Python helper was
+    printed by ctypes and swallowed: the run went on. It stops the run and is raised after."""
+    from fabric_ext.runtime.machine import jit
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(jit.Hl, "call", interrupted)
+    b = jit.JitBackend()
+    prog = Program("p", assemble("call 7\nmov %r0, 1\nexit"))
+    verify(prog)
+    with pytest.raises(KeyboardInterrupt):
+        b.run(b.load(prog), mem=bytearray(8))
+    monkeypatch.undo()
+    assert b.run(b.load(prog), mem=bytearray(8)) == 1       # the backend runs on

@@ -222,6 +222,7 @@ class JitBackend(Backend):
         self.budget = budget
         self.helpers = Hl.HelperState(clock or (lambda: 0), seed, cpu)
         self.current = None
+        self.interrupted: BaseException | None = None   # what stopped a helper callback (`_callback`)
         self.batch_r0 = 0                 # the last batch's returns, summed
         self.records: dict[int, tuple] = {}
         self.compiled: dict[tuple, _Compiled] = {}   # per backend: helper callbacks are bound to it
@@ -237,6 +238,10 @@ class JitBackend(Backend):
         except Exception as e:  # noqa: BLE001 - reported as a fault of the program
             self.current.env.fault = FAULT_HELPER
             self.helper_error = str(e)
+            return 0
+        except BaseException as e:     # Ctrl-C, or a signal's exit: ctypes would print it and go on
+            self.current.env.fault = FAULT_HELPER       # the run stops at once ...
+            self.interrupted = e                        # ... and `_check` raises it after
             return 0
 
     # -- backend interface ---------------------------------------------------------------------------------
@@ -352,6 +357,10 @@ class JitBackend(Backend):
 
     def _check(self, c):
         e = c.env
+        if self.interrupted is not None:
+            stop, self.interrupted = self.interrupted, None
+            e.fault = 0
+            raise stop
         if e.fault:
             why = FAULTS.get(e.fault, "fault")
             if e.fault == FAULT_OOB:
