@@ -26,6 +26,7 @@ class Sim:
         self.events = 0
         self.max_events = max_events
         self.ticks_run = 0        # tick times whose programs ran (`charge_ticks`): they count against the limit
+        self._left = max_events if max_events is not None else float("inf")   # the limit less the ticks run
 
     def at(self, t: float, fn, *args) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), fn, args))
@@ -47,7 +48,8 @@ class Sim:
         """Count ``n`` tick times about to run against the limit: ticks run in batches outside
         the event loop, as many as simulated time allows (a short period over a long run)."""
         self.ticks_run += n
-        if self.max_events is not None and self.events + self.ticks_run > self.max_events:
+        self._left -= n
+        if self.events > self._left:
             raise EventLimit(f"the run passed its limit of {self.max_events:,} events and ticks at "
                              f"{self.now / 1e6:.3f} ms of simulated time: {self.events:,} events, tick programs "
                              f"run at {self.ticks_run:,} tick times (a tick period short against the run's "
@@ -55,7 +57,6 @@ class Sim:
 
     def run(self, until: float | None = None) -> None:
         heap = self._heap
-        limit = self.max_events if self.max_events is not None else float("inf")
         while heap:
             t, _, fn, args = heap[0]
             if until is not None and t > until:
@@ -63,9 +64,10 @@ class Sim:
             heapq.heappop(heap)
             self.now = t
             self.events += 1
-            if self.events > limit:
-                raise EventLimit(f"the run passed {limit:,} events at {t / 1e6:.3f} ms of simulated time (small "
-                                 "transfer chunks, a long prompt): use larger chunks")
+            if self.events > self._left:
+                ticks = f", {self.ticks_run:,} of them tick runs" if self.ticks_run else ""
+                raise EventLimit(f"the run passed {self.max_events:,} events at {t / 1e6:.3f} ms of simulated "
+                                 f"time{ticks} (small transfer chunks, a long prompt): use larger chunks")
             fn(*args)
 
 
