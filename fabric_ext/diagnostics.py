@@ -16,6 +16,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fabric_ext.runtime.machine.errors import line_window
+
+SHOWN_COLUMNS = 120      # of a source line under a diagnostic: a longer one is cut around the span
+
 
 @dataclass(frozen=True)
 class Span:
@@ -75,7 +79,8 @@ class Diagnostics:
         if 0 < d.span.line <= len(lines):
             src = lines[d.span.line - 1].expandtabs(1)
             end = d.span.end_col if d.span.end_line == d.span.line else len(src) + 1
-            shown, col, end = _window(src, d.span.col, end)
+            shown, shift = line_window(src, d.span.col, SHOWN_COLUMNS)
+            col, end = d.span.col - shift, min(end - shift, len(shown) + 1)
             gutter = f"{d.span.line:>5} | "
             out.append(gutter + shown)
             width = max(1, end - col)
@@ -91,21 +96,6 @@ class Diagnostics:
 
     def print(self, stream=None) -> None:
         (stream or sys.stderr).write(self.rendered())
-
-
-SHOWN_COLUMNS = 120      # of a source line under a diagnostic: a longer one is cut around the span
-
-
-def _window(src: str, col: int, end: int) -> tuple[str, int, int]:
-    """The part of a source line a diagnostic shows, and the span's columns in it: all of
-    a short line; of a long one, from a little before the span, cut with '...'."""
-    if len(src) <= SHOWN_COLUMNS:
-        return src, col, end
-    start = max(0, min(col - 1 - SHOWN_COLUMNS // 3, len(src) - SHOWN_COLUMNS))
-    stop = start + SHOWN_COLUMNS
-    head, tail = ("..." if start else ""), ("..." if stop < len(src) else "")
-    col = col - start + len(head)
-    return head + src[start:stop] + tail, col, min(end - start + len(head), len(head) + SHOWN_COLUMNS + 1)
 
 
 def closest(name: str, candidates) -> str | None:

@@ -28,3 +28,14 @@ class ArtifactError(InputError):
 
 class UsageError(FabricError):
     """A command line that asks for something that cannot be done."""
+
+
+def line_window(text: str, col: int, width: int) -> tuple[str, int]:
+    """What to show of a source line around column ``col`` (from 1): all of it where it
+    fits in ``width``, else ``width`` characters from a little before the column, cut with
+    '...'; and how far left a column moves in what is shown."""
+    if len(text) <= width:
+        return text, 0
+    start = max(0, min(col - 1 - width // 3, len(text) - width))
+    head, tail = ("..." if start else ""), ("..." if start + width < len(text) else "")
+    return head + text[start:start + width] + tail, start - len(head)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import isa
-from .errors import FabricError
+from .errors import FabricError, line_window
 from .isa import Insn
 
 
@@ -24,9 +24,7 @@ class SourceLine:
         text = self.text.rstrip()
         if len(text.strip()) <= width:
             return text.strip()
-        start = max(0, min(self.col - 1 - width // 3, len(text) - width))     # the column counts from the line's start
-        piece = text[start:start + width]
-        return ("..." + piece if start else piece.lstrip()) + ("..." if start + width < len(text) else "")
+        return line_window(text, self.col, width)[0].lstrip()    # the column counts from the line's start
 
 
 @dataclass
