@@ -7,6 +7,8 @@ from there on.  A loop whose body leaves a different dead value behind on each o
 branches would otherwise be explored once per combination of branches.  Backward
 dataflow over every function's instructions at once: `exit` reads r0 only (the caller's
 registers are the caller frame's), a call reads its arguments r1-r5 and writes r0-r5.
+A register taken for dead that a path does read reads as uninitialised there, which the
+verifier refuses: a mistake here can reject a program, never prove an unsafe one.
 """
 from __future__ import annotations
 

@@ -148,8 +148,7 @@ class Engine:
         """Bytes left in each memory that has a size (`CAPACITY_PROP`) once the workload's
         weights and KV cache are in it: "hbm" (each GPU of the TP group: the least of theirs),
         else a device.  Refuses a workload that does not fit."""
-        gpus = [d for d, v in self.devices.items() if v["kind"] == "gpu"][:wl.tp]
-        smallest = min(gpus, key=lambda g: self._gpu_figure(g, "hbm"))
+        smallest = min(self._gpus(), key=lambda g: self._gpu_figure(g, "hbm"))
         room = {"hbm": self._gpu_figure(smallest, "hbm")}
         for dev, d in self.devices.items():
             prop = CAPACITY_PROP.get(d["kind"])
