@@ -7,6 +7,7 @@ import platform
 import shutil
 import subprocess
 import sys
+from contextlib import closing
 
 import pytest
 
@@ -363,11 +364,8 @@ def test_a_handler_of_many_maps_reads_its_context_as_the_kernel_allows(tmp_path,
     assert {e["line"] for e in res.manifest["line_map"]["sw0_tick"]} == {line, line + 1}
     assert {at.line for at in obj.programs[0].line_info.values()} == {line, line + 1}     # (.BTF.ext)
     if KERNEL_OK:
-        kb = kernel.KernelBackend()
-        try:
+        with closing(kernel.KernelBackend()) as kb:
             kb.load(prog)
-        finally:
-            kb.close()
 
 
 def test_more_maps_than_one_program_may_use_is_a_diagnostic(tmp_path):

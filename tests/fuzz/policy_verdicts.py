@@ -82,14 +82,19 @@ class Policy:
         return head + "policy fuzz {\n" + "".join(f"  {h}\n" for h in handlers) + "}\n"
 
 
-def judge(path: Path, budget: int) -> list[str]:
-    """Each program's disagreement between the two verifiers, as lines (none: they agree)."""
+def compile_unjudged(path: Path):
+    """The policy's `CompileResult`, its programs not verified (None: not a valid policy)."""
     ours = driver.verify
-    driver.verify = lambda prog: None       # compile without judging; both judge below
+    driver.verify = lambda prog: None
     try:
-        res = driver.build(path, diags=Diagnostics())
+        return driver.build(path, diags=Diagnostics())
     finally:
         driver.verify = ours
+
+
+def judge(path: Path, budget: int) -> list[str]:
+    """Each program's disagreement between the two verifiers, as lines (none: they agree)."""
+    res = compile_unjudged(path)
     if res is None:
         return []                             # not a valid policy: nothing to judge
     out = []
