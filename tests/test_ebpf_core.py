@@ -1,5 +1,6 @@
 """The eBPF core: every instruction class and edge case in tests/ebpf/*.data, run in the
 reference interpreter and, where bpf(2) is permitted, in the Linux kernel as the authority."""
+import ctypes
 from contextlib import closing
 
 import pytest
@@ -363,3 +364,10 @@ def test_an_interrupt_in_a_jit_helper_call_stops_the_run(monkeypatch):
         b.run(b.load(prog), mem=bytearray(8))
     monkeypatch.undo()
     assert b.run(b.load(prog), mem=bytearray(8)) == 1       # the backend runs on
+
+
+@needs_kernel
+def test_a_failed_bpf_call_names_its_command():
+    attr = ctypes.create_string_buffer(128)      # map type 0, no sizes: refused
+    with pytest.raises(kernel.KernelError, match=r"bpf\(BPF_MAP_CREATE\)"):
+        kernel.bpf(kernel.MAP_CREATE, attr)

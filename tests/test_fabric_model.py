@@ -479,3 +479,17 @@ def test_a_transfer_holds_no_chunk_before_it_is_issued():
     sim.run()
     assert t.chunks_done == 100_000
     assert t.end == pytest.approx(100_000 * 4096 / 10e9 * 1e9 + 100)
+
+
+def test_the_event_limit_counts_the_tick_runs_with_the_events():
+    """--max-events bounds events and tick runs together: the loop stops at the limit less
+    the ticks that ran, not at the limit in events alone."""
+    from fabric_ext.runtime.simulation.sim import EventLimit
+    sim = Sim(max_events=10)
+    sim.charge_ticks(8)
+    ran = []
+    for t in range(5):
+        sim.at(t, ran.append, t)
+    with pytest.raises(EventLimit, match="passed 10 events .*8 of them tick runs"):
+        sim.run()
+    assert ran == [0, 1]
