@@ -10,7 +10,7 @@ from fabric_ext.runtime.machine import isa as I
 from fabric_ext.runtime.machine import kernel
 from fabric_ext.runtime.machine.asm import assemble
 from fabric_ext.runtime.machine.interp import Interpreter
-from fabric_ext.runtime.machine.maps import ARRAY, RINGBUF, Map
+from fabric_ext.runtime.machine.maps import ARRAY, HASH, RINGBUF, Map
 from fabric_ext.runtime.machine.program import Program, VMFault
 from fabric_ext.runtime.machine.verifier import VerifierError, verify
 
@@ -46,6 +46,44 @@ RETURNS_STACK_POINTER = "call local f\nldxdw %r0, [%r0+0]\nexit\nf:\nstdw [%r10-
 SPILLS_CALLEE_STACK = ("mov %r1, %r10\nadd %r1, -8\ncall local f\nldxdw %r1, [%r10-8]\nldxdw %r0, [%r1+0]\nexit\n"
                        "f:\nstdw [%r10-8], 1\nmov %r2, %r10\nadd %r2, -8\nstxdw [%r1+0], %r2\nmov %r0, 0\nexit")
 
+# Pruning (runtime/machine/pruning.py): the fall-through path is explored first and reaches
+# `join` in a safe state; the taken one (MEM[1] = 0xff) must not be pruned there by it.
+def _join(small: str, big: str, after: str) -> str:
+    return ("ldxb %r7, [%r1+0]\nldxb %r6, [%r1+1]\njgt %r6, 0x7f, big\n" + small + "ja join\nbig:\n" + big
+            + "join:\n" + after)
+
+
+# a range added to a pointer after the join: precise at the join
+RANGE_AT_A_JOIN = _join("and %r7, 7\n", "add %r7, 256\n", LOOKUP + "add %r0, %r7\nldxb %r0, [%r0+0]\nexit\n" + OUT)
+# the same range, spilled before the join and filled after it: the slot is precise at the join
+SPILLED_RANGE_AT_A_JOIN = _join("and %r7, 7\nstxdw [%r10-16], %r7\n", "add %r7, 256\nstxdw [%r10-16], %r7\n",
+                                LOOKUP + "ldxdw %r7, [%r10-16]\nadd %r0, %r7\nldxb %r0, [%r0+0]\nexit\n" + OUT)
+# a number that decides a branch after the join: 5 does not take it, 50 does
+DECIDED_AT_A_JOIN = _join("mov %r7, 5\n", "mov %r7, 50\n",
+                          LOOKUP + "jgt %r7, 10, far\nmov %r0, 0\nexit\nfar:\nldxb %r0, [%r0+4096]\nexit\n" + OUT)
+# a slot holding a stack pointer on one path and a number from the input on the other, read
+# two blocks after the join
+POINTER_OR_NUMBER_IN_A_SLOT = _join("stdw [%r10-24], 0\nmov %r7, %r10\nadd %r7, -24\nstxdw [%r10-16], %r7\n",
+                                    "ldxdw %r7, [%r1+0]\nstxdw [%r10-16], %r7\n",
+                                    LOOKUP + "ldxdw %r1, [%r10-16]\nldxdw %r0, [%r1+0]\nexit\n" + OUT)
+# a range used after a subprogram call: the marks cannot be followed across the call
+RANGE_ACROSS_A_CALL = _join("and %r7, 7\n", "add %r7, 256\n",
+                            "call local f\n" + LOOKUP + "add %r0, %r7\nldxb %r0, [%r0+0]\nexit\n" + OUT
+                            + "f:\nmov %r0, 0\nexit\n")
+
+# two copies of one maybe-null pointer against two pointers of two lookups: one null check
+# makes both copies safe, not both pointers (a hash map: the kernel knows an array's lookup
+# of a constant key in range is never null)
+LOOKUP_KEY_0 = "stw [%r10-4], 0\nmov %r2, %r10\nadd %r2, -4\nlddw %r1, map 0\ncall 1\n"
+ONE_POINTER_OR_TWO = _join(LOOKUP_KEY_0 + "mov %r8, %r0\nmov %r9, %r0\n",
+                           LOOKUP_KEY_0 + "mov %r8, %r0\n" + LOOKUP_KEY_0 + "mov %r9, %r0\n",
+                           "jeq %r8, 0, out\nldxb %r0, [%r9+0]\nexit\n" + OUT)
+# the range matters past a join where a second path was pruned (at `use`): what the first path's
+# checkpoint needed, the pruned path's checkpoints need too, or the third (0xff) is pruned at `mid`
+RANGE_PAST_A_PRUNED_PATH = ("ldxb %r7, [%r1+0]\nldxb %r6, [%r1+1]\njgt %r6, 0x7f, second\nand %r7, 7\nja use\n"
+                            "second:\njgt %r6, 0xf0, third\nand %r7, 7\nja mid\nthird:\nadd %r7, 256\n"
+                            "mid:\nmov %r1, 0\nja use\nuse:\n" + LOOKUP + "add %r0, %r7\nldxb %r0, [%r0+0]\nexit\n" + OUT)
+
 # mov r1, 0x7fffff00 with off = 8: the verifier once read it as a sign extension (r1 = 0)
 MOV_WITH_OFF = [I.Insn(I.ALU64 | I.MOV | I.K, dst=1, off=8, imm=0x7FFFFF00)] + assemble(
     "mov %r2, %r10\nadd %r2, %r1\nstdw [%r2-8], 1\nmov %r0, 0\nexit")
@@ -54,6 +92,10 @@ MOV32_WITH_OFF = [I.Insn(I.ALU | I.MOV | I.K, dst=1, off=8, imm=0x7FFFFF00)] + M
 
 def _value_map():
     return [Map("v", ARRAY, 4, 256, 1)]
+
+
+def _hash_map():
+    return [Map("h", HASH, 4, 256, 8)]
 
 
 def _ringbuf():
@@ -72,10 +114,18 @@ HOSTILE = {
     "double_submit": (assemble(DOUBLE_SUBMIT), _ringbuf, "already submitted or discarded"),
     "returns_stack_pointer": (assemble(RETURNS_STACK_POINTER), list, "cannot return a stack pointer"),
     "spills_callee_stack": (assemble(SPILLS_CALLEE_STACK), list, "callee's stack into a caller's frame"),
+    "range_at_a_join": (assemble(RANGE_AT_A_JOIN), _value_map, "outside its 256-byte value"),
+    "spilled_range_at_a_join": (assemble(SPILLED_RANGE_AT_A_JOIN), _value_map, "outside its 256-byte value"),
+    "decided_at_a_join": (assemble(DECIDED_AT_A_JOIN), _value_map, "outside its 256-byte value"),
+    "pointer_or_number_in_a_slot": (assemble(POINTER_OR_NUMBER_IN_A_SLOT), _value_map, "read from a number"),
+    "range_across_a_call": (assemble(RANGE_ACROSS_A_CALL), _value_map, "outside its 256-byte value"),
+    "range_past_a_pruned_path": (assemble(RANGE_PAST_A_PRUNED_PATH), _value_map, "outside its 256-byte value"),
+    "one_pointer_or_two": (assemble(ONE_POINTER_OR_TWO), _hash_map, "may be null"),
 }
 # the ones whose run reaches memory it must not: without a proof every backend faults
 RUNNABLE = ["map_value_plus_unbounded", "record_plus_unbounded", "mov_with_off", "mov32_with_off",
-            "div_by_range_with_zero", "write_after_submit"]
+            "div_by_range_with_zero", "write_after_submit", "range_at_a_join", "spilled_range_at_a_join",
+            "decided_at_a_join", "pointer_or_number_in_a_slot", "range_across_a_call", "range_past_a_pruned_path"]
 # the memory each bare program is given: an even first byte (a divisor of 0), a huge u64
 MEM = b"\xfe" + b"\xff" * 6 + b"\x7f"
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from . import helpers as Hl
 from . import isa as I
+from . import pruning
 from .errors import InputError
 from .insn_rules import ATOMIC_IMMS, VALID_OPCODES, reserved_fields
 from .liveness import live_in
@@ -209,17 +210,19 @@ class Verifier:
         self.call_maps = {}
         slots = self.p.slots
         # Depth-first: the work list is LIFO, so a popped item's path is a prefix of the
-        # current one; `on_path` holds the loop-head states of the current path only.
-        work = [(0, self.initial(), 0)]
+        # current one; `on_path` holds the loop-head states of the current path only.  An
+        # item is (pc, state, depth, the checkpoint of its block, the last pc run in it).
+        work = [(0, self.initial(), 0, None, -1)]
         path: list[tuple] = []
         on_path: set = set()
-        seen: dict[int, set] = {}
+        seen: dict[int, dict] = {}          # leader -> state key -> its checkpoint
+        self.covering: dict[int, list] = {}  # leader -> its done checkpoints that may cover others
         widened: dict[int, State] = {}      # loop head -> the widened state explored from it
         processed = 0
         leaders = self._leaders()
         dead = {pc: [r for r in range(10) if not self.live[pc] >> r & 1] for pc in leaders if pc < len(slots)}
         while work:
-            pc, st, depth = work.pop()
+            pc, st, depth, self.cp, last = work.pop()
             while len(path) > depth:
                 on_path.discard(path.pop())
             while True:
@@ -234,7 +237,9 @@ class Verifier:
                 if widening and pc in self.loop_heads:
                     w = widened.get(pc)
                     if w is not None and covers(w, st):
-                        break                   # the widened state's paths include this one's
+                        pruning.make_exact(self.cp)     # the widened state's paths include this one's
+                        self._end_path()
+                        break
                     if w is not None or len(seen.get(pc, ())) >= WIDEN_AFTER:
                         joined = widen(w, st, self.stops) if w is not None else st.copy()
                         if joined is not None:
@@ -250,19 +255,52 @@ class Verifier:
                             self.fail(pc, "infinite loop: the same state repeats on one path")
                         path.append((pc, k))
                         on_path.add((pc, k))
-                    bucket = seen.setdefault(pc, set())
-                    if k in bucket:
+                    bucket = seen.setdefault(pc, {})
+                    if self._pruned(pc, bucket, k, last):
+                        self._end_path()
                         break
-                    bucket.add(k)
+                    self.cp = bucket[k] = pruning.Checkpoint(pc, k, len(st.frames) - 1, self.cp, last)
                 self.pc = pc
                 nxt = self.step(pc, slots[pc], st, work, len(path))
                 if nxt is None:
+                    self._end_path()
                     break
-                pc = nxt
+                last, pc = pc, nxt
         self.p.proof = {pc: frozenset(k) for pc, k in self.kinds.items()}
         self.p.mem_extent = {pc: n for pc, n in self.mem_extent.items() if n is not None}
         self.p.call_maps = {pc: next(iter(ms)) for pc, ms in self.call_maps.items() if len(ms) == 1}
         return processed
+
+    def _end_path(self):
+        for cp in pruning.end_path(self.cp):
+            if not cp.exact:
+                self.covering.setdefault(cp.pc, []).append(cp)
+
+    def _pruned(self, pc: int, bucket: dict, k: tuple, last: int) -> bool:
+        """Does a checkpoint at leader ``pc`` cover the state ``k``?  If so, what its paths
+        needed, this path's checkpoints need too (`pruning`)."""
+        old = bucket.get(k)
+        if old is None:
+            old = pruning.find_cover(self.covering.get(pc, []), k)
+            if old is None:
+                return False
+        if not old.done or old.exact:
+            pruning.make_exact(self.cp)     # what its paths need is not known yet
+            return True
+        for loc in old.read:
+            pruning.mark_read(self.cp, loc)
+        if old.precise_regs or old.precise_slots:
+            pruning.mark_precise(self.p.slots, self.cp, last, {r for _, r in old.precise_regs}, old.precise_slots)
+        return True
+
+    def _precise(self, *regs):
+        """The ranges of ``regs`` decide something at this instruction (`pruning.mark_precise`)."""
+        pruning.mark_precise(self.p.slots, self.cp, self.pc - 1, set(regs), set())
+
+    def _fork(self, work, pc, st, depth):
+        """Explore ``st`` from ``pc`` later: one more open path from this block's checkpoint."""
+        self.cp.branches += 1
+        work.append((pc, st, depth, self.cp, self.pc))
 
     def _leaders(self):
         out = {0}
@@ -343,6 +381,7 @@ class Verifier:
             hid = ins.imm
             if ins.opcode & I.X:
                 v = self.read(pc, regs, ins.dst)
+                self._precise(ins.dst)
                 if not isinstance(v, Scalar) or not v.constant or v.lo not in Hl.HELPERS:
                     self.fail(pc, f"callx: r{ins.dst} must hold a known helper id, not "
                               f"{v.kind if not isinstance(v, Scalar) else f'{v.lo}..{v.hi}'}")
@@ -397,13 +436,18 @@ class Verifier:
         for v in (d, s):
             if is_ptr(v) and not isinstance(v, OFFSET_POINTERS):
                 self.fail(pc, f"arithmetic on {POINTER_WORDS[v.kind]}")
+        x = bool(ins.opcode & I.X)
         if op == I.ADD:
             ptr, sc = (d, s) if is_ptr(d) else (s, d)
             if is_ptr(sc):
                 self.fail(pc, "adding two pointers")
+            if sc is d or x:
+                self._precise(ins.dst if sc is d else ins.src)
             return self._shift_ptr(pc, ptr, signed_range(sc))
         if op == I.SUB:
             if is_ptr(d) and not is_ptr(s):
+                if x:
+                    self._precise(ins.src)
                 delta = signed_range(s)
                 return self._shift_ptr(pc, d, delta and (-delta[1], -delta[0]))
             if is_ptr(d) and is_ptr(s) and d.kind == s.kind:
@@ -479,6 +523,10 @@ class Verifier:
         self._check_access(pc, ptr, off, size, write)
         self.kinds.setdefault(pc, set()).add(ptr.kind)
 
+    def _read_stack(self, frame, at, size):
+        for slot in range(at - at % 8, at + size, 8):
+            pruning.mark_read(self.cp, (frame, slot))
+
     def _check_access(self, pc, ptr, off, size, write):
         if isinstance(ptr, Scalar):
             self.fail(pc, f"{'write to' if write else 'read from'} a number, not a pointer")
@@ -541,9 +589,11 @@ class Verifier:
         if isinstance(ptr, StackPtr):
             fr = self._stack_frame(st, ptr)
             at = ptr.lo + off
+            self._read_stack(ptr.frame, at, size)
             if not all(fr.init[at:at + size]):
                 self.fail(pc, f"read of uninitialised stack at r10{at - STACK:+d}")
             if size == 8 and at in fr.spills:
+                self.cp.spill_at[pc] = (ptr.frame, at)
                 return fr.spills[at]
         if signed:
             return Scalar()
@@ -563,6 +613,8 @@ class Verifier:
                           "it would outlive the callee")
             if size == 8 and at % 8 == 0:
                 fr.spills[at] = val
+                self.cp.writes.add((ptr.frame, at))
+                self.cp.spill_at[pc] = (ptr.frame, at)
             elif is_ptr(val):
                 self.fail(pc, "partial spill of a pointer to the stack")
         elif is_ptr(val):
@@ -588,6 +640,7 @@ class Verifier:
             fr = self._stack_frame(st, ptr)
             self.check_access(pc, st, ptr, 0, size, False)
             at = ptr.lo
+            self._read_stack(ptr.frame, at, size)
             if not all(fr.init[at:at + size]):
                 self.fail(pc, f"r{r} points to {size} bytes of stack that are not all initialised")
         elif isinstance(ptr, OFFSET_POINTERS):
@@ -603,6 +656,7 @@ class Verifier:
         reserve_size = 0
         if spec.ret == Hl.RET_RECORD_OR_NULL:
             size = regs[2]
+            self._precise(2)
             if not isinstance(size, Scalar) or not size.constant:
                 self.fail(pc, f"{spec.name} needs a constant size in r2")
             reserve_size = size.lo
@@ -623,6 +677,7 @@ class Verifier:
                 size = regs[i + 1]
                 if not isinstance(size, Scalar):
                     self.fail(pc, f"{spec.name}: r{i + 1} must be a size")
+                self._precise(i + 1)
                 if size.hi > 1 << 16:
                     self.fail(pc, f"{spec.name}: size in r{i + 1} is unbounded")
                 self._mem_arg(pc, st, i, v, size.hi)
@@ -659,14 +714,16 @@ class Verifier:
             self._resolve_null(null_st, a, True)
             self._resolve_null(ok_st, a, False)
             if op == I.JEQ:
-                work.append((taken_pc, null_st, depth))
+                self._fork(work, taken_pc, null_st, depth)
                 return fall_pc
-            work.append((fall_pc, null_st, depth))
+            self._fork(work, fall_pc, null_st, depth)
             return taken_pc
         if is_ptr(a) or is_ptr(b):
-            work.append((taken_pc, st.copy(), depth))
+            self._fork(work, taken_pc, st.copy(), depth)
             return fall_pc
         outcome = self._decide(ins, a, b)
+        if outcome is not None:     # decided by the ranges: they must hold wherever this path is pruned
+            self._precise(ins.dst, *((ins.src,) if ins.opcode & I.X else ()))
         if outcome is True:
             self._refine(ins, st, a, b, True)
             return taken_pc
@@ -675,7 +732,7 @@ class Verifier:
             return fall_pc
         other = st.copy()
         self._refine(ins, other, a, b, True)
-        work.append((taken_pc, other, depth))
+        self._fork(work, taken_pc, other, depth)
         self._refine(ins, st, a, b, False)
         return fall_pc
 
