@@ -306,6 +306,15 @@ def _check_maps(prog: Program, sym: Symbols, diags: Diagnostics) -> None:
             else:
                 info.max_entries = n
         sym.maps[name] = info
+    total = 0
+    for info in sym.maps.values():
+        total += S.map_bytes(info.kind == "ringbuf", info.key_size, info.value_size, info.max_entries)
+        if total > S.MAX_TOTAL_MAP_BYTES:
+            decl = info.decl
+            diags.error((decl.max_entries or decl.name).span,
+                        f"the maps up to '{decl.name.name}' take {total:,} bytes together",
+                        f"at most {S.MAX_TOTAL_MAP_BYTES >> 20} MiB for all the maps of a policy: make some smaller")
+            break
 
 
 def _check_histogram(m: A.MapDecl, diags: Diagnostics) -> MapInfo:

@@ -112,3 +112,24 @@ def test_corrupted_bytes_never_crash_the_loader(flips):
             verify(p)
         except VerifierError:
             pass
+
+
+def test_an_object_whose_maps_are_too_large_together_is_refused(tmp_path):
+    """Each map may be 64 MiB; an object's maps together at most 1 GiB (`elf.total_problem`)."""
+    from fabric_ext.runtime.machine.elf import MapSpec, total_problem
+    from fabric_ext.runtime.machine.isa import MAX_MAP_BYTES, MAX_TOTAL_MAP_BYTES
+    from fabric_ext.runtime.machine.maps import ARRAY
+    assert MapSpec("a", ARRAY, 4, 12, 1000).bytes == 16_000
+    assert total_problem(MAX_TOTAL_MAP_BYTES) is None
+    assert "1,073,741,825 bytes together" in total_problem(MAX_TOTAL_MAP_BYTES + 1)
+    if CLANG is None:
+        pytest.skip("clang is not installed")
+    rings = "".join(f"struct {{ int (*type)[27]; int (*max_entries)[{MAX_MAP_BYTES}]; }} r{i} "
+                    f"__attribute__((section(\".maps\"), used));\n" for i in range(17))
+    src = tmp_path / "rings.c"
+    src.write_text(rings + '__attribute__((section("syscall"), used)) int p(void *ctx) { return 0; }\n'
+                   'char LICENSE[] __attribute__((section("license"), used)) = "GPL";\n')
+    obj = tmp_path / "rings.o"
+    subprocess.run([CLANG, "-O2", "-g", "-target", "bpf", "-c", str(src), "-o", str(obj)], check=True)
+    with pytest.raises(ObjectError, match="bytes together; the runtime allows 1024 MiB"):
+        load_object(obj.read_bytes(), "rings.o")

@@ -94,6 +94,16 @@ def test_each_boundary_names_the_key(tmp_path, capsys, original, path, value, sa
     assert code == 1 and says in err, err
 
 
+def test_maps_each_small_enough_but_too_large_together_are_refused(tmp_path, capsys, original):
+    """Each map is bounded (64 MiB); 17 of them were made, 1.1 GB, before this bound on all."""
+    man = json.loads(json.dumps(original))
+    base = {k: v for k, v in man["maps"][0].items() if k != "hist"}
+    man["maps"] += [dict(base, name=f"ring{i}", kind="ringbuf", key_size=0, value_size=0, max_entries=64 << 20)
+                    for i in range(17)]
+    code, err = run_folder(tampered(tmp_path, man), capsys)
+    assert code == 1 and "bytes together; the runtime allows 1024 MiB for all the maps" in err, err
+
+
 def test_the_files_a_folder_may_hold(tmp_path, capsys, original):
     """Deep nesting, a huge manifest, an artifact that is a link out of the folder, or a
     runtime artifact with its digest updated but its content malformed."""

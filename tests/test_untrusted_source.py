@@ -27,6 +27,9 @@ def fabricc(*args, cwd=None):
     ("two_to_the_64", HANDLER.format("rate = 18446744073709551616B/s"), f"{LINE}:42", "more than fits in 64 bits"),
     ("hex_overflows", "map big : array<u32, u64>[0x1ffffffffffffffff]\n", f"{LINE}:27", "more than fits"),
     ("huge_ringbuf", "map rb : ringbuf[1TiB]\n", f"{LINE}:18", "ringbuf 'rb' is too large"),
+    # each within the 64 MiB of one map; with the fabric's maps, past the 1 GiB of all of a policy's
+    ("maps_too_large_together", "".join(f"map rb{i} : ringbuf[64MiB]\n" for i in range(16)), f"{LINE + 15}:20",
+     "the maps up to 'rb15' take 1,073,74"),
     ("long_expression", HANDLER.format("priority = " + " + ".join(["1"] * 20000)), f"{LINE}:", "split the expression"),
     ("deep_ifs", HANDLER.format("if ev.bytes > 1 { " * 500 + "priority = 1 " + "} " * 500), f"{LINE}:",
      "nest more than 64 deep"),

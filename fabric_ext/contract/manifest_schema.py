@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 
-from fabric_ext.runtime.machine.elf import MapSpec
+from fabric_ext.runtime.machine.elf import MapSpec, total_problem
 from fabric_ext.runtime.machine.errors import ArtifactError
 from fabric_ext.runtime.machine.maptypes import KIND_TYPE
 
@@ -257,8 +257,11 @@ def _references(man: dict) -> None:
                 _known(h["movement"], movements, f"{key}.handlers[{j}].movement", "movement id")
             for k, name in enumerate(h["maps"]):
                 _known(name, maps, f"{key}.handlers[{j}].maps[{k}]", "map")
+    total = 0
     for i, m in enumerate(man["maps"]):
-        why = MapSpec(m["name"], KIND_TYPE[m["kind"]], m["key_size"], m["value_size"], m["max_entries"]).problem()
+        spec = MapSpec(m["name"], KIND_TYPE[m["kind"]], m["key_size"], m["value_size"], m["max_entries"])
+        total += spec.bytes
+        why = spec.problem() or total_problem(total)
         if why:
             raise SchemaError(f"maps[{i}]", why)
         for j, name in enumerate(m.get("islands", [])):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fabric_ext.runtime.machine import isa
-from fabric_ext.runtime.machine.elf import MapSpec
+from fabric_ext.runtime.machine.elf import MapSpec, total_problem
 from fabric_ext.runtime.machine.errors import ArtifactError
 from fabric_ext.runtime.machine.kernel import PROG_TYPE_SYSCALL
 
@@ -130,6 +130,9 @@ def parse_runtime_json(path: Path, raw: bytes) -> tuple[list[MapSpec], dict[str,
         why = spec.problem()
         if why:
             raise BundleError(f"{path}: map '{spec.name}': {why}; recompile the policy")
+    why = total_problem(sum(m.bytes for m in maps))
+    if why:
+        raise BundleError(f"{path}: {why}; recompile the policy with smaller maps")
     return maps, progs
 
 

@@ -4,7 +4,7 @@ runtime's fabric model reads the same names."""
 from __future__ import annotations
 
 # the checker refuses larger maps (isa.py holds the machine's limits without importing numpy)
-from fabric_ext.runtime.machine.isa import MAX_MAP_BYTES  # noqa: F401
+from fabric_ext.runtime.machine.isa import MAX_MAP_BYTES, MAX_TOTAL_MAP_BYTES, map_bytes  # noqa: F401
 from fabric_ext.units import BANDWIDTH, COUNT, DEVICE, FLOPS, PERCENT, SIZE, TIME
 
 STRING, NAME, FLAG = "string", "name", "flag"

@@ -22,7 +22,7 @@ from . import isa as I
 from .btf import BTFError, map_def, parse_btf, parse_btf_ext_lines
 from .errors import ArtifactError
 from .fsutil import UnreadableFile, read_bounded
-from .isa import MAX_MAP_BYTES
+from .isa import MAX_MAP_BYTES, MAX_TOTAL_MAP_BYTES, map_bytes
 from .maptypes import ARRAY, PERCPU_ARRAY, RINGBUF, TYPE_KIND
 from .program import Program, SourceLine
 
@@ -37,6 +37,15 @@ MAX_OBJECT = 64 << 20           # an object file is read up to this size
 
 class ObjectError(ArtifactError):
     """A corrupt, truncated or unsupported object; names the file and section or relocation."""
+
+
+def total_problem(total: int) -> str | None:
+    """Why the runtime would not create maps of ``total`` bytes (`MapSpec.bytes`, each map
+    fine) together, or None: each map is bounded, and so is what they take together."""
+    if total > MAX_TOTAL_MAP_BYTES:
+        return (f"its maps take {total:,} bytes together; the runtime allows "
+                f"{MAX_TOTAL_MAP_BYTES >> 20} MiB for all the maps of one policy")
+    return None
 
 
 @dataclass
@@ -71,6 +80,11 @@ class MapSpec:
         if (self.key_size + self.value_size) * self.max_entries > MAX_MAP_BYTES or self.key_size > 512:
             return f"map is too large (the runtime allows {MAX_MAP_BYTES >> 20} MiB per map)"
         return None
+
+    @property
+    def bytes(self) -> int:
+        """What its keys and values (a ringbuf: its ring) take when created."""
+        return map_bytes(self.type == RINGBUF, self.key_size, self.value_size, self.max_entries)
 
     def create(self, **kw) -> Map:
         from .maps import Map
@@ -176,6 +190,9 @@ class _Loader:
             why = m.problem()
             if why:
                 self.err(f"map '{m.name}': {why}")
+        why = total_problem(sum(m.bytes for m in maps))
+        if why:
+            self.err(why)
         lic = self.elf.get_section_by_name("license")
         license = lic.data().split(b"\0", 1)[0].decode() if lic is not None else ""
         progs = []

@@ -50,6 +50,12 @@ VERIFY_BUDGET = 1_000_000
 # what `lddw` src 1 leaves in a register at run time: a tag and the map's index
 MAP_HANDLE = 0xFFFF_0000_0000_0000
 MAX_MAP_BYTES = 64 * 2**20     # the largest map (keys and values) the machine creates
+MAX_TOTAL_MAP_BYTES = 2**30    # all the maps of one policy or object together
+
+
+def map_bytes(ringbuf: bool, key_size: int, value_size: int, max_entries: int) -> int:
+    """What a map's keys and values (a ringbuf: its ring) take when created."""
+    return max_entries if ringbuf else (key_size + value_size) * max_entries
 MAX_USED_MAPS = 64             # the most maps one program may reference (the kernel's limit)
 
 MASK64 = (1 << 64) - 1
