@@ -1,6 +1,7 @@
 """The eBPF core: every instruction class and edge case in tests/ebpf/*.data, run in the
 reference interpreter and, where bpf(2) is permitted, in the Linux kernel as the authority."""
 import ctypes
+import re
 from contextlib import closing
 
 import pytest
@@ -352,6 +353,14 @@ def test_generated_policies_the_kernel_accepts_verify_here_too(seed, size, name)
             kb.load(prog)
 
 
+def test_a_branch_decided_by_a_number_loaded_just_before_by_lddw_verifies():
+    """Tracing the branch's operands back started at the lddw's second slot, which is no
+    instruction: a verifier bug, found by policy_verdicts (seeds 1117, 1191 at size 5)."""
+    prog = Program("lddw", assemble("lddw %r1, 0x100000000\njgt %r1, 3, big\nmov %r0, 0\nexit\nbig:\nmov %r0, 1\nexit"))
+    verify(prog)
+    assert Interpreter().run(prog, mem=bytearray(8)) == 1
+
+
 def _diamonds(n: int, side: str) -> str:
     """``n`` branches on bits of the input, one after another, each running ``side`` (formatted
     with the branch's number) on one of its two paths: 2**n paths."""
@@ -359,6 +368,13 @@ def _diamonds(n: int, side: str) -> str:
     for i in range(n):
         out += [f"jset %r6, {1 << i}, j{i}", side.format(i=i, bit=1 << i, slot=-8 * (i + 2)), f"j{i}:"]
     return "\n".join(out)
+
+
+@needs_kernel
+def test_the_kernel_reports_how_many_steps_its_verifier_took():
+    """bench/verifier_bench.py sets our steps beside the kernel's (BPF_LOG_STATS)."""
+    log = kernel.verifier_stats(assemble("mov %r0, 0\nl:\nadd %r0, 1\njlt %r0, 10, l\nexit"), "count")
+    assert int(re.search(r"processed (\d+) insns", log).group(1)) > 10
 
 
 def test_numbers_whose_range_decides_nothing_do_not_keep_paths_apart():

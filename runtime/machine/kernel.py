@@ -30,6 +30,7 @@ COMMAND_NAMES = {MAP_CREATE: "BPF_MAP_CREATE", MAP_LOOKUP: "BPF_MAP_LOOKUP_ELEM"
                  PROG_TEST_RUN: "BPF_PROG_TEST_RUN"}
 PROG_TYPE_SYSCALL, PROG_TYPE_XDP = 31, 6
 F_SLEEPABLE = 1 << 4
+LOG_STATS = 4                  # BPF_LOG_STATS: the verifier's statistics only
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
@@ -132,7 +133,7 @@ def load_program(insns: list[I.Insn], name: str, prog_type: int = PROG_TYPE_SYSC
                  license: str = "GPL") -> int:
     """Load into the kernel; on rejection, load again with a verifier log and raise it."""
     try:
-        return _prog_load(insns, name, prog_type, license, 0)
+        return _prog_load(insns, name, prog_type, license, 0)[0]
     except KernelError as e:
         first = e
     try:
@@ -142,7 +143,15 @@ def load_program(insns: list[I.Insn], name: str, prog_type: int = PROG_TYPE_SYSC
     raise KernelVerifierError(name, first.errno, "") from None
 
 
-def _prog_load(insns, name, prog_type, license, log_level) -> int:
+def verifier_stats(insns: list[I.Insn], name: str, prog_type: int = PROG_TYPE_SYSCALL) -> str:
+    """The kernel verifier's statistics for a program it accepts (BPF_LOG_STATS: "processed
+    N insns ...", "verification time N usec"); the program is unloaded again."""
+    fd, log = _prog_load(insns, name, prog_type, "GPL", LOG_STATS)
+    os.close(fd)
+    return log
+
+
+def _prog_load(insns, name, prog_type, license, log_level) -> tuple[int, str]:
     code = I.encode(insns)
     buf = ctypes.create_string_buffer(code, len(code))
     lic = ctypes.create_string_buffer(license.encode())
@@ -154,7 +163,7 @@ def _prog_load(insns, name, prog_type, license, log_level) -> int:
                      ctypes.addressof(log) if log_level else 0, 0, flags)
     attr[48:48 + 15] = re.sub(r"[^A-Za-z0-9_.]", "_", name).encode()[:15].ljust(15, b"\0")
     try:
-        return bpf(PROG_LOAD, attr)
+        return bpf(PROG_LOAD, attr), log.value.decode(errors="replace")
     except KernelError as e:
         if not log_level:
             raise

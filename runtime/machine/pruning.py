@@ -114,20 +114,22 @@ def mark_precise(slots: list, cp: Checkpoint, last: int, regs: set, stack: set):
                 _back(ins, pc, cp, regs, stack)
         frames = cp.key[0]
         f = cp.frame
-        regs = {r for r in regs if type(frames[f][0][r]) is Scalar}
-        stack = {loc for loc in stack if loc[0] < len(frames) and type(dict(frames[loc[0]][2]).get(loc[1])) is Scalar}
-        marks = {(f, r) for r in regs}
+        values = frames[f][0]
+        marks = {(f, r) for r in regs if type(values[r]) is Scalar}
+        if stack:
+            stack = {loc for loc in stack if loc[0] < len(frames) and type(dict(frames[loc[0]][2]).get(loc[1])) is Scalar}
         if marks <= cp.precise_regs and stack <= cp.precise_slots:
             return                          # marked before, and so were the checkpoints before it
         cp.precise_regs |= marks
         cp.precise_slots |= stack
         if cp.parent is None:
             return
+        regs = {r for _, r in marks}
         last, cp = cp.from_pc, cp.parent
 
 
 def _crosses_frames(ins) -> bool:
-    return ins.cls == I.JMP and (ins.op == I.EXIT or ins.op == I.CALL and ins.src == I.PSEUDO_CALL)
+    return ins is not None and ins.cls == I.JMP and (ins.op == I.EXIT or ins.op == I.CALL and ins.src == I.PSEUDO_CALL)
 
 
 def _back(ins, pc: int, cp: Checkpoint, regs: set, stack: set):
