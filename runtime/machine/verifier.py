@@ -436,18 +436,19 @@ class Verifier:
         for v in (d, s):
             if is_ptr(v) and not isinstance(v, OFFSET_POINTERS):
                 self.fail(pc, f"arithmetic on {POINTER_WORDS[v.kind]}")
-        x = bool(ins.opcode & I.X)
+        # the register holding the number the pointer moves by (none: an immediate)
+        by = ins.src if is_ptr(d) and ins.opcode & I.X else ins.dst if not is_ptr(d) else None
         if op == I.ADD:
             ptr, sc = (d, s) if is_ptr(d) else (s, d)
             if is_ptr(sc):
                 self.fail(pc, "adding two pointers")
-            if sc is d or x:
-                self._precise(ins.dst if sc is d else ins.src)
+            if by is not None:
+                self._precise(by)
             return self._shift_ptr(pc, ptr, signed_range(sc))
         if op == I.SUB:
             if is_ptr(d) and not is_ptr(s):
-                if x:
-                    self._precise(ins.src)
+                if by is not None:
+                    self._precise(by)
                 delta = signed_range(s)
                 return self._shift_ptr(pc, d, delta and (-delta[1], -delta[0]))
             if is_ptr(d) and is_ptr(s) and d.kind == s.kind:
