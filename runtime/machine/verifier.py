@@ -7,12 +7,14 @@ stack slot (uninitialised, scalar with an unsigned range, or a typed pointer
 with an offset range), as the kernel's verifier does: stack and context
 accesses in bounds, context writes only to decision fields of the hook, map
 values only after a null check and within the value size, helper arguments of
-the right kind, no reads of uninitialised registers or stack.  Loops are
-explored iteration by iteration; where that runs out the complexity budget
-(a large or input-dependent trip count), the path pass runs again with states
-widened at loop heads (`widening.py`), whose cost does not grow with the trip
-count; such a loop ends at the run-time instruction budget if not sooner.  A
-state that repeats on its own path is an infinite loop.
+the right kind, no reads of uninitialised registers or stack.  A path ends
+where a checkpoint saved at the same block leader covers its state for what
+the checkpoint's paths needed (`pruning.py`).  Loops are explored iteration by
+iteration; where that runs out the complexity budget (a large or
+input-dependent trip count), the path pass runs again with states widened at
+loop heads (`widening.py`), whose cost does not grow with the trip count; such
+a loop ends at the run-time instruction budget if not sooner.  A state that
+repeats on its own path is an infinite loop.
 """
 from __future__ import annotations
 
