@@ -1,5 +1,6 @@
 """The soundness fuzzer (tests/fuzz/soundness.py) in CI: a bounded, seeded run, and every case
-it ever found replayed (tests/soundness_cases/*.json: rejected now, or clean under proof checking)."""
+it ever found replayed (tests/soundness_cases/*.json: rejected now, or clean under proof checking);
+and a seeded run of the random-policy judge (tests/fuzz/policy_verdicts.py)."""
 import os
 import random
 from pathlib import Path
@@ -7,10 +8,12 @@ from pathlib import Path
 import pytest
 from fuzz.soundness import Case, accepts, check, fuzz
 
+from fabric_ext.runtime.machine import kernel
 from fabric_ext.runtime.machine.program import Program
 
 CASES = sorted((Path(__file__).parent / "soundness_cases").glob("*.json"))
 SEED = int(os.environ.get("FABRIC_EXT_FUZZ_SEED", "20261201"))
+KERNEL_OK, KERNEL_WHY = kernel.permitted()
 
 
 def test_fuzzer_finds_no_unsound_proof():
@@ -31,8 +34,7 @@ def test_found_cases_stay_fixed(path):
 
 
 
-@pytest.mark.skipif(not __import__("fabric_ext.runtime.machine.kernel", fromlist=["permitted"]).permitted()[0],
-                    reason="bpf(2) is not permitted here (run as root)")
+@pytest.mark.skipif(not KERNEL_OK, reason=KERNEL_WHY)
 def test_random_policies_get_the_kernels_verdicts(tmp_path):
     """tests/fuzz/policy_verdicts.py, seeded and bounded: every program of 12 random policies
     gets the same verdict here as from the running kernel's verifier (issue 16: what the
