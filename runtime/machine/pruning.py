@@ -23,10 +23,16 @@ program, so every rule keeps the kernel's direction: when in doubt, more precise
 """
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from . import isa as I
 from .values import MapValueOrNull, Record, RecordOrNull, Scalar, Uninit, align_of
 
 CALLER_SAVED = frozenset(range(6))       # r0-r5: what a helper call leaves unknown
+# what a checkpoint holds until it marks something: most never do, and a 1M-step exploration
+# saves hundreds of thousands of them
+_NONE = frozenset()
+_NO_SPILLS = MappingProxyType({})
 
 
 class Checkpoint:
@@ -39,17 +45,25 @@ class Checkpoint:
         self.parent = parent                # the checkpoint of the block the path came from
         self.from_pc = from_pc              # the last instruction run in that block
         self.branches = 1                   # paths from here not yet explored to their end
-        self.precise_regs: set = set()      # (frame, reg) whose range mattered to its paths
-        self.precise_slots: set = set()     # (frame, slot offset) whose spilled number's range mattered
-        self.read: set = set()              # (frame, slot offset) read before being written whole
-        self.writes: set = set()            # (frame, slot offset) this block writes whole
-        self.spill_at: dict = {}            # pc in this block -> (frame, slot) it spilled or filled
+        self.precise_regs = _NONE           # (frame, reg) whose range mattered to its paths
+        self.precise_slots = _NONE          # (frame, slot offset) whose spilled number's range mattered
+        self.read = _NONE                   # (frame, slot offset) read before being written whole
+        self.writes = _NONE                 # (frame, slot offset) this block writes whole
+        self.spill_at = _NO_SPILLS          # pc in this block -> (frame, slot) it spilled or filled
         self.exact = False                  # its marks are not known: only an identical state matches
         self.hits = self.misses = 0         # states it covered, and did not
 
     @property
     def done(self) -> bool:
         return self.branches == 0
+
+    def spill(self, pc: int, loc: tuple, store: bool):
+        """Instruction ``pc`` of this block stored (``store``) or loaded the 8-byte spill at ``loc``."""
+        if self.spill_at is _NO_SPILLS:
+            self.spill_at = {}
+        self.spill_at[pc] = loc
+        if store:
+            self.writes = self.writes | {loc}
 
 
 def find_cover(candidates: list[Checkpoint], key: tuple) -> Checkpoint | None:
@@ -93,6 +107,8 @@ def mark_read(cp: Checkpoint, loc: tuple):
     if loc in cp.writes:
         return
     while loc not in cp.read:
+        if cp.read is _NONE:
+            cp.read = set()
         cp.read.add(loc)
         cp = cp.parent
         if cp is None or loc in cp.writes:
@@ -120,8 +136,8 @@ def mark_precise(slots: list, cp: Checkpoint, last: int, regs: set, stack: set):
             stack = {loc for loc in stack if loc[0] < len(frames) and type(dict(frames[loc[0]][2]).get(loc[1])) is Scalar}
         if marks <= cp.precise_regs and stack <= cp.precise_slots:
             return                          # marked before, and so were the checkpoints before it
-        cp.precise_regs |= marks
-        cp.precise_slots |= stack
+        cp.precise_regs = cp.precise_regs | marks
+        cp.precise_slots = cp.precise_slots | stack
         if cp.parent is None:
             return
         regs = {r for _, r in marks}

@@ -596,7 +596,7 @@ class Verifier:
             if not all(fr.init[at:at + size]):
                 self.fail(pc, f"read of uninitialised stack at r10{at - STACK:+d}")
             if size == 8 and at in fr.spills:
-                self.cp.spill_at[pc] = (ptr.frame, at)
+                self.cp.spill(pc, (ptr.frame, at), store=False)
                 return fr.spills[at]
         if signed:
             return Scalar()
@@ -616,8 +616,7 @@ class Verifier:
                           "it would outlive the callee")
             if size == 8 and at % 8 == 0:
                 fr.spills[at] = val
-                self.cp.writes.add((ptr.frame, at))
-                self.cp.spill_at[pc] = (ptr.frame, at)
+                self.cp.spill(pc, (ptr.frame, at), store=True)
             elif is_ptr(val):
                 self.fail(pc, "partial spill of a pointer to the stack")
         elif is_ptr(val):
