@@ -29,10 +29,23 @@ from . import isa as I
 from .values import MapValueOrNull, Record, RecordOrNull, Scalar, Uninit, align_of
 
 CALLER_SAVED = frozenset(range(6))       # r0-r5: what a helper call leaves unknown
-# what a checkpoint holds until it marks something: most never do, and a 1M-step exploration
-# saves hundreds of thousands of them
-_NONE = frozenset()
+SLOTS = I.STACK_SIZE // 8                # 8-byte slots a frame's stack has
+# a checkpoint's marks are bit sets (ints): register r of frame f is bit 11 f + r, stack
+# slot (f, offset) bit SLOTS f + offset / 8; a 1M-step exploration saves hundreds of
+# thousands of checkpoints, most of which never mark anything
 _NO_SPILLS = MappingProxyType({})
+
+
+def _slot_bit(loc: tuple) -> int:
+    return 1 << (loc[0] * SLOTS + loc[1] // 8)
+
+
+def slots_of(bits: int):
+    """The (frame, offset) stack slots of a bit set."""
+    while bits:
+        b = (bits & -bits).bit_length() - 1
+        yield divmod(b, SLOTS)[0], b % SLOTS * 8
+        bits &= bits - 1
 
 
 class Checkpoint:
@@ -45,10 +58,10 @@ class Checkpoint:
         self.parent = parent                # the checkpoint of the block the path came from
         self.from_pc = from_pc              # the last instruction run in that block
         self.branches = 1                   # paths from here not yet explored to their end
-        self.precise_regs = _NONE           # (frame, reg) whose range mattered to its paths
-        self.precise_slots = _NONE          # (frame, slot offset) whose spilled number's range mattered
-        self.read = _NONE                   # (frame, slot offset) read before being written whole
-        self.writes = _NONE                 # (frame, slot offset) this block writes whole
+        self.precise_regs = 0               # registers whose range mattered to its paths
+        self.precise_slots = 0              # stack slots whose spilled number's range mattered
+        self.read = 0                       # stack slots read before being written whole
+        self.writes = 0                     # stack slots this block writes whole
         self.spill_at = _NO_SPILLS          # pc in this block -> (frame, slot) it spilled or filled
         self.exact = False                  # its marks are not known: only an identical state matches
         self.hits = self.misses = 0         # states it covered, and did not
@@ -63,7 +76,7 @@ class Checkpoint:
             self.spill_at = {}
         self.spill_at[pc] = loc
         if store:
-            self.writes = self.writes | {loc}
+            self.writes |= _slot_bit(loc)
 
 
 def find_cover(candidates: list[Checkpoint], key: tuple) -> Checkpoint | None:
@@ -104,15 +117,25 @@ def make_exact(cp: Checkpoint | None):
 def mark_read(cp: Checkpoint, loc: tuple):
     """Stack slot ``loc`` is read now, in ``cp``'s block: every checkpoint back to the block
     that wrote it whole held the value read."""
-    if loc in cp.writes:
+    bit = _slot_bit(loc)
+    if cp.writes & bit:
         return
-    while loc not in cp.read:
-        if cp.read is _NONE:
-            cp.read = set()
-        cp.read.add(loc)
+    while not cp.read & bit:
+        cp.read |= bit
         cp = cp.parent
-        if cp is None or loc in cp.writes:
+        if cp is None or cp.writes & bit:
             return
+
+
+def inherit(old: Checkpoint, cp: Checkpoint, slots: list, last: int):
+    """A path pruned by done checkpoint ``old`` (after instruction ``last`` of ``cp``'s block)
+    has its future: what ``old``'s paths read and needed precise, ``cp`` and those before it
+    hold for it."""
+    for loc in slots_of(old.read):
+        mark_read(cp, loc)
+    if old.precise_regs or old.precise_slots:
+        regs = {b - 11 * old.frame for b in range(11 * old.frame, 11 * old.frame + 11) if old.precise_regs >> b & 1}
+        mark_precise(slots, cp, last, regs, set(slots_of(old.precise_slots)))
 
 
 def mark_precise(slots: list, cp: Checkpoint, last: int, regs: set, stack: set):
@@ -131,16 +154,18 @@ def mark_precise(slots: list, cp: Checkpoint, last: int, regs: set, stack: set):
         frames = cp.key[0]
         f = cp.frame
         values = frames[f][0]
-        marks = {(f, r) for r in regs if type(values[r]) is Scalar}
+        regs = {r for r in regs if type(values[r]) is Scalar}
+        marks = sum(1 << (11 * f + r) for r in regs)
+        slot_marks = 0
         if stack:
             stack = {loc for loc in stack if loc[0] < len(frames) and type(dict(frames[loc[0]][2]).get(loc[1])) is Scalar}
-        if marks <= cp.precise_regs and stack <= cp.precise_slots:
+            slot_marks = sum(_slot_bit(loc) for loc in stack)
+        if not marks & ~cp.precise_regs and not slot_marks & ~cp.precise_slots:
             return                          # marked before, and so were the checkpoints before it
-        cp.precise_regs = cp.precise_regs | marks
-        cp.precise_slots = cp.precise_slots | stack
+        cp.precise_regs |= marks
+        cp.precise_slots |= slot_marks
         if cp.parent is None:
             return
-        regs = {r for _, r in marks}
         last, cp = cp.from_pc, cp.parent
 
 
@@ -202,10 +227,10 @@ def covers(cp: Checkpoint, key: tuple) -> bool:
         regs = new[0]
         for r, a in enumerate(old[0]):
             b = regs[r]
-            if (a != b or type(a) in _IDS) and not _value_covers(a, b, (f, r) in precise, ids):
+            if (a != b or type(a) in _IDS) and not _value_covers(a, b, precise >> (11 * f + r) & 1, ids):
                 return False
     spills: dict = {}
-    for f, at in cp.read:
+    for f, at in slots_of(cp.read):
         old_init, old_spills = old_frames[f][1], old_frames[f][2]
         init = frames[f][1]
         if any(old_init[i] and not init[i] for i in range(at, at + 8)):
@@ -213,7 +238,7 @@ def covers(cp: Checkpoint, key: tuple) -> bool:
         if f not in spills:
             spills[f] = dict(old_spills), dict(frames[f][2])
         a, b = spills[f][0].get(at), spills[f][1].get(at)
-        slot_precise = (f, at) in cp.precise_slots
+        slot_precise = cp.precise_slots >> (f * SLOTS + at // 8) & 1
         if a is not None:
             if b is None:
                 if type(a) is not Scalar or slot_precise:

@@ -289,10 +289,7 @@ class Verifier:
         if not old.done or old.exact:
             pruning.make_exact(self.cp)     # what its paths need is not known yet
             return True
-        for loc in old.read:
-            pruning.mark_read(self.cp, loc)
-        if old.precise_regs or old.precise_slots:
-            pruning.mark_precise(self.p.slots, self.cp, last, {r for _, r in old.precise_regs}, old.precise_slots)
+        pruning.inherit(old, self.cp, self.p.slots, last)
         return True
 
     def _precise(self, *regs):
