@@ -44,7 +44,7 @@ def slots_of(bits: int):
     """The (frame, offset) stack slots of a bit set."""
     while bits:
         b = (bits & -bits).bit_length() - 1
-        yield divmod(b, SLOTS)[0], b % SLOTS * 8
+        yield b // SLOTS, b % SLOTS * 8
         bits &= bits - 1
 
 
