@@ -26,7 +26,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from . import isa as I
-from .values import MapValueOrNull, Record, RecordOrNull, Scalar, Uninit, align_of
+from .values import MapValueOrNull, Record, RecordOrNull, Scalar, Uninit, holds
 
 CALLER_SAVED = frozenset(range(6))       # r0-r5: what a helper call leaves unknown
 SLOTS = I.STACK_SIZE // 8                # 8-byte slots a frame's stack has
@@ -257,7 +257,7 @@ def _value_covers(a, b, precise: bool, ids: dict) -> bool:
     if type(a) is not type(b):
         return type(a) is Uninit            # what may be uninitialised there, its paths never read
     if type(a) is Scalar:
-        return not precise or a.lo <= b.lo and b.hi <= a.hi and align_of(a) <= align_of(b)
+        return not precise or holds(a, b)
     if type(a) in _IDS:
         if a._replace(id=0) != b._replace(id=0):
             return False

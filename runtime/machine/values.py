@@ -39,6 +39,12 @@ def align_of(v: Scalar) -> int:
     return v.align
 
 
+def holds(a: Scalar, b: Scalar) -> bool:
+    """Is every number ``b`` stands for one ``a`` stands for (its range inside, its known zero
+    low bits at least as many)?"""
+    return a.lo <= b.lo and b.hi <= a.hi and align_of(a) <= align_of(b)
+
+
 def scalar(lo: int, hi: int, align: int = 0) -> Scalar | None:
     """The scalar of the multiples of 2**align in [lo, hi] (None: there are none)."""
     if align:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 
 from .state import Frame, State
-from .values import M64, OFFSET_POINTERS, UNINIT, Scalar, Uninit, align_of, scalar
+from .values import M64, OFFSET_POINTERS, UNINIT, Scalar, Uninit, align_of, holds, scalar
 
 LIMIT = 1 << 29        # the verifier's MAX_VAR_OFF: how far a pointer's offset may range
 
@@ -100,7 +100,7 @@ def _covers_value(w, s) -> bool:
     if w == s or isinstance(w, Uninit):
         return True        # what may be uninitialised in w, w's paths never read
     if isinstance(w, Scalar) and isinstance(s, Scalar):
-        return w.lo <= s.lo and s.hi <= w.hi and align_of(w) <= align_of(s)
+        return holds(w, s)
     if isinstance(w, OFFSET_POINTERS) and type(w) is type(s) and w[:-3] == s[:-3]:
         return w.lo <= s.lo and s.hi <= w.hi
     return False
