@@ -2,6 +2,8 @@
 reads, and handler fds unique across the islands that are imported into one shared memory."""
 import json
 
+import pytest
+
 from fabric_ext.contract.bundle import load_manifest
 from fabric_ext.contract.runtime_json import parse_runtime_json
 from policy_helpers import compiled
@@ -60,3 +62,15 @@ def test_our_loader_reads_them_back_as_compiled():
         maps, progs = parse_runtime_json(path, path.read_bytes())
         assert progs and all(0 <= i.imm < len(maps) for p in progs.values() for i in p
                              if i.is_lddw and i.src == 1)
+
+
+def test_a_runtime_artifact_whose_maps_are_too_large_together_is_refused(tmp_path):
+    """Each map may be 64 MiB; an artifact's maps together at most 1 GiB, as a manifest's."""
+    from fabric_ext.contract.runtime_json import BundleError, dputime_json, encode
+    from fabric_ext.runtime.machine.elf import MapSpec
+    from fabric_ext.runtime.machine.maps import RINGBUF
+    rings = [MapSpec(f"r{i}", RINGBUF, 0, 0, 64 << 20) for i in range(17)]
+    path = tmp_path / "sw0.dputime.json"
+    assert len(parse_runtime_json(path, encode(dputime_json("sw0", "cxl_switch", [], rings[:16])))[0]) == 16
+    with pytest.raises(BundleError, match="1,140,850,688 bytes together"):
+        parse_runtime_json(path, encode(dputime_json("sw0", "cxl_switch", [], rings)))

@@ -325,6 +325,13 @@ def test_the_assembler_reads_fabric_vm_disasm_of_every_bundled_object(tmp_path):
             assert programs
 
 
+def _the_kernel_accepts(prog):
+    """Where bpf(2) is permitted, the kernel's verifier accepts ``prog`` (else it raises)."""
+    if KERNEL_OK:
+        with closing(kernel.KernelBackend()) as kb:
+            kb.load(prog)
+
+
 @pytest.mark.parametrize("seed,size,name", [(5, 4, "gpu0_issue"), (1, 4, "nic0_tx"), (11, 3, "sw0_forward")])
 def test_generated_policies_the_kernel_accepts_verify_here_too(seed, size, name):
     """Programs of generated policies (tests/fuzz/policy_verdicts.py) the kernel accepts, on
@@ -348,9 +355,7 @@ def test_generated_policies_the_kernel_accepts_verify_here_too(seed, size, name)
     file = name.split("_")[0] + ".bpf.o"
     (prog,) = [p for p in load_object(res.files[file], file).instantiate() if p.name == name]
     assert verify(prog) < 100_000
-    if KERNEL_OK:
-        with closing(kernel.KernelBackend()) as kb:
-            kb.load(prog)
+    _the_kernel_accepts(prog)
 
 
 def test_a_branch_decided_by_a_number_loaded_just_before_by_lddw_verifies():
@@ -370,6 +375,32 @@ def _diamonds(n: int, side: str) -> str:
     return "\n".join(out)
 
 
+def test_a_checkpoint_that_keeps_failing_to_cover_is_dropped():
+    """As the kernel drops it (miss_cnt > hit_cnt * 3 + 3): where paths differ in what matters,
+    each would otherwise be compared with all the ones before it."""
+    from fabric_ext.runtime.machine import pruning
+    from fabric_ext.runtime.machine.state import Frame, State
+    from fabric_ext.runtime.machine.values import UNINIT, const
+
+    def key(r1):
+        regs = [UNINIT] * 11
+        regs[1] = const(r1)
+        return State([Frame(regs, bytearray(isa.STACK_SIZE), {})]).key()
+    never, once = (pruning.Checkpoint(7, key(1), 0, None, -1) for _ in range(2))
+    for cp in (never, once):
+        cp.branches, cp.precise_regs = 0, 1 << 1        # done; r1's value mattered
+    candidates = [never, once]
+    assert pruning.find_cover(candidates, key(1)) is once and once.hits == 1
+    for _ in range(4):
+        assert pruning.find_cover(candidates, key(2)) is None
+    assert candidates == [once]           # never: four misses and no hit, dropped
+    for _ in range(2):
+        pruning.find_cover(candidates, key(2))
+    assert candidates == [once]           # once: six misses after its hit, kept (3 * 1 + 3)
+    pruning.find_cover(candidates, key(2))
+    assert candidates == []
+
+
 @needs_kernel
 def test_the_kernel_reports_how_many_steps_its_verifier_took():
     """bench/verifier_bench.py sets our steps beside the kernel's (BPF_LOG_STATS)."""
@@ -385,18 +416,14 @@ def test_numbers_whose_range_decides_nothing_do_not_keep_paths_apart():
            "call 1\njeq %r0, 0, out\nstxdw [%r0+0], %r7\nout:\nmov %r0, 0\nexit")
     prog = Program("or", assemble(src), [Map("v", ARRAY, 4, 8, 1)], ctx_size=8)
     assert verify(prog) < 1_000
-    if KERNEL_OK:
-        with closing(kernel.KernelBackend()) as kb:
-            kb.load(prog)
+    _the_kernel_accepts(prog)
 
 
 def test_stack_slots_no_path_reads_do_not_keep_paths_apart():
     """Each of 2**20 paths initialises a different set of stack slots, which nothing reads."""
     prog = Program("slots", assemble(_diamonds(20, "stdw [%r10{slot}], 1") + "\nmov %r0, 0\nexit"), ctx_size=8)
     assert verify(prog) < 1_000
-    if KERNEL_OK:
-        with closing(kernel.KernelBackend()) as kb:
-            kb.load(prog)
+    _the_kernel_accepts(prog)
 
 
 def test_an_interrupt_in_a_jit_helper_call_stops_the_run(monkeypatch):

@@ -16,14 +16,8 @@ from fabric_ext.runtime.machine.verifier import VerifierError, verify
 
 KERNEL_OK, KERNEL_WHY = kernel.permitted()
 
-LOOKUP = """
-stw [%r10-4], 0
-mov %r2, %r10
-add %r2, -4
-lddw %r1, map 0
-call 1
-jeq %r0, 0, out
-"""
+LOOKUP_KEY_0 = "stw [%r10-4], 0\nmov %r2, %r10\nadd %r2, -4\nlddw %r1, map 0\ncall 1\n"
+LOOKUP = LOOKUP_KEY_0 + "jeq %r0, 0, out\n"
 RESERVE = """
 lddw %r1, map 0
 mov %r2, 8
@@ -74,7 +68,6 @@ RANGE_ACROSS_A_CALL = _join("and %r7, 7\n", "add %r7, 256\n",
 # two copies of one maybe-null pointer against two pointers of two lookups: one null check
 # makes both copies safe, not both pointers (a hash map: the kernel knows an array's lookup
 # of a constant key in range is never null)
-LOOKUP_KEY_0 = "stw [%r10-4], 0\nmov %r2, %r10\nadd %r2, -4\nlddw %r1, map 0\ncall 1\n"
 ONE_POINTER_OR_TWO = _join(LOOKUP_KEY_0 + "mov %r8, %r0\nmov %r9, %r0\n",
                            LOOKUP_KEY_0 + "mov %r8, %r0\n" + LOOKUP_KEY_0 + "mov %r9, %r0\n",
                            "jeq %r8, 0, out\nldxb %r0, [%r9+0]\nexit\n" + OUT)
