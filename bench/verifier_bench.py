@@ -6,7 +6,8 @@ Each program is verified here (steps it explored, wall seconds of one run, or wh
 refused) and, where bpf(2) is permitted, loaded into the running kernel with BPF_LOG_STATS
 (`processed N insns`, `verification time`).  The programs: every bundled policy's, the prime
 loop of 10,007 (widening), 2**20 paths differing in a number whose range decides nothing
-(precision), and generated policies the kernel accepts (tests/fuzz/policy_verdicts.py).
+(precision) or decides a branch (nothing to prune: the worst case), and generated policies
+the kernel accepts (tests/fuzz/policy_verdicts.py).
 """
 from __future__ import annotations
 
@@ -39,13 +40,14 @@ PRIME = ("mov %r0, 0\nmov %r1, 2\nouter:\nmov %r2, 2\ninner:\nmov %r3, %r2\nmul 
 STATS = ("processed ", "verification time", "stack depth")
 
 
-def diamonds() -> Program:
+def diamonds(decided: bool = False) -> Program:
     """20 branches on bits of the input, each OR-ing its own bit into r7 on one path; r7 ends
-    in a map value."""
+    in a map value.  ``decided``: a branch on r7 first needs its range, so no two of the 2**20
+    paths meet (the worst case: the whole budget explored, then refused)."""
     lines = ["ldxdw %r6, [%r1+0]", "mov %r7, 0"]
     for i in range(20):
         lines += [f"jset %r6, {1 << i}, j{i}", f"or %r7, {1 << i}", f"j{i}:"]
-    lines += ["stw [%r10-4], 0", "mov %r2, %r10", "add %r2, -4", "lddw %r1, map 0", "call 1",
+    lines += ["jgt %r7, 100000000, out"] * decided + ["stw [%r10-4], 0", "mov %r2, %r10", "add %r2, -4", "lddw %r1, map 0", "call 1",
               "jeq %r0, 0, out", "stxdw [%r0+0], %r7", "out:", "mov %r0, 0", "exit"]
     return Program("diamonds", assemble("\n".join(lines)), [Map("v", ARRAY, 4, 8, 1)], ctx_size=8)
 
@@ -112,6 +114,7 @@ def main(argv=None) -> int:
     cases = [(f"the bundled policies' {len(bundled)} programs", bundled),
              ("prime loop of 10,007", [Program("prime", assemble(PRIME))]),
              ("2**20 paths, a number deciding nothing", [diamonds()]),
+             ("2**20 paths, a number deciding a branch", [diamonds(decided=True)]),
              ("generated policy, seed 5: gpu0_issue", generated(5, 4, "gpu0_issue")),
              ("generated policy, seed 1: nic0_tx", generated(1, 4, "nic0_tx")),
              ("generated policy, seed 11: sw0_forward", generated(11, 3, "sw0_forward"))]

@@ -385,7 +385,7 @@ def test_a_checkpoint_that_keeps_failing_to_cover_is_dropped():
     def key(r1):
         regs = [UNINIT] * 11
         regs[1] = const(r1)
-        return State([Frame(regs, bytearray(isa.STACK_SIZE), {})]).key()
+        return State([Frame(regs, bytes(isa.STACK_SIZE), {})]).key()
     never, once = (pruning.Checkpoint(7, key(1), 0, None, -1) for _ in range(2))
     for cp in (never, once):
         cp.branches, cp.precise_regs = 0, 1 << 1        # done; r1's value mattered

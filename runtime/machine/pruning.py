@@ -224,10 +224,13 @@ def covers(cp: Checkpoint, key: tuple) -> bool:
     for f, (old, new) in enumerate(zip(old_frames, frames)):
         if old[3] != new[3]:
             return False                    # another return address
-        regs = new[0]
-        for r, a in enumerate(old[0]):
+        old_regs, regs = old[0], new[0]
+        bits = precise >> (11 * f) & 0x7FF
+        if bits and not _precise_numbers_cover(old_regs, regs, bits):
+            return False                    # the usual miss, found first
+        for r, a in enumerate(old_regs):
             b = regs[r]
-            if (a != b or type(a) in _IDS) and not _value_covers(a, b, precise >> (11 * f + r) & 1, ids):
+            if (a is not b and a != b or type(a) in _IDS) and not _value_covers(a, b, bits >> r & 1, ids):
                 return False
     spills: dict = {}
     for f, at in slots_of(cp.read):
@@ -251,6 +254,17 @@ def covers(cp: Checkpoint, key: tuple) -> bool:
         return True
     new_refs = dict(refs)
     return all(new_refs.get(ids.get(i)) == pc for i, pc in old_refs)
+
+
+def _precise_numbers_cover(old_regs: tuple, regs: tuple, bits: int) -> bool:
+    """Whether each register of ``bits`` that holds a number in both holds the new one's range."""
+    while bits:
+        r = (bits & -bits).bit_length() - 1
+        bits &= bits - 1
+        a, b = old_regs[r], regs[r]
+        if type(a) is Scalar and type(b) is Scalar and a != b and not holds(a, b):
+            return False
+    return True
 
 
 def _value_covers(a, b, precise: bool, ids: dict) -> bool:

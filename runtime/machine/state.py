@@ -8,15 +8,15 @@ from dataclasses import dataclass
 @dataclass
 class Frame:
     regs: list
-    init: bytearray          # per stack byte: initialised?
+    init: bytes              # per stack byte: initialised?  Immutable, so copies and keys share it
     spills: dict             # 8-aligned offset (from frame bottom) -> register value
     ret_pc: int = -1
 
     def copy(self):
-        return Frame(list(self.regs), bytearray(self.init), dict(self.spills), self.ret_pc)
+        return Frame(list(self.regs), self.init, dict(self.spills), self.ret_pc)
 
     def key(self):
-        return (tuple(self.regs), bytes(self.init), tuple(sorted(self.spills.items())), self.ret_pc)
+        return (tuple(self.regs), self.init, tuple(sorted(self.spills.items())), self.ret_pc)
 
 
 class State:

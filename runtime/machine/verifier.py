@@ -179,7 +179,7 @@ class Verifier:
             regs[1] = Ctx(0, 0)
         elif self.bare:
             regs[1], regs[2] = Mem(0, 0), Scalar()
-        return State([Frame(regs, bytearray(STACK), {})])
+        return State([Frame(regs, bytes(STACK), {})])
 
     def run(self):
         """Explore every path, for up to FIRST_PASS instructions; where loops run past that,
@@ -210,6 +210,7 @@ class Verifier:
         self.kinds = {}
         self.mem_extent = {}
         self.call_maps = {}
+        self.inits: dict[bytes, bytes] = {}
         slots = self.p.slots
         # Depth-first: the work list is LIFO, so a popped item's path is a prefix of the
         # current one; `on_path` holds the loop-head states of the current path only.  An
@@ -375,7 +376,7 @@ class Verifier:
                 for r in range(1, 6):
                     regs_new[r] = regs[r]
                 regs_new[10] = StackPtr(len(st.frames), STACK, STACK)
-                st.frames.append(Frame(regs_new, bytearray(STACK), {}, pc + 1))
+                st.frames.append(Frame(regs_new, bytes(STACK), {}, pc + 1))
                 return pc + 1 + ins.imm
             hid = ins.imm
             if ins.opcode & I.X:
@@ -607,7 +608,9 @@ class Verifier:
             for a in list(fr.spills):
                 if a < at + size and at < a + 8:
                     del fr.spills[a]
-            fr.init[at:at + size] = b"\x01" * size
+            if not all(fr.init[at:at + size]):
+                init = fr.init[:at] + b"\x01" * size + fr.init[at + size:]
+                fr.init = self.inits.setdefault(init, init)     # one copy of each: states share it
             if isinstance(val, StackPtr) and val.frame > ptr.frame:
                 self.fail(pc, "cannot spill a pointer to a callee's stack into a caller's frame: "
                           "it would outlive the callee")

@@ -56,7 +56,7 @@ def _widen_frame(a: Frame, b: Frame, stops) -> Frame:
             init[at:at + 8] = bytes(8)        # no value both agree on: the slot is unreadable
         else:
             spills[at] = v
-    return Frame(regs, init, spills, b.ret_pc)
+    return Frame(regs, bytes(init), spills, b.ret_pc)
 
 
 def _widen_value(a, b, stops=()):
