@@ -73,7 +73,7 @@ def ours(progs: list[Program], budget: int) -> str:
         for p in progs:
             steps += verify(p, budget)
     except VerifierError as e:
-        return f"refused after {time.perf_counter() - t:.2f} s: {e.msg[:60]}"
+        return f"refused after {time.perf_counter() - t:.2f} s: {e.msg.split(':')[0][:30]}"
     return f"{steps:,} steps, {time.perf_counter() - t:.3f} s"
 
 
