@@ -72,3 +72,50 @@ def test_mutants_check_clean_or_fail_cleanly(tmp_path_factory, batch):
             continue
         assert r.returncode == 1, r.stderr
         assert re.search(rf"{re.escape(f.name)}:\d+:\d+: error: ", r.stderr), r.stderr
+
+
+NUMBER = re.compile(r"\d+(?:\.\d+)?")
+BOUNDARY_NUMBERS = ["0", "1", "2", "7", "8", "255", "4096", "65536", "4294967295", "18446744073709551615", "0.5"]
+UNITS = ["", "B", "KiB", "MiB", "GB", "ns", "us", "ms", "s", "GB/s", "Gbps", "%", "TFLOPs"]
+
+
+@st.composite
+def revalued(draw):
+    """An example policy with one to three numbers changed: to a boundary value, in its own
+    unit or another.  Most still check clean, so they reach the compiler and the run."""
+    path = draw(st.sampled_from(EXAMPLES))
+    text = path.read_text()
+    for _ in range(draw(st.integers(1, 3))):
+        numbers = [m for m in TOKEN.finditer(text) if NUMBER.match(m.group())]
+        m = draw(st.sampled_from(numbers))
+        unit = m.group()[NUMBER.match(m.group()).end():]
+        if draw(st.booleans()):
+            unit = draw(st.sampled_from(UNITS))
+        text = text[:m.start()] + draw(st.sampled_from(BOUNDARY_NUMBERS)) + unit + text[m.end():]
+    return path.name, text
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(revalued())
+def test_revalued_policies_compile_and_run_or_fail_cleanly(tmp_path_factory, mutant):
+    """What checks clean compiles, and what compiles runs: each step ends in 0 or in 1 with a
+    message, never a traceback, and a run is bounded."""
+    import contextlib
+    import io
+
+    from fabric_ext import cli
+    from fabric_ext.runtime.simulation import cli as run_cli
+    name, text = mutant
+    d = tmp_path_factory.mktemp("rev")
+    (d / name).write_text(text)
+    steps = [(cli.main, ["compile", str(d / name), "-o", str(d / "out")]),
+             (run_cli.main, ["--policy", str(d / "out"), "--prompt", "256", "-q", "--max-events", "200000"])]
+    for main, argv in steps:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = main(argv)
+        assert code in (0, 1), (text, err.getvalue())
+        assert "Traceback" not in err.getvalue() and "internal error" not in err.getvalue(), (text, err.getvalue())
+        if code:
+            assert err.getvalue().strip(), text
+            break
