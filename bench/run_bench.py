@@ -10,8 +10,8 @@ run leaves the allocator and the garbage collector in a state that slows the nex
 the same process by up to 30 %), timed from building the engine (programs loaded and
 compiled) to the report; interpreter start and imports are the same for both and not
 counted.  Each wall time is the best of --repeat runs, the two kinds taken in turn: on a
-shared machine the speed drifts between runs.  Where it drifts too much to tell a few
-per cent, --instructions also counts each run's instructions under valgrind (cachegrind,
+shared machine the speed drifts between runs, and the median beside each best shows how
+much.  Where it drifts too much to tell a few per cent, --instructions also counts each run's instructions under valgrind (cachegrind,
 no cache simulation: about 30x slower), less those of a process that only starts up, each
 the least of --repeat counts: a whole run's count varies by about 1 % from run to run (with
 a fixed hash seed and no address randomisation too), far less than its wall time, and it
@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -113,8 +114,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "out"
         write_folder(build(ROOT / "policies" / "prefill_qos.fx").files, folder)
-        print(f"{'backend':<8}{'model':<12}{'prompt':>7}{'tp':>4}{'cold s':>8}{'policy wall s':>15}{'events/s':>11}"
-              f"{'none wall s':>13}{'events/s':>11}{'overhead':>10}{'TTFT ms':>10}{'base TTFT':>11}"
+        print(f"{'backend':<8}{'model':<12}{'prompt':>7}{'tp':>4}{'cold s':>8}{'policy wall s':>15}{'median':>8}"
+              f"{'events/s':>11}{'none wall s':>13}{'median':>8}{'events/s':>11}{'overhead':>10}{'TTFT ms':>10}"
+              f"{'base TTFT':>11}"
               + (f"{'pol Ginsn':>10}{'none Ginsn':>11}{'insn ovh':>9}" if args.instructions else ""))
         for backend in args.backend.split(","):
             for model, prompt, tp in CONFIGS[:1] if args.quick else CONFIGS:
@@ -125,10 +127,12 @@ def main():
                     for attach in (True, False):
                         runs[attach].append(run_fresh(folder, backend, model, prompt, tp, attach, cache))
                 (w1, r1), (w0, r0) = (min(runs[a], key=lambda x: x[0]) for a in (True, False))
+                m1, m0 = (statistics.median(w for w, _ in runs[a]) for a in (True, False))
                 insn = instruction_columns(folder, backend, model, prompt, tp, cache, max(1, args.repeat)) \
                     if args.instructions else ""
-                print(f"{backend:<8}{model:<12}{prompt:>7}{tp:>4}{cold:>8.2f}{w1:>15.2f}{r1['events'] / w1:>11.0f}"
-                      f"{w0:>13.2f}{r0['events'] / w0:>11.0f}{w1 / w0 - 1:>9.0%}{r1['ttft_ms']:>10.1f}"
+                print(f"{backend:<8}{model:<12}{prompt:>7}{tp:>4}{cold:>8.2f}{w1:>15.2f}{m1:>8.2f}"
+                      f"{r1['events'] / w1:>11.0f}{w0:>13.2f}{m0:>8.2f}{r0['events'] / w0:>11.0f}"
+                      f"{w1 / w0 - 1:>9.0%}{r1['ttft_ms']:>10.1f}"
                       f"{r0['ttft_ms']:>11.1f}" + insn, flush=True)
 
 
