@@ -1,5 +1,6 @@
 """The Python API (fabric_ext.api): compile in memory, run, the report's records, errors."""
 import json
+import re
 
 import pytest
 
@@ -122,9 +123,38 @@ def test_progress_is_shown_only_on_a_terminal_and_not_with_quiet(monkeypatch):
     import io
 
     from fabric_ext.runtime.simulation import cli
-    assert cli._progress(quiet=True) is None
-    monkeypatch.setattr("sys.stderr", io.StringIO())          # not a terminal
-    assert cli._progress(quiet=False) is None
+    from fabric_ext.runtime.simulation.engine import Progress
+    err = io.StringIO()                                     # not a terminal
+    monkeypatch.setattr("sys.stderr", err)
+    monkeypatch.setattr(cli, "PROGRESS_AFTER_S", 0.0)
+    for quiet in (True, False):
+        show = cli._Progress(quiet=quiet, limit=None)
+        show(Progress(0.5, 1000, 1.0))
+        show.finish()
+    assert err.getvalue() == ""
+    monkeypatch.setattr(err, "isatty", lambda: True, raising=False)
+    show = cli._Progress(quiet=False, limit=None)
+    show(Progress(0.5, 1000, 1.0))
+    show.finish()
+    assert err.getvalue().startswith("\r[############") and err.getvalue().endswith("\r\033[K")
+
+
+def test_a_run_on_course_to_pass_its_event_limit_says_so_early(capsys):
+    """Where the events so far project past --max-events, fabric-run warns once, at 5 % of the
+    prefill's blocks, long before the run stops at the limit; -q or not, terminal or not."""
+    from fabric_ext.runtime.simulation import cli
+    argv = ["--policy", str(POLICIES / "prefill_qos.fx"), "--prompt", "2048", "--chunk", "256", "-q"]
+    total = fabric_ext.run(fabric_ext.compile(POLICIES / "prefill_qos.fx"), prompt=2048, chunk=256).data["events"]
+    limit = total // 2
+    assert cli.main(argv + ["--max-events", str(limit)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    warning = re.fullmatch(r"fabric-run: warning: ([\d,]+) events at (\d+)% of the prefill's blocks: on course "
+                           r"for about ([\d,]+), past the limit of ([\d,]+) events, .*", err[0])
+    assert warning and "passed" in err[1], err
+    at, pct, projected, said = (int(g.replace(",", "")) for g in warning.groups())
+    assert at < limit // 5 and pct < 20 and said == limit and total / 2 < projected < total * 2
+    assert cli.main(argv + ["--max-events", str(total * 2)]) == 0     # on course to fit: nothing said
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_a_comparison_says_when_the_policies_workloads_differ():

@@ -91,24 +91,49 @@ def _exit_on_signal(signum, frame):
 
 
 PROGRESS_AFTER_S = 1.0      # a run shorter than this shows no progress
+PROJECT_AFTER = 0.05        # of the prefill's blocks begun: where its events per block are a guide
 
 
-def _progress(quiet: bool):
-    """A progress line on standard error for a run longer than PROGRESS_AFTER_S, where it is a
-    terminal and the run is not -q (None otherwise)."""
-    if quiet or not sys.stderr.isatty():
-        return None
-    import time
-    start, state = time.monotonic(), {"last": None}
+class _Progress:
+    """What a run says as it goes, on standard error: a progress line for a run longer than
+    PROGRESS_AFTER_S, where it is a terminal and the run is not -q; and, -q or not, one
+    warning as soon as the run is on course to pass its limit of ``limit`` events (None: no
+    limit), which it would otherwise say only when it stops there, minutes later."""
 
-    def show(p):
-        elapsed = time.monotonic() - start
+    def __init__(self, quiet: bool, limit: int | None):
+        import time
+        self.clock = time.monotonic
+        self.start, self.limit = self.clock(), limit
+        self.draw = not quiet and sys.stderr.isatty()
+        self.line: str | None = None        # the progress line on screen, if any
+        self.warned = False
+
+    def __call__(self, p) -> None:
+        if self.limit and not self.warned and p.fraction >= PROJECT_AFTER and p.events / p.fraction > self.limit:
+            self.warned = True
+            self.finish()
+            sys.stderr.write(over_limit_warning(p, self.limit) + "\n")
+        if not self.draw:
+            return
+        elapsed = self.clock() - self.start
         line = progress_line(p, elapsed)
-        if elapsed >= PROGRESS_AFTER_S and line != state["last"]:
-            state["last"] = line
+        if elapsed >= PROGRESS_AFTER_S and line != self.line:
+            self.line = line
             sys.stderr.write("\r" + line)
             sys.stderr.flush()
-    return show
+
+    def finish(self) -> None:
+        """Erase the progress line, if one is drawn."""
+        if self.line is not None:
+            sys.stderr.write("\r\033[K")
+            self.line = None
+
+
+def over_limit_warning(p, limit: int) -> str:
+    """What a run on course to pass its event limit says, at the fraction ``p`` it has run."""
+    return (f"fabric-run: warning: {p.events:,} events at {p.fraction:.0%} of the prefill's blocks: on "
+            f"course for about {p.events / p.fraction:,.0f}, past the limit of {limit:,} events, where the "
+            "run will stop; stop it now and use larger chunks, or rerun it with --max-events 0 (no limit)")
 
 
 def progress_line(p, elapsed_s: float) -> str:
@@ -148,14 +173,17 @@ def _bundle(policy: Path, args):
 
 def _run_one(policy: Path, args, trace: bool = False):
     from fabric_ext import api
+
+    from .sim import DEFAULT_MAX_EVENTS
     bundle = _bundle(policy, args)
-    show = _progress(args.quiet)
-    report = api.run(bundle, model=args.model, prompt=args.prompt, batch=args.batch, tp=args.tp,
-                     chunk=args.chunk, stack=args.stack, backend=args.backend or "auto",
-                     jit_checks=args.jit_checks, baseline=args.baseline, trace=trace,
-                     max_events=args.max_events, progress=show, explain=args.explain)
-    if show:
-        sys.stderr.write("\r\033[K")
+    progress = _Progress(args.quiet, DEFAULT_MAX_EVENTS if args.max_events is None else args.max_events)
+    try:
+        report = api.run(bundle, model=args.model, prompt=args.prompt, batch=args.batch, tp=args.tp,
+                         chunk=args.chunk, stack=args.stack, backend=args.backend or "auto",
+                         jit_checks=args.jit_checks, baseline=args.baseline, trace=trace,
+                         max_events=args.max_events, progress=progress, explain=args.explain)
+    finally:
+        progress.finish()
     data = report.to_dict()
     data["policy"] = str(policy)
     return report, data
