@@ -45,9 +45,10 @@ def test_the_report_is_built_from_the_runs_record_alone():
     from types import SimpleNamespace as NS
 
     from fabric_ext.runtime.simulation import stats
+    from fabric_ext.runtime.simulation.servers import Intervals
     from fabric_ext.runtime.simulation.workload import Workload, load_model
     transfer = NS(name="kv", cls="kv", operator="", bytes=10**6, start=0.0, end=1e6, queue_waits=[5e3, 15e3])
-    link = NS(name="sw0->cxl0", bytes=10**6, bw=64e9, intervals=[(0.0, 1e6, 10**6)])
+    link = NS(name="sw0->cxl0", bytes=10**6, bw=64e9, intervals=Intervals([(0.0, 1e6, 10**6)]))
     record = stats.RunRecord(
         policy="p", backend="interp", backend_load={}, workload=Workload(load_model("llama3-8b"), prompt=512),
         stack="none", gpu="h100_sxm", finished_ns=2e6, kv_done_ns=2e6, operator_ms={"attn": 1.5},

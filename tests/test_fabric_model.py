@@ -425,7 +425,8 @@ def test_a_links_timeline_is_the_busy_share_of_each_bin(gaps, tail, bins):
     (an interval may run past the end of the run)."""
     import numpy as np
 
-    from fabric_ext.runtime.simulation.stats import spans, utilisation
+    from fabric_ext.runtime.simulation.servers import Intervals
+    from fabric_ext.runtime.simulation.stats import utilisation
     t, intervals = 0.0, []
     for gap, length in gaps:
         intervals.append((t + gap, t + gap + length, 1))
@@ -434,7 +435,7 @@ def test_a_links_timeline_is_the_busy_share_of_each_bin(gaps, tail, bins):
     width = horizon / bins
     expected = [min(sum(max(0.0, min(b, (k + 1) * width) - max(a, k * width)) for a, b, _ in intervals) / width, 1.0)
                 for k in range(bins)]
-    assert np.allclose(utilisation(spans(intervals), horizon, bins), expected, atol=1e-9)
+    assert np.allclose(utilisation(Intervals(intervals).array(), horizon, bins), expected, atol=1e-9)
 
 
 @pytest.mark.parametrize("asking", [True, False])

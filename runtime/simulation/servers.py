@@ -10,6 +10,7 @@ until it has left its first link.
 from __future__ import annotations
 
 import bisect
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -88,6 +89,39 @@ class Chunk:
         return self.index == self.transfer.chunks_total - 1
 
 
+class Intervals:
+    """A link's transmissions, each (start ns, stop ns, bytes), held flat as doubles: a long run
+    keeps millions of them, 24 bytes each here against about 100 as tuples of floats.  Reads
+    give tuples, with the bytes as an int; `array` is an (n, 3) view for numpy."""
+    __slots__ = ("flat",)
+
+    def __init__(self, rows=()):
+        self.flat = array("d", (x for row in rows for x in row))
+
+    def __len__(self) -> int:
+        return len(self.flat) // 3
+
+    def __getitem__(self, i: int) -> tuple[float, float, int]:
+        f, j = self.flat, 3 * i
+        return f[j], f[j + 1], int(f[j + 2])
+
+    def __iter__(self):
+        f = self.flat
+        return zip(f[0::3], f[1::3], map(int, f[2::3]))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Intervals) and self.flat == other.flat
+
+    def __repr__(self) -> str:
+        return f"Intervals({list(self)})"
+
+    def array(self):
+        """The intervals as an (n, 3) numpy array of floats that shares this memory (read it
+        before more are added)."""
+        import numpy as np
+        return np.frombuffer(self.flat, dtype=np.float64).reshape(-1, 3)
+
+
 class Server:
     """A transmission resource: one directed link, or a memory channel both directions share.
     Each chunk costs ``overhead`` ns on top of its bytes: the link's fixed cost per transfer
@@ -112,7 +146,7 @@ class Server:
         self.free_place = 0            # ... and the place its finish event would have had (`Sim.place`)
         self.per_chunk_events = per_chunk_events
         self.bytes = 0
-        self.intervals: list[tuple[float, float, int]] = []
+        self.intervals = Intervals()
         self.queued_bytes = 0          # bytes waiting, not yet on the link
         self.on_dequeue = None         # callable(chunk, wait ns) as a chunk starts on the link, if watched
         self.record: list | None = None           # where a watcher wants transmission starts
@@ -185,7 +219,7 @@ class Server:
             dt = chunk.bytes / min(t.pace, self.bw) * 1e9
         self.bytes += chunk.bytes
         self.queued_bytes -= chunk.bytes
-        self.intervals.append((now, now + dt, chunk.bytes))
+        self.intervals.flat.extend((now, now + dt, chunk.bytes))
         if self.record is not None:
             self.record.extend((now, self.sent_lane, chunk.bytes))
         if self.occupants is not None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -108,17 +107,9 @@ def collect(r: RunRecord) -> dict:
             "faults": r.faults, "refused": r.refused, **({"explain": r.explain} if r.explain_asked else {})}
 
 
-def spans(intervals: list) -> np.ndarray:
-    """A link's (start, stop, bytes) intervals as an (n, 3) array.  Read through a flat
-    iterator: converting the list of tuples itself walks every tuple as a nested sequence,
-    several times slower, and a long run's links send a few hundred thousand chunks."""
-    flat = np.fromiter(chain.from_iterable(intervals), dtype=float, count=3 * len(intervals))
-    return flat.reshape(-1, 3)
-
-
 def utilisation(span: np.ndarray, horizon: float, bins: int = TIMELINE_BINS) -> np.ndarray:
     """The share of each of ``bins`` equal bins of [0, horizon] a link spent sending (``span``:
-    its intervals as `spans`)."""
+    its intervals as `servers.Intervals.array`)."""
     if not len(span):
         return np.zeros(bins)
     width = horizon / bins
@@ -142,7 +133,7 @@ def _sent_before(start, stop, edges):
 def _link(srv, horizon: float) -> dict:
     """A link's bytes, chunks and utilisation: on average, at its peak and over the run in
     TIMELINE_BINS bins."""
-    span = spans(srv.intervals)
+    span = srv.intervals.array()
     util = utilisation(span, horizon)
     return {"name": srv.name, "bytes": srv.bytes, "chunks": len(span), "bw_gbps": round(srv.bw / 1e9, 3),
             "util_avg": round(float(np.sum(span[:, 1] - span[:, 0]) / horizon), 4),

@@ -13,7 +13,7 @@ The trace is drawn from a `stats.RunRecord` of a run made with ``trace=True``.
 """
 from __future__ import annotations
 
-from .stats import RunRecord, spans, utilisation
+from .stats import RunRecord, utilisation
 
 BASELINE_PID = 1000         # the baseline's processes are numbered from here
 UTIL_BINS = 200             # counter points per link over the run
@@ -101,10 +101,10 @@ def _counters(pid: int, name: str, points: list[tuple[float, float]], key: str) 
     return [{"ph": "C", "pid": pid, "tid": 0, "name": name, "ts": t / 1e3, "args": {key: v}} for t, v in points]
 
 
-def _utilisation(intervals: list, horizon: float) -> list[tuple[float, float]]:
+def _utilisation(intervals, horizon: float) -> list[tuple[float, float]]:
     """A link's busy share (percent) in UTIL_BINS equal bins of the run (`stats.utilisation`)."""
     width = horizon / UTIL_BINS
-    return [(k * width, round(float(u) * 100, 2)) for k, u in enumerate(utilisation(spans(intervals), horizon, UTIL_BINS))]
+    return [(k * width, round(float(u) * 100, 2)) for k, u in enumerate(utilisation(intervals.array(), horizon, UTIL_BINS))]
 
 
 def _depth(srv, horizon: float) -> list[tuple[float, int]]:
