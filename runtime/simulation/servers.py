@@ -92,7 +92,7 @@ class Chunk:
 class Intervals:
     """A link's transmissions, each (start ns, stop ns, bytes), held flat as doubles: a long run
     keeps millions of them, 24 bytes each here against about 100 as tuples of floats.  Reads
-    give tuples, with the bytes as an int; `array` is an (n, 3) view for numpy."""
+    give tuples, with the bytes as an int; `array` gives numpy an (n, 3) array of them."""
     __slots__ = ("flat",)
 
     def __init__(self, rows=()):
@@ -116,10 +116,10 @@ class Intervals:
         return f"Intervals({list(self)})"
 
     def array(self):
-        """The intervals as an (n, 3) numpy array of floats that shares this memory (read it
-        before more are added)."""
+        """The intervals as an (n, 3) numpy array of floats: a copy, one memcpy (a view would
+        stop the link from sending more while it lived)."""
         import numpy as np
-        return np.frombuffer(self.flat, dtype=np.float64).reshape(-1, 3)
+        return np.array(self.flat, dtype=np.float64).reshape(-1, 3)
 
 
 class Server:
