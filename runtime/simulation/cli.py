@@ -133,7 +133,8 @@ def over_limit_warning(p, limit: int) -> str:
     """What a run on course to pass its event limit says, at the fraction ``p`` it has run."""
     return (f"fabric-run: warning: {p.events:,} events at {p.fraction:.0%} of the prefill's blocks: on "
             f"course for about {p.events / p.fraction:,.0f}, past the limit of {limit:,} events, where the "
-            "run will stop; stop it now and use larger chunks, or rerun it with --max-events 0 (no limit)")
+            "run will stop; stop it now and use larger transfer chunks or fewer prefill passes (--chunk), or "
+            "rerun it with --max-events 0 (no limit)")
 
 
 def progress_line(p, elapsed_s: float) -> str:
