@@ -11,11 +11,11 @@ the same process by up to 30 %), timed from building the engine (programs loaded
 compiled) to the report; interpreter start and imports are the same for both and not
 counted.  Each wall time is the best of --repeat runs, the two kinds taken in turn: on a
 shared machine the speed drifts between runs, and the median beside each best shows how
-much.  Where it drifts too much to tell a few per cent, --instructions also counts each run's instructions under valgrind (cachegrind,
-no cache simulation: about 30x slower), less those of a process that only starts up, each
-the least of --repeat counts: a whole run's count varies by about 1 % from run to run (with
-a fixed hash seed and no address randomisation too), far less than its wall time, and it
-does not see cache misses.
+much.  Where it drifts too much to tell a few per cent, --instructions also counts each
+run's instructions under valgrind (cachegrind, no cache simulation: about 30x slower), less
+those of a process that only starts up, each the least of --repeat counts: a whole run's
+count varies by about 1 % from run to run (with a fixed hash seed and no address
+randomisation too), far less than its wall time, and it does not see cache misses.
 
 The JIT keeps compiled programs in an on-disk code cache (runtime/machine/codecache.py), as a
 user's repeated runs do: the bench gives the runs a cache of their own, makes one run with

@@ -50,7 +50,9 @@ def diamonds(decided: bool = False) -> Program:
     lines = ["ldxdw %r6, [%r1+0]", "mov %r7, 0"]
     for i in range(20):
         lines += [f"jset %r6, {1 << i}, j{i}", f"or %r7, {1 << i}", f"j{i}:"]
-    lines += ["jgt %r7, 100000000, out"] * decided + ["stw [%r10-4], 0", "mov %r2, %r10", "add %r2, -4", "lddw %r1, map 0", "call 1",
+    if decided:
+        lines.append("jgt %r7, 100000000, out")
+    lines += ["stw [%r10-4], 0", "mov %r2, %r10", "add %r2, -4", "lddw %r1, map 0", "call 1",
               "jeq %r0, 0, out", "stxdw [%r0+0], %r7", "out:", "mov %r0, 0", "exit"]
     return Program("diamonds", assemble("\n".join(lines)), [Map("v", ARRAY, 4, 8, 1)], ctx_size=8)
 
