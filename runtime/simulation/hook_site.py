@@ -17,7 +17,7 @@ from .fabric_model import APPLIED, Fabric, HookSite
 from .figures import figures
 from .servers import Transfer
 
-# context fields that are the same for every chunk of a transfer (`Transfer.ctx`)
+# context fields that are the same for every chunk of a transfer (`Transfer.ctx` holds their values)
 TRANSFER_FIELDS = ("movement", "class", "operator", "src", "dst", "layer", "critical")
 # what a standing issue decision is kept under, per role of the island (`DecisionCache.stand`)
 ISSUE_MOMENT = {"src": "issue/src", "dst": "issue/dst"}
@@ -68,15 +68,14 @@ class ShimHookSite(HookSite):
         if operator == "collective":
             t.pace, t.fixed_cost = pace, not pace
         ids = self.ids
-        t.ctx = dict(zip(TRANSFER_FIELDS, (t.movement_id, ids.get("classes", {}).get(cls, 0),
-                                           ids.get("operators", {}).get(t.operator, 0), ids["devices"].get(src, 0),
-                                           ids["devices"].get(dst, 0), layer, int(t.critical))))
+        t.ctx = (t.movement_id, ids.get("classes", {}).get(cls, 0), ids.get("operators", {}).get(t.operator, 0),
+                 ids["devices"].get(src, 0), ids["devices"].get(dst, 0), layer, int(t.critical))
         self.fabric.start(t)
         return t
 
     # -- what the fabric asks ------------------------------------------------------------------
     def _chunk_fields(self, chunk):
-        f = dict(chunk.transfer.ctx)
+        f = dict(zip(TRANSFER_FIELDS, chunk.transfer.ctx))
         f["now"], f["chunk"], f["bytes"], f["hop"] = int(self.sim.now), chunk.index, chunk.bytes, chunk.hop
         return f
 

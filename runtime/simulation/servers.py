@@ -43,7 +43,7 @@ class Transfer:
     chunks_total: int = 0
     chunks_done: int = 0
     queue_waits: list = field(default_factory=list)
-    ctx: dict = field(default_factory=dict)     # the hook site's context fields, the same for every chunk
+    ctx: tuple = ()           # the hook site's context fields, the same for every chunk (`TRANSFER_FIELDS`)
     standing: dict = field(default_factory=dict)   # the hook site's decisions that hold for every chunk
     issued: int = 0               # chunks issued so far (`Fabric._issue` makes each as it goes)
     driver: list | None = None    # the copy engines that issue its chunks (None: issued at once)
