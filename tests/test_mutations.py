@@ -42,16 +42,21 @@ class _Result:
         self.returncode, self.stderr = returncode, stderr
 
 
-def check_many(files):
-    """fabricc check in this process (its error handling is the same as the command's)."""
+def quietly(main, argv) -> _Result:
+    """A command's ``main`` in this process (its error handling is the same as the command's),
+    its output kept."""
     import contextlib
     import io
-
-    from fabric_ext import cli
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        rc = cli.main(["check", *map(str, files)])
+        rc = main(argv)
     return _Result(rc, err.getvalue())
+
+
+def check_many(files):
+    """fabricc check in this process."""
+    from fabric_ext import cli
+    return quietly(cli.main, ["check", *map(str, files)])
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -100,9 +105,6 @@ def revalued(draw):
 def test_revalued_policies_compile_and_run_or_fail_cleanly(tmp_path_factory, mutant):
     """What checks clean compiles, and what compiles runs: each step ends in 0 or in 1 with a
     message, never a traceback, and a run is bounded."""
-    import contextlib
-    import io
-
     from fabric_ext import cli
     from fabric_ext.runtime.simulation import cli as run_cli
     name, text = mutant
@@ -111,11 +113,9 @@ def test_revalued_policies_compile_and_run_or_fail_cleanly(tmp_path_factory, mut
     steps = [(cli.main, ["compile", str(d / name), "-o", str(d / "out")]),
              (run_cli.main, ["--policy", str(d / "out"), "--prompt", "256", "-q", "--max-events", "200000"])]
     for main, argv in steps:
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            code = main(argv)
-        assert code in (0, 1), (text, err.getvalue())
-        assert "Traceback" not in err.getvalue() and "internal error" not in err.getvalue(), (text, err.getvalue())
-        if code:
-            assert err.getvalue().strip(), text
+        r = quietly(main, argv)
+        assert r.returncode in (0, 1), (text, r.stderr)
+        assert "Traceback" not in r.stderr and "internal error" not in r.stderr, (text, r.stderr)
+        if r.returncode:
+            assert r.stderr.strip(), text
             break
