@@ -222,3 +222,16 @@ def test_ends_of_transmission_without_events_change_nothing_but_the_events(name)
     every, _ = run_engine(compiled(name), backend=JitBackend(), per_chunk_events=True)
     assert {**_timeless(fewer), "events": 0} == {**_timeless(every), "events": 0}
     assert fewer["events"] < every["events"]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_trains_change_nothing_but_the_time_a_run_takes(name):
+    """Every bundled policy gives the same report, events and map contents included, with the
+    pool's round robin stepped in trains (`trains`) and without: where the weights stream
+    from the pool, most of their steps are taken in trains."""
+    from fabric_ext.runtime.machine.jit import JitBackend
+    stepped, eng = run_engine(compiled(name), backend=JitBackend())
+    looped, _ = run_engine(compiled(name), backend=JitBackend(), trains=False)
+    assert _timeless(stepped) == _timeless(looped)
+    if name == "prefill_qos":
+        assert eng.fabric.trains.steps > stepped["events"] / 3

@@ -494,3 +494,119 @@ def test_the_event_limit_counts_the_tick_runs_with_the_events():
     with pytest.raises(EventLimit, match="passed 10 events .*8 of them tick runs"):
         sim.run()
     assert ran == [0, 1]
+
+
+# ---- trains: a server's round robin over copy engines' streams, stepped in one event ---------
+class Standing(HookSite):
+    """Every chunk is ranked at issue (at a GPU) and on entering the switch's island by its
+    transfer's name, answers that stand (`HookSite.standing`): nothing runs for them.  It
+    counts what it is asked, as a hook site counts the uses of what stands."""
+
+    def __init__(self, priorities):
+        self.priorities, self.asked = priorities, 0
+
+    def asks(self, island, moment):
+        return (moment, island) == ("enter", "sw") or (moment == "issue" and island.startswith("gpu"))
+
+    def standing(self, transfer, island, moment, role=""):
+        return Decided({"priority": self.priorities[transfer.name]})
+
+    def stood(self, transfer, island, moment, role, times):
+        self.asked += times
+
+    def on_issue(self, chunk, island, role):
+        self.asked += 1
+        return {"priority": self.priorities[chunk.transfer.name]}
+
+    def on_enter(self, chunk, island):
+        self.asked += 1
+        return {"priority": self.priorities[chunk.transfer.name]}
+
+
+class Decided:
+    def __init__(self, decisions):
+        self.decisions = decisions
+
+
+def _pool(n_gpus=3):
+    """A pool behind a switch (one island, as switch-local memory is) and GPUs on it, each
+    its own island with one copy engine; the sink hangs off the switch too."""
+    g = DiGraph()
+    g.add_edge("pool", "sw", bw=24 * GBps, latency=40.0, kind="internal", setup=0.0)
+    g.add_edge("sw", "pool", bw=24 * GBps, latency=40.0, kind="internal", setup=0.0)
+    for dev in [f"gpu{i}" for i in range(n_gpus)] + ["sink"]:
+        g.add_edge("sw", dev, bw=48 * GBps, latency=300.0, kind="pcie", setup=500.0)
+        g.add_edge(dev, "sw", bw=20 * GBps, latency=300.0, kind="pcie", setup=500.0)
+    islands = {"pool": "sw", "sw": "sw", "sink": "sink", **{f"gpu{i}": f"gpu{i}" for i in range(n_gpus)}}
+    kinds = {"sw": "cxl_switch", "sink": "host", **{f"gpu{i}": "gpu" for i in range(n_gpus)}}
+    return g, islands, kinds
+
+
+def _streamed(flows, trains, site=None):
+    """Weights streamed from the pool to GPUs and other traffic through the switch (flows of
+    random sizes, start times, priorities and ends); what every transfer, link and the hook
+    site saw."""
+    sim = Sim()
+    g, islands, kinds = _pool()
+    hooks = (site or Standing)({name: prio for name, *_, prio in flows})
+    f = Fabric(sim, g, islands, kinds, {}, {"pool": 24 * GBps}, hooks, copy_engines={d: 1 for d in kinds if d != "sw"},
+               trains=trains)
+    transfers = []
+    for name, cls, src, dst, start, nbytes, _ in flows:
+        t = Transfer(name, 1, cls, "", src, dst, nbytes, chunk_bytes=MiB // 2)
+        transfers.append(t)
+        sim.at(start, f.start, t)
+    sim.run()
+    links = {s.name: (s.bytes, s.intervals, s.queued_bytes) for s in f.servers.values()}
+    engines = {e.name: (e.chunks, e.bytes) for es in f.engines.values() for e in es}
+    ends = [(t.end, t.chunks_done, t.queue_waits) for t in transfers]
+    return ends, links, engines, hooks.asked, sim.events, f.trains.steps if f.trains else 0
+
+
+_GPUS = ["gpu0", "gpu1", "gpu2"]
+_weights = st.tuples(st.just("weights"), st.just("pool"), st.sampled_from(_GPUS), st.integers(0, 300_000),
+                     st.integers(1, 6 * MiB), st.sampled_from([0, 7]))
+_other = st.tuples(st.sampled_from(["weights", "kv"]), st.sampled_from(["pool", "sink", *_GPUS]),
+                   st.sampled_from(["pool", "sink", *_GPUS]), st.integers(0, 300_000), st.integers(1, 6 * MiB),
+                   st.integers(0, 7))
+streams = st.lists(st.one_of(_weights, _weights, _other), min_size=1, max_size=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(streams)
+@example([("weights", "pool", "gpu0", 0, 6 * MiB, 7), ("weights", "pool", "gpu1", 0, 6 * MiB, 7),
+          ("kv", "gpu2", "pool", 50_000, 2 * MiB, 0)])
+def test_a_train_changes_nothing_but_the_time_a_run_takes(spec):
+    """Stepping a server's round robin over copy engines' streams inside one event
+    (`trains`) gives every transfer the same end and waits, every link and engine the same
+    work, the hook site the same questions and the run the same events, as the loop taking
+    every step: flows from the pool to GPUs meet traffic of other classes and directions at
+    its channel, at random times."""
+    named = [(f"f{i}", cls, src, dst, start, nbytes, prio)
+             for i, (cls, src, dst, start, nbytes, prio) in enumerate(spec) if src != dst]
+    if not named:
+        return
+    on, off = _streamed(named, True), _streamed(named, False)
+    assert on[:5] == off[:5]
+
+
+def test_a_train_steps_the_pools_round_robin_ahead():
+    """Three GPUs streaming weights from the pool: after each first chunk, their chunks' ends
+    of transmission at the pool's channel and arrivals at the switch are taken in trains."""
+    flows = [(f"w{i}", "weights", "pool", f"gpu{i}", 0, 8 * MiB, 7) for i in range(3)]
+    on, off = _streamed(flows, True), _streamed(flows, False)
+    assert on[:5] == off[:5]
+    assert on[5] > 2 * 16 * 3 * 0.8       # most of the 48 chunks' two steps
+
+
+class Asking(Standing):
+    """As `Standing`, but nothing stands: each answer is asked for."""
+
+    def standing(self, transfer, island, moment, role=""):
+        return None
+
+
+def test_where_an_answer_does_not_stand_the_loop_takes_every_step():
+    flows = [(f"w{i}", "weights", "pool", f"gpu{i}", 0, 8 * MiB, 7) for i in range(3)]
+    on = _streamed(flows, True, Asking)
+    assert on[5] == 0 and on[:5] == _streamed(flows, False, Asking)[:5]

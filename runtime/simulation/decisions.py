@@ -44,11 +44,13 @@ class DecisionCache:
     plans: dict[tuple, HookPlan] = field(default_factory=dict)
     _holders: set = field(default_factory=set)         # the transfers with standing decisions
     _settled: list[Standing] = field(default_factory=list)
+    epoch: int = 0              # counts the changes to what stands (`stand`, `forget`)
 
     def stand(self, transfer, island: str, moment: str, decisions: dict | None, repeats: list[Known],
               prefetch: int = 0) -> None:
         """``decisions`` hold for the transfer's later chunks at ``island`` at ``moment``."""
         self._holders.add(transfer)
+        self.epoch += 1
         transfer.standing[island, moment] = s = Standing(decisions, repeats, prefetch)
         self._settled.append(s)
 
@@ -59,6 +61,7 @@ class DecisionCache:
 
     def forget(self, island: str) -> None:
         """A program of ``island`` was detached: what it decided no longer holds."""
+        self.epoch += 1
         for t in self._holders:
             t.standing = {k: s for k, s in t.standing.items() if k[0] != island}
 

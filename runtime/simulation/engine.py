@@ -71,6 +71,7 @@ class RunOptions:
     trace: bool = False              # record spans for a Perfetto trace (and the evidence for its stall flows)
     eager_ticks: bool = False        # run each tick at its time instead of lazily (tests compare the two)
     per_chunk_events: bool = False   # an event at every end of transmission and every arrival (`fabric_model`)
+    trains: bool = True              # servers' round robin over copy engines stepped ahead in one event (`trains`)
     max_events: int | None = DEFAULT_MAX_EVENTS   # a run that passes this many events stops (None: no limit)
     stack: str | None = None         # serving-stack profile (figures.json "stacks"), else the workload's
     context_tracer: object = None    # callable(island, hook, ctx bytes) for every event a program acts on
@@ -191,7 +192,7 @@ class Engine:
         kinds = {n: i["kind"] for n, i in self.islands.items()}
         engines = {n: int(self._gpu_figure(n, "copy_engines")) for n, d in self.devices.items() if d["kind"] == "gpu"}
         return Fabric(self.sim, g, self.device_island, kinds, wires, mem, self.site, engines,
-                      self.opts.per_chunk_events, self._evidence)
+                      self.opts.per_chunk_events, self._evidence, self.opts.trains)
 
     @property
     def _evidence(self) -> bool:

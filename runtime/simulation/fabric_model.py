@@ -24,8 +24,9 @@ from fabric_ext.contract.digraph import DiGraph
 from fabric_ext.contract.hooks import TIER_KINDS, firing
 from fabric_ext.runtime.machine.errors import InputError
 
-from .servers import Chunk, CopyEngine, Server, Transfer
+from .servers import CLASS_STREAM, Chunk, CopyEngine, Server, Transfer
 from .sim import Sim
+from .trains import Trains
 
 #: the decisions the fabric acts on (`Fabric._apply`, and at issue `stream` and `coalesce`)
 APPLIED = frozenset({"priority", "defer", "rate", "route", "tier", "queue", "stream", "coalesce"})
@@ -42,17 +43,28 @@ class NoPath(InputError):
     """A transfer between devices the fabric does not connect."""
 
 
-#: the stream a chunk is issued on when no program chooses one: one per data class
-CLASS_STREAM = {"weights": 1, "kv": 2, "activations": 3}
-
-
 class HookSite:
     """What the fabric asks at decision points; the engine implements it with shims."""
+
+    epoch = 0       # changes whenever what stands (`standing`) changes
 
     def asks(self, island: str, moment: str) -> bool:
         """Whether the site may act on events at ``island`` at ``moment`` ("issue", "enter",
         "deliver"): where it does not, the fabric need not ask, nor have an event to."""
         return True
+
+    def standing(self, transfer: Transfer, island: str, moment: str, role: str = ""):
+        """What holds for every chunk of ``transfer`` at ``island`` at ``moment`` ("issue", with
+        the island's role there, or "enter") with no program run: an object with the
+        ``decisions`` (None, or a read-only dict) that asking gives.  None: the site must
+        be asked."""
+        return None
+
+
+    def stood(self, transfer: Transfer, island: str, moment: str, role: str, times: int) -> None:
+        """``times`` more chunks of ``transfer`` took what stands there, without asking
+        (`trains`): count them as asking would have."""
+        return None
 
     def on_issue(self, chunk: Chunk, island: str, role: str) -> dict | None:
         """A chunk is about to be issued at a GPU: its decisions, read only (None: nothing for
@@ -79,9 +91,11 @@ class Fabric:
                  island_kind: dict[str, str], wires: dict[str, tuple[float, float]],
                  memory_channels: dict[str, float], hooks: HookSite | None = None,
                  copy_engines: dict[str, int] | None = None, per_chunk_events: bool = False,
-                 evidence: bool = False):
+                 evidence: bool = False, trains: bool = True):
         """``evidence``: record every chunk's life (`Chunk.trail`) and what each link sent
-        (`Server.occupants`), for `explain`; off, nothing is recorded."""
+        (`Server.occupants`), for `explain`; off, nothing is recorded.  ``trains``: step a
+        server's round robin over copy engines' streams ahead inside one event (`trains`;
+        not with evidence, which it does not record, nor with ``per_chunk_events``)."""
         self.sim, self.g = sim, graph
         self.evidence = evidence
         self.per_chunk_events = per_chunk_events   # an event at every arrival too (see `_lands_quietly`)
@@ -106,6 +120,10 @@ class Fabric:
         if evidence:
             for srv in [*self.servers.values(), *self.wires.values()]:
                 srv.occupants = []
+        self.trains = Trains(self) if trains and not evidence and not per_chunk_events else None
+        if self.trains is not None:
+            for srv in self.servers.values():
+                srv.train = self.trains.finish
         self.engines = {dev: [CopyEngine(sim, f"{dev} copy engine {i}", self._taken) for i in range(n)]
                         for dev, n in (copy_engines or {}).items() if n > 0}
         self.buckets: dict[tuple, float] = {}

@@ -137,6 +137,20 @@ class ShimHookSite(HookSite):
             self.remembered.stand(t, island, moment, applied, [known], known.decisions.get("prefetch", 0))
         return applied
 
+    @property
+    def epoch(self):
+        return self.remembered.epoch
+
+    def standing(self, t, island, moment, role=""):
+        return t.standing.get((island, ISSUE_MOMENT[role] if moment == "issue" else moment))
+
+    def stood(self, t, island, moment, role, times):
+        standing = self.standing(t, island, moment, role)
+        if standing is not None:
+            standing.uses += times
+            if standing.prefetch and moment == "issue":
+                self.set_prefetch(island, standing.prefetch, "issue", t.movement_id)
+
     def set_prefetch(self, gpu: str, depth: int, hook: str, movement: int | None) -> None:
         """A program's ``prefetch`` decision: the GPU's depth from now on (the latest word holds)."""
         self.prefetch[gpu] = depth

@@ -20,6 +20,8 @@ from fabric_ext.contract.hooks import PRIORITY
 from .sim import Sim
 
 DEFAULT_PRIORITY = PRIORITY.default      # the catalogue's: a chunk no program ranked
+#: the copy-engine stream a chunk is issued on when no program chooses one: one per data class
+CLASS_STREAM = {"weights": 1, "kv": 2, "activations": 3}
 
 
 @dataclass(slots=True, eq=False)
@@ -79,7 +81,7 @@ class Chunk:
     enqueued: float = 0.0
     waited: float = 0.0
     island: str | None = None
-    parts: list = field(default_factory=list)   # chunks merged into this one by coalescing
+    parts: list | tuple = ()      # chunks merged into this one by coalescing (a list), else none
     queue: object = None      # the NIC transmit queue it leaves by (None: its flow's own)
     engine: object = None     # the copy engine busy with it until it leaves its first link
     trail: list | None = None  # with evidence on: its life, as `Step` tuples that tile it in time
@@ -155,6 +157,8 @@ class Server:
         self.occupants: list | None = None        # with evidence on, per interval: (transfer, priority,
                                                   # chunk index, when the chunk was enqueued)
         self.ends = ("", "")                      # (device, what it leads to: a device, "memory", "wire")
+        self.train = None                         # callable(server, chunk, done) -> bool, asked first at
+                                                  # every end of transmission (`trains`)
 
     def watch(self, record: list | None, sent_lane: int, enqueued_lane: int | None = None) -> None:
         """Append time, lane and bytes to ``record`` at every transmission start, and at every
@@ -166,18 +170,11 @@ class Server:
     def enqueue(self, chunk: Chunk, done, handed_on=None) -> None:
         """Queue a chunk; ``done(chunk)`` runs at its end of transmission, unless
         ``handed_on(chunk, end)``, where given, takes it as it starts (see above)."""
-        now = chunk.enqueued = self.sim.now
-        self.queued_bytes += chunk.bytes
-        if self.enqueued_lane is not None:
-            self.record.extend((now, self.enqueued_lane, chunk.bytes))
+        now = self._admit(chunk)
         if not self.busy and not self.classes and now >= self.free_at:
             self._transmit(chunk, done, handed_on)    # an idle link: it goes at once, past the queues
             return
-        q = self.queues.get(chunk.priority)
-        if q is None:
-            q = self.queues[chunk.priority] = OrderedDict()
-            bisect.insort(self.classes, -chunk.priority)
-        q.setdefault(chunk.queue or chunk.transfer.flow, deque()).append((chunk, done, handed_on))
+        self._queue(chunk, done, handed_on)
         if not self.busy:
             if now < self.free_at:        # the link is still sending a handed-on chunk: start
                 self.busy = True          # the next where its finish would have
@@ -185,21 +182,44 @@ class Server:
             else:
                 self._start()
 
+    def _admit(self, chunk: Chunk) -> float:
+        """Count a chunk in as queued here (it may start at once); returns the time."""
+        now = chunk.enqueued = self.sim.now
+        self.queued_bytes += chunk.bytes
+        if self.enqueued_lane is not None:
+            self.record.extend((now, self.enqueued_lane, chunk.bytes))
+        return now
+
+    def _queue(self, chunk: Chunk, done, handed_on) -> None:
+        """Queue an admitted chunk behind its class and flow."""
+        q = self.queues.get(chunk.priority)
+        if q is None:
+            q = self.queues[chunk.priority] = OrderedDict()
+            bisect.insort(self.classes, -chunk.priority)
+        q.setdefault(chunk.queue or chunk.transfer.flow, deque()).append((chunk, done, handed_on))
+
     def _start(self) -> None:
+        picked = self._pick()
+        if picked is not None:
+            self._transmit(*picked)
+
+    def _pick(self) -> tuple | None:
+        """The next chunk to send, with its ``done`` and ``handed_on``, off the queues; None
+        where none waits (the link is then idle)."""
         if not self.classes:
             self.busy = False
-            return
+            return None
         prio = -self.classes[0]                # the highest class with a chunk waiting
         q = self.queues[prio]
         flow, d = next(iter(q.items()))
-        chunk, done, handed_on = d.popleft()
+        picked = d.popleft()
         q.move_to_end(flow)                    # round robin between flows of one class
         if not d:
             del q[flow]
             if not q:
                 del self.queues[prio]
                 self.classes.pop(0)
-        self._transmit(chunk, done, handed_on)
+        return picked
 
     def queued_above(self, priority: int) -> int:
         """Bytes queued in classes above ``priority``: they leave before a chunk of it."""
@@ -207,6 +227,14 @@ class Server:
                    for chunks in q.values() for c, _, _ in chunks)
 
     def _transmit(self, chunk: Chunk, done, handed_on) -> None:
+        end = self._send(chunk)
+        if handed_on is not None and not self.classes and not self.per_chunk_events and handed_on(chunk, end):
+            self.busy, self.free_at, self.free_place = False, end, self.sim.place()
+        else:
+            self.sim.at(end, self._finish, chunk, done)
+
+    def _send(self, chunk: Chunk) -> float:
+        """Put the chunk on the link; returns the end of its transmission."""
         self.busy = True
         now = self.sim.now
         chunk.waited += now - chunk.enqueued
@@ -228,12 +256,11 @@ class Server:
             if now > chunk.enqueued:
                 chunk.trail.append(("queue", chunk.enqueued, now, self))
             chunk.trail.append(("send", now, now + dt, self))
-        if handed_on is not None and not self.classes and not self.per_chunk_events and handed_on(chunk, now + dt):
-            self.busy, self.free_at, self.free_place = False, now + dt, self.sim.place()
-        else:
-            self.sim.at(now + dt, self._finish, chunk, done)
+        return now + dt
 
     def _finish(self, chunk, done) -> None:
+        if self.train is not None and self.train(self, chunk, done):
+            return
         done(chunk)
         self._start()
 

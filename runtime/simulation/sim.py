@@ -40,6 +40,19 @@ class Sim:
         """`at`, ordered among events at time t as if scheduled when ``place`` was taken."""
         heapq.heappush(self._heap, (t, place, fn, args))
 
+    def head(self) -> tuple | None:
+        """The (time, place) of the next scheduled event (None: none is)."""
+        return self._heap[0][:2] if self._heap else None
+
+    def take(self, t: float) -> bool:
+        """Count an event at time t that runs outside the loop (`express`), and make t now;
+        False, counting nothing, where it would pass the limit (the loop then stops the run)."""
+        if self.events >= self._left:
+            return False
+        self.now = t
+        self.events += 1
+        return True
+
     def next_time(self) -> float | None:
         """When the next scheduled event is (None: none is)."""
         return self._heap[0][0] if self._heap else None

@@ -1,0 +1,262 @@
+"""Trains: a server's round robin over copy engines' streams, stepped ahead inside one event.
+
+GPUs streaming weights from the CXL pool keep its memory channel busy with one chunk per
+GPU and movement, served round robin, and every chunk takes the same steps.  At its end of
+transmission its copy engine takes the transfer's next chunk, which enters the fabric and
+queues at the channel again; the one after it is issued; the chunk leaves for the switch;
+the channel sends the next flow's chunk.  At its arrival at the switch it goes out at once on
+the idle link to its GPU and lands there without an event.
+
+Where the chunks' transfers fit that pattern (a `_Flow` each: see `Trains._flow`) and no
+program is asked on the way (the hook site's answers stand: `HookSite.standing`, a priority
+at most), `Trains.finish` takes these steps one after another inside the event of the
+first, for as long as each comes before every event in the loop's queue.  Each step is the
+loop's, with the calls between its parts left out: taken at its time and in its order, it
+counts as an event (`Sim.take`), what it schedules takes its place in the order of events
+(`Sim.place`), and it changes the same state (the server's queues, the copy engine's
+streams, the hook site's counts) in the same way.  The first step that does not fit (a
+program to ask, a busy link, a chunk that completes its transfer, an event due first) and
+those after it go to the loop as ordinary events.
+
+Only the time a run takes changes: `Fabric(trains=False)` takes every step in the loop, and
+the tests compare the two.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from .servers import CLASS_STREAM, Chunk
+
+PRIORITY_ONLY = frozenset({"priority"})
+
+
+@dataclass(slots=True, eq=False)
+class _Flow:
+    """A transfer whose chunks a train may step: what each step needs of it, worked out once
+    (kept while what stands at the hook site holds: `HookSite.epoch`), and how often a train
+    took what stands for it, told to the hook site when the train stops (`HookSite.stood`)."""
+    t: object
+    server: object              # the first link of its path, shared (the pool's channel)
+    link: object                # the link from the next device on, to the end of its path
+    latency: tuple              # (of the first link, of the second)
+    engine: object              # the copy engine its chunks are issued to (`Fabric._issue`)
+    enter: str | None           # the island its chunks enter as its engine takes them (None: none)
+    enter_priority: int | None  # what stands there: the chunk's priority (None: none)
+    ends: list                  # (island, role) asked as a chunk is issued, where answers stand
+    issue_priority: int | None  # ... the priority they give (None: none)
+    entered: int = 0            # chunks entered in this train
+    issued: int = 0             # chunks issued in this train
+    last_issue: int = -1        # when this train last issued one (prefetch words go in that order)
+
+    def tell(self, hooks) -> None:
+        """Tell the hook site what this train took of what stands, and start counting anew."""
+        if self.entered:
+            hooks.stood(self.t, self.enter, "enter", "", self.entered)
+        if self.issued:
+            for island, role in self.ends:
+                hooks.stood(self.t, island, "issue", role, self.issued)
+        self.entered = self.issued = 0
+
+
+class Trains:
+    def __init__(self, fabric):
+        self.fabric, self.sim, self.hooks = fabric, fabric.sim, fabric.hooks
+        self.sent, self.handed_on = fabric._sent, fabric._handed_on
+        self.steps = 0          # steps taken ahead, over the run (the tests see it engage)
+        self._flows: dict = {}  # transfer -> its `_Flow`, or None where it does not fit
+        self._epoch = None
+        self._told: dict = {}   # the flows this train stepped, to tell their counts (`_Flow.tell`)
+        self._issues = 0        # issues taken ahead, numbered (`_Flow.last_issue`)
+
+    def finish(self, server, chunk, done) -> bool:
+        """`Server._finish` asks first: True where this took the chunk's end of transmission,
+        and the steps after it that fit."""
+        if done != self.sent or server.on_dequeue is not None or not self._takes(server, chunk):
+            return False
+        sim, arriving = self.sim, []     # arriving: (time, place, chunk, None), a heap
+        sending = self._finish(server, chunk, arriving)
+        while True:
+            due = sending
+            if arriving and (due is None or arriving[0][:2] < due[:2]):
+                due = arriving[0]
+            if due is None:
+                break
+            head = sim.head()
+            if head is not None and head < due[:2]:
+                break
+            t, _, c, d = due
+            if due is sending:
+                if d != self.sent or not self._takes(server, c) or not sim.take(t):
+                    break
+                sending = self._finish(server, c, arriving)
+            else:
+                if not self._lands(c, t) or not sim.take(t):
+                    break
+                heapq.heappop(arriving)
+                self._arrive(c, t)
+            self.steps += 1
+        if sending is not None:
+            t, place, c, d = sending
+            sim.at_place(t, place, server._finish, c, d)
+        for t, place, c, _ in arriving:
+            sim.at_place(t, place, self.fabric._arrive, c)
+        for flow in sorted(self._told, key=lambda f: f.last_issue):     # the latest prefetch word holds
+            flow.tell(self.hooks)
+        self._told.clear()
+        return True
+
+    # -- what fits -------------------------------------------------------------------------------
+    def _takes(self, server, chunk) -> bool:
+        """Whether the chunk's end of transmission at ``server`` is a step: its copy engine's
+        next chunk is of a `_Flow` through this server, fresh from its issue."""
+        engine = chunk.engine
+        if engine is None or not engine.streams:
+            return False
+        nxt = next(iter(engine.streams.values()))[0]
+        flow = self._flow(nxt.transfer)
+        return flow is not None and flow.server is server and flow.engine is engine and nxt.hop == 0 \
+            and nxt.island is None and nxt.path is flow.t.path
+
+    def _lands(self, chunk, now) -> bool:
+        """Whether the chunk arriving at the next device of its flow goes out at once on the
+        idle link on, to land without an event (not the one that completes its transfer)."""
+        flow = self._flows.get(chunk.transfer)
+        if flow is None or chunk.path is not flow.t.path or chunk.hop != 1:
+            return False
+        link, t = flow.link, flow.t
+        return not link.busy and not link.classes and now >= link.free_at and t.chunks_done + 1 < t.chunks_total
+
+    def _flow(self, t) -> _Flow | None:
+        """``t`` as a flow of trains, where it fits: copy engines issue its chunks on its
+        class's stream; its path crosses two links, the first two devices in one island (or
+        none), nothing asked at the end; what its chunks are asked as they are issued and as
+        they enter stands, a priority at most."""
+        hooks = self.hooks
+        if hooks.epoch != self._epoch:
+            self._flows.clear()
+            self._epoch = hooks.epoch
+        if t in self._flows:
+            return self._flows[t]
+        flow = self._flows[t] = self._fits(t)
+        return flow
+
+    def _fits(self, t) -> _Flow | None:
+        fabric = self.fabric
+        path = t.path
+        if t.driver is None or not t.fixed_cost or len(path) != 3:
+            return None
+        island = fabric.device_island.get(path[0])
+        if island != fabric.device_island.get(path[1]) or not fabric._nothing_asked(t, path[2], island) \
+                or (island is not None and not self._plain(t, island, "enter")):
+            return None
+        ends = fabric._ends(t, "issue")
+        if t.issued < t.chunks_total and not all(self._plain(t, isl, "issue", role) for isl, role in ends):
+            return None
+        link = fabric.servers[path[1], path[2]]
+        if link.on_dequeue is not None:
+            return None
+        issue_priority = None
+        for isl, role in ends:
+            issue_priority = self._priority(t, isl, "issue", role, issue_priority)
+        stream = CLASS_STREAM.get(t.cls, 1)
+        return _Flow(t, fabric.servers[path[0], path[1]], link,
+                     (fabric.latency[path[0], path[1]], fabric.latency[path[1], path[2]]),
+                     t.driver[(stream - 1) % len(t.driver)], island,
+                     self._priority(t, island, "enter", "", None) if island is not None else None,
+                     ends, issue_priority)
+
+    def _priority(self, t, island, moment, role, otherwise):
+        s = self.hooks.standing(t, island, moment, role)
+        return s.decisions.get("priority", otherwise) if s is not None and s.decisions else otherwise
+
+    def _plain(self, t, island, moment, role="") -> bool:
+        """Whether asking at ``island`` for a chunk of ``t`` runs no program and gives a priority
+        at most: an answer stands, or the site asks nothing there."""
+        s = self.hooks.standing(t, island, moment, role)
+        if s is None:
+            return not self.hooks.asks(island, moment)
+        return not s.decisions or s.decisions.keys() <= PRIORITY_ONLY
+
+    # -- the steps -------------------------------------------------------------------------------
+    def _finish(self, server, chunk, arriving) -> tuple | None:
+        """The chunk's end of transmission (`Fabric._sent`, then `Server._start`); returns the
+        server's next end of transmission, (time, place, chunk, done), if it has one."""
+        fabric, sim = self.fabric, self.sim
+        now = sim.now
+        # its copy engine takes the next chunk (`CopyEngine.release`), which enters the fabric
+        # and queues here (`Fabric._taken`, `Server.enqueue`)
+        engine, chunk.engine = chunk.engine, None
+        stream, waiting = next(iter(engine.streams.items()))
+        taken = waiting.popleft()
+        if waiting:
+            engine.streams.move_to_end(stream)
+        else:
+            del engine.streams[stream]
+        t = taken.transfer
+        engine.current[stream] = t
+        engine.chunks += 1
+        engine.bytes += taken.bytes
+        taken.waited += now - taken.enqueued
+        taken.engine = engine
+        flow = self._flows[t]
+        self._told[flow] = None
+        if flow.enter is not None:      # asking there takes what stands (`HookSite.stood`)
+            taken.island = flow.enter
+            flow.entered += 1
+            if flow.enter_priority is not None:
+                taken.priority = flow.enter_priority
+        server._admit(taken)
+        server._queue(taken, self.sent, self.handed_on)
+        # and the transfer's next chunk is issued (`Fabric._issue`, `CopyEngine.submit`)
+        if t.issued < t.chunks_total:
+            i = t.issued
+            t.issued = i + 1
+            issued = Chunk(t, i, min(t.chunk_bytes, t.bytes - i * t.chunk_bytes) if t.bytes else 0, t.path)
+            if flow.ends:
+                flow.issued += 1
+                flow.last_issue = self._issues
+                self._issues += 1
+            if flow.issue_priority is not None:
+                issued.priority = flow.issue_priority
+            engine.submit(issued, CLASS_STREAM.get(t.cls, 1))     # (`flow.engine`: `_takes`)
+        # the chunk leaves for the next device (`Fabric._sent`): on a flow's path, an arrival
+        # with an event (`_lands`, for the link on)
+        own = self._flows.get(chunk.transfer)
+        if own is not None and chunk.path is own.t.path and chunk.hop == 0:
+            chunk.hop = 1
+            chunk.queue = None
+            heapq.heappush(arriving, (now + own.latency[0], sim.place(), chunk, None))
+        else:
+            arrival = fabric._leave(chunk, now)
+            if fabric._lands_quietly(chunk, chunk.hop):
+                fabric._landed(chunk, arrival)
+            else:
+                heapq.heappush(arriving, (arrival, sim.place(), chunk, None))
+        # and the server sends its next (`Server._start`)
+        picked = server._pick()
+        if picked is None:
+            return None
+        nxt, done, handed_on = picked
+        end = server._send(nxt)
+        if handed_on is not None and not server.classes and handed_on(nxt, end):
+            server.busy, server.free_at, server.free_place = False, end, sim.place()
+            return None
+        return end, sim.place(), nxt, done
+
+    def _arrive(self, chunk, now) -> None:
+        """Its arrival at the next device, where `_lands` (`Fabric._arrive`, `Server.enqueue`,
+        `Fabric._handed_on`)."""
+        flow = self._flows[chunk.transfer]
+        link = flow.link
+        link._admit(chunk)
+        end = link._send(chunk)
+        chunk.hop = 2                       # `Fabric._leave`, `Fabric._landed`
+        chunk.queue = None
+        landing = end + flow.latency[1]
+        t = flow.t
+        t.queue_waits.append(chunk.waited)
+        t.chunks_done += 1
+        if landing > t.landing:
+            t.landing = landing
+        link.busy, link.free_at, link.free_place = False, end, self.sim.place()
