@@ -161,6 +161,28 @@ def test_decisions_standing_for_a_transfer_are_dropped_when_their_program_is_det
     assert not any(island == "sw0" for _, island, _ in eng.site.remembered.standing)
 
 
+def _detached_mid_run(trains):
+    from fabric_ext.runtime.machine.jit import JitBackend
+    from fabric_ext.runtime.simulation.engine import Engine, RunOptions
+    from test_runtime import SMALL
+    folder = compiled("prefill_qos")
+    man = load_manifest(folder)
+    eng = Engine(folder, man, create_maps(man), JitBackend(), RunOptions(**SMALL, trains=trains))
+    eng.sim.at(1.5e6, eng.shims["sw0"].detach, "forward")
+    eng.sim.at(2.5e6, eng.shims["gpu0"].detach, "issue")
+    return eng.run(), eng
+
+
+def test_a_program_detached_mid_run_leaves_trains_what_the_loop_does():
+    """What stands for the weights' chunks, which trains take, is dropped when the program
+    that decided it is detached (`HookSite.epoch`): the run is the same with trains and
+    without, where the switch's and a GPU's programs are detached while weights stream."""
+    stepped, eng = _detached_mid_run(True)
+    looped, _ = _detached_mid_run(False)
+    assert _timeless(stepped) == _timeless(looped)
+    assert eng.fabric.trains.steps and stepped["ttft_ms"] > 2.5
+
+
 def test_decisions_remembered_per_map_entry_follow_the_entry(tmp_path):
     """A handler that reads an array entry at a context field's key: its decisions are
     remembered per field value and entry value, so a changed entry runs the program again;

@@ -542,6 +542,9 @@ def _pool(n_gpus=3):
     return g, islands, kinds
 
 
+CHUNK = 3 << 17     # whole nanoseconds on the pool's channel (16,384) and a GPU's link: times can meet
+
+
 def _streamed(flows, trains, site=None):
     """Weights streamed from the pool to GPUs and other traffic through the switch (flows of
     random sizes, start times, priorities and ends); what every transfer, link and the hook
@@ -553,13 +556,13 @@ def _streamed(flows, trains, site=None):
                trains=trains)
     transfers = []
     for name, cls, src, dst, start, nbytes, _ in flows:
-        t = Transfer(name, 1, cls, "", src, dst, nbytes, chunk_bytes=MiB // 2)
+        t = Transfer(name, 1, cls, "", src, dst, nbytes, chunk_bytes=CHUNK)
         transfers.append(t)
         sim.at(start, f.start, t)
     sim.run()
     links = {s.name: (s.bytes, s.intervals, s.queued_bytes) for s in f.servers.values()}
     engines = {e.name: (e.chunks, e.bytes) for es in f.engines.values() for e in es}
-    ends = [(t.end, t.chunks_done, t.queue_waits) for t in transfers]
+    ends = [(t.end, t.landing, t.chunks_done, t.queue_waits) for t in transfers]
     return ends, links, engines, hooks.asked, sim.events, f.trains.steps if f.trains else 0
 
 
@@ -576,6 +579,9 @@ streams = st.lists(st.one_of(_weights, _weights, _other), min_size=1, max_size=8
 @given(streams)
 @example([("weights", "pool", "gpu0", 0, 6 * MiB, 7), ("weights", "pool", "gpu1", 0, 6 * MiB, 7),
           ("kv", "gpu2", "pool", 50_000, 2 * MiB, 0)])
+# a transfer starting as the channel ends its second chunk, a step a train would take: the
+# loop's event, scheduled first, goes first
+@example([("weights", "pool", "gpu0", 0, 6 * CHUNK, 7), ("weights", "pool", "gpu1", 32_768, 6 * CHUNK, 7)])
 def test_a_train_changes_nothing_but_the_time_a_run_takes(spec):
     """Stepping a server's round robin over copy engines' streams inside one event
     (`trains`) gives every transfer the same end and waits, every link and engine the same
@@ -610,3 +616,43 @@ def test_where_an_answer_does_not_stand_the_loop_takes_every_step():
     flows = [(f"w{i}", "weights", "pool", f"gpu{i}", 0, 8 * MiB, 7) for i in range(3)]
     on = _streamed(flows, True, Asking)
     assert on[5] == 0 and on[:5] == _streamed(flows, False, Asking)[:5]
+
+
+class Forgetting(Standing):
+    """As `Standing` until `forget`: then nothing stands, and asking ranks every chunk 0."""
+    epoch = 0
+
+    def forget(self):
+        self.forgotten = True
+        self.epoch += 1
+
+    def standing(self, transfer, island, moment, role=""):
+        return None if getattr(self, "forgotten", False) else super().standing(transfer, island, moment, role)
+
+    def on_enter(self, chunk, island):
+        self.asked += 1
+        return {"priority": 0} if getattr(self, "forgotten", False) else super().on_enter(chunk, island)
+
+
+def test_what_stops_standing_ends_the_trains_that_took_it():
+    """A hook site whose answers stop standing says so (`HookSite.epoch`): trains then leave
+    its chunks to the loop, which asks, as it would have without trains (two GPUs' weights
+    meet KV written to the pool, which the changed answers let in first)."""
+    flows = [("w0", "weights", "pool", "gpu0", 0, 16 * MiB, 7), ("w1", "weights", "pool", "gpu1", 0, 16 * MiB, 7),
+             ("kv", "kv", "sink", "pool", 150_000, 8 * MiB, 3)]
+
+    def run(trains):
+        sim = Sim()
+        g, islands, kinds = _pool()
+        hooks = Forgetting({name: prio for name, *_, prio in flows})
+        f = Fabric(sim, g, islands, kinds, {}, {"pool": 24 * GBps}, hooks, copy_engines={"gpu0": 1, "gpu1": 1},
+                   trains=trains)
+        transfers = [Transfer(name, 1, cls, "", src, dst, n, chunk_bytes=MiB // 2) for name, cls, src, dst, _, n, _ in flows]
+        for t, (*_, start, _, _) in zip(transfers, flows):
+            sim.at(start, f.start, t)
+        sim.at(100_000, hooks.forget)
+        sim.run()
+        return [(t.end, t.queue_waits) for t in transfers], sim.events, f.trains.steps if f.trains else 0
+
+    on, off = run(True), run(False)
+    assert on[:2] == off[:2] and on[2] > 0
