@@ -14,8 +14,10 @@ fields a program reads):
   decisions they repeat when the run's report is drawn (`settle`).
 
 A program detached after a fault takes its island's standing decisions with it (`forget`).
-The fabric reads none of this (a transfer only carries its standing decisions for the hook
-site): it asks the hook site at each decision point.
+The fabric reads none of this itself (a transfer only carries its standing decisions for the
+hook site): it asks the hook site at each decision point, and its trains ask what stands
+(`HookSite.standing`), keep what they work out of it until something that stands changes
+(`epoch` counts the changes), and tell the hook site the uses (`HookSite.stood`).
 """
 from __future__ import annotations
 

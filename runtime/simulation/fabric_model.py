@@ -60,7 +60,6 @@ class HookSite:
         be asked."""
         return None
 
-
     def stood(self, transfer: Transfer, island: str, moment: str, role: str, times: int) -> None:
         """``times`` more chunks of ``transfer`` took what stands there, without asking
         (`trains`): count them as asking would have."""

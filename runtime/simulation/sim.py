@@ -45,7 +45,7 @@ class Sim:
         return self._heap[0][:2] if self._heap else None
 
     def take(self, t: float) -> bool:
-        """Count an event at time t that runs outside the loop (`express`), and make t now;
+        """Count an event at time t that runs outside the loop (`trains`), and make t now;
         False, counting nothing, where it would pass the limit (the loop then stops the run)."""
         if self.events >= self._left:
             return False
