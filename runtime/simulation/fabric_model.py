@@ -202,10 +202,8 @@ class Fabric:
         """The transfer's next chunk meets the issue hooks at its GPU ends and goes to a copy
         engine; the one after it meets them when an engine takes it.  A chunk held to be
         coalesced counts as taken.  Without copy engines every chunk follows at once."""
-        while t.issued < t.chunks_total:      # each chunk is made as it is issued: none wait in memory
-            i = t.issued
-            t.issued = i + 1
-            chunk = Chunk(t, i, min(t.chunk_bytes, t.bytes - i * t.chunk_bytes) if t.bytes else 0, t.path)
+        while t.issued < t.chunks_total:
+            chunk = t.next_chunk()
             if self.evidence:
                 chunk.trail = []
             release, stream, coalesce = self.sim.now, 0, 0
@@ -225,7 +223,7 @@ class Fabric:
                 self.sim.at(release, self._arrive, chunk)
                 continue
             stream = stream or CLASS_STREAM.get(t.cls, 1)
-            engine = t.driver[(stream - 1) % len(t.driver)]
+            engine = t.engine(stream)
             if release > self.sim.now:
                 self.sim.at(release, engine.submit, chunk, stream)
             else:

@@ -117,9 +117,7 @@ class ShimHookSite(HookSite):
         moment = ISSUE_MOMENT[role]
         standing = t.standing.get((island, moment))
         if standing is not None:
-            standing.uses += 1
-            if standing.prefetch:
-                self.set_prefetch(island, standing.prefetch, "issue", t.movement_id)
+            self._take(standing, t, island, 1)
             return standing.decisions
         plan = self._one_hook_plan(island, "issue", t.movement_id)
         if not plan.hooks:
@@ -147,9 +145,13 @@ class ShimHookSite(HookSite):
     def stood(self, t, island, moment, role, times):
         standing = self.standing(t, island, moment, role)
         if standing is not None:
-            standing.uses += times
-            if standing.prefetch and moment == "issue":
-                self.set_prefetch(island, standing.prefetch, "issue", t.movement_id)
+            self._take(standing, t, island, times)
+
+    def _take(self, standing, t, island, times):
+        """What taking a standing answer ``times`` does: its uses, and an issue hook's prefetch."""
+        standing.uses += times
+        if standing.prefetch:
+            self.set_prefetch(island, standing.prefetch, "issue", t.movement_id)
 
     def set_prefetch(self, gpu: str, depth: int, hook: str, movement: int | None) -> None:
         """A program's ``prefetch`` decision: the GPU's depth from now on (the latest word holds)."""

@@ -58,6 +58,16 @@ class Transfer:
     def flow(self) -> tuple:
         return (self.name, self.src, self.dst)
 
+    def next_chunk(self) -> Chunk:
+        """Make the transfer's next chunk: each is made as it is issued, none wait in memory."""
+        i = self.issued
+        self.issued = i + 1
+        return Chunk(self, i, min(self.chunk_bytes, self.bytes - i * self.chunk_bytes) if self.bytes else 0, self.path)
+
+    def engine(self, stream: int):
+        """The copy engine of its ``driver`` that runs ``stream``."""
+        return self.driver[(stream - 1) % len(self.driver)]
+
 
 class Step(NamedTuple):
     """One span of a chunk's life (``Fabric(evidence=True)``): a chunk's steps tile the time
@@ -295,8 +305,11 @@ class CopyEngine:
         self._next()
 
     def _next(self) -> None:
-        if not self.streams:
-            return
+        if self.streams:
+            self._take(self._pop())
+
+    def _pop(self) -> Chunk:
+        """Take the next chunk of the streams (round robin between them), busy with it."""
         stream, q = next(iter(self.streams.items()))
         chunk = q.popleft()
         if q:
@@ -311,4 +324,4 @@ class CopyEngine:
         if chunk.trail is not None and self.sim.now > chunk.enqueued:
             chunk.trail.append(("engine", chunk.enqueued, self.sim.now, self))
         chunk.engine = self
-        self._take(chunk)
+        return chunk

@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from .servers import CLASS_STREAM, Chunk
+from .servers import CLASS_STREAM
 
 PRIORITY_ONLY = frozenset({"priority"})
 
@@ -39,7 +39,6 @@ class _Flow:
     t: object
     server: object              # the first link of its path, shared (the pool's channel)
     link: object                # the link from the next device on, to the end of its path
-    latency: tuple              # (of the first link, of the second)
     engine: object              # the copy engine its chunks are issued to (`Fabric._issue`)
     enter: str | None           # the island its chunks enter as its engine takes them (None: none)
     enter_priority: int | None  # what stands there: the chunk's priority (None: none)
@@ -147,36 +146,31 @@ class Trains:
         if t.driver is None or not t.fixed_cost or len(path) != 3:
             return None
         island = fabric.device_island.get(path[0])
-        if island != fabric.device_island.get(path[1]) or not fabric._nothing_asked(t, path[2], island) \
-                or (island is not None and not self._plain(t, island, "enter")):
-            return None
-        ends = fabric._ends(t, "issue")
-        if t.issued < t.chunks_total and not all(self._plain(t, isl, "issue", role) for isl, role in ends):
-            return None
         link = fabric.servers[path[1], path[2]]
-        if link.on_dequeue is not None:
+        if island != fabric.device_island.get(path[1]) or not fabric._nothing_asked(t, path[2], island) \
+                or link.on_dequeue is not None:
+            return None
+        entering = self._answer(t, island, "enter") if island is not None else {}
+        ends = fabric._ends(t, "issue")
+        issuing = [self._answer(t, isl, "issue", role) for isl, role in ends] if t.issued < t.chunks_total else []
+        if entering is None or None in issuing:
             return None
         issue_priority = None
-        for isl, role in ends:
-            issue_priority = self._priority(t, isl, "issue", role, issue_priority)
-        stream = CLASS_STREAM.get(t.cls, 1)
-        return _Flow(t, fabric.servers[path[0], path[1]], link,
-                     (fabric.latency[path[0], path[1]], fabric.latency[path[1], path[2]]),
-                     t.driver[(stream - 1) % len(t.driver)], island,
-                     self._priority(t, island, "enter", "", None) if island is not None else None,
-                     ends, issue_priority)
+        for answer in issuing:          # the last end's word holds (`Fabric._issue`)
+            issue_priority = answer.get("priority", issue_priority)
+        return _Flow(t, fabric.servers[path[0], path[1]], link, t.engine(CLASS_STREAM.get(t.cls, 1)), island,
+                     entering.get("priority"), ends, issue_priority)
 
-    def _priority(self, t, island, moment, role, otherwise):
-        s = self.hooks.standing(t, island, moment, role)
-        return s.decisions.get("priority", otherwise) if s is not None and s.decisions else otherwise
-
-    def _plain(self, t, island, moment, role="") -> bool:
-        """Whether asking at ``island`` for a chunk of ``t`` runs no program and gives a priority
-        at most: an answer stands, or the site asks nothing there."""
+    def _answer(self, t, island, moment, role="") -> dict | None:
+        """What asking at ``island`` for a chunk of ``t`` gives where no program runs and a
+        priority at most comes back: what stands, or {} where the site asks nothing there;
+        None otherwise."""
         s = self.hooks.standing(t, island, moment, role)
         if s is None:
-            return not self.hooks.asks(island, moment)
-        return not s.decisions or s.decisions.keys() <= PRIORITY_ONLY
+            return None if self.hooks.asks(island, moment) else {}
+        if s.decisions and not s.decisions.keys() <= PRIORITY_ONLY:
+            return None
+        return s.decisions or {}
 
     # -- the steps -------------------------------------------------------------------------------
     def _finish(self, server, chunk, arriving) -> tuple | None:
@@ -187,18 +181,8 @@ class Trains:
         # its copy engine takes the next chunk (`CopyEngine.release`), which enters the fabric
         # and queues here (`Fabric._taken`, `Server.enqueue`)
         engine, chunk.engine = chunk.engine, None
-        stream, waiting = next(iter(engine.streams.items()))
-        taken = waiting.popleft()
-        if waiting:
-            engine.streams.move_to_end(stream)
-        else:
-            del engine.streams[stream]
+        taken = engine._pop()
         t = taken.transfer
-        engine.current[stream] = t
-        engine.chunks += 1
-        engine.bytes += taken.bytes
-        taken.waited += now - taken.enqueued
-        taken.engine = engine
         flow = self._flows[t]
         self._told[flow] = None
         if flow.enter is not None:      # asking there takes what stands (`HookSite.stood`)
@@ -210,9 +194,7 @@ class Trains:
         server._queue(taken, self.sent, self.handed_on)
         # and the transfer's next chunk is issued (`Fabric._issue`, `CopyEngine.submit`)
         if t.issued < t.chunks_total:
-            i = t.issued
-            t.issued = i + 1
-            issued = Chunk(t, i, min(t.chunk_bytes, t.bytes - i * t.chunk_bytes) if t.bytes else 0, t.path)
+            issued = t.next_chunk()
             if flow.ends:
                 flow.issued += 1
                 flow.last_issue = self._issues
@@ -220,19 +202,12 @@ class Trains:
             if flow.issue_priority is not None:
                 issued.priority = flow.issue_priority
             engine.submit(issued, CLASS_STREAM.get(t.cls, 1))     # (`flow.engine`: `_takes`)
-        # the chunk leaves for the next device (`Fabric._sent`): on a flow's path, an arrival
-        # with an event (`_lands`, for the link on)
-        own = self._flows.get(chunk.transfer)
-        if own is not None and chunk.path is own.t.path and chunk.hop == 0:
-            chunk.hop = 1
-            chunk.queue = None
-            heapq.heappush(arriving, (now + own.latency[0], sim.place(), chunk, None))
+        # the chunk leaves for the next device (`Fabric._sent`)
+        arrival = fabric._leave(chunk, now)
+        if fabric._lands_quietly(chunk, chunk.hop):
+            fabric._landed(chunk, arrival)
         else:
-            arrival = fabric._leave(chunk, now)
-            if fabric._lands_quietly(chunk, chunk.hop):
-                fabric._landed(chunk, arrival)
-            else:
-                heapq.heappush(arriving, (arrival, sim.place(), chunk, None))
+            heapq.heappush(arriving, (arrival, sim.place(), chunk, None))
         # and the server sends its next (`Server._start`)
         picked = server._pick()
         if picked is None:
@@ -251,12 +226,5 @@ class Trains:
         link = flow.link
         link._admit(chunk)
         end = link._send(chunk)
-        chunk.hop = 2                       # `Fabric._leave`, `Fabric._landed`
-        chunk.queue = None
-        landing = end + flow.latency[1]
-        t = flow.t
-        t.queue_waits.append(chunk.waited)
-        t.chunks_done += 1
-        if landing > t.landing:
-            t.landing = landing
+        self.fabric._landed(chunk, self.fabric._leave(chunk, end))
         link.busy, link.free_at, link.free_place = False, end, self.sim.place()
