@@ -161,6 +161,19 @@ def test_decisions_standing_for_a_transfer_are_dropped_when_their_program_is_det
     assert not any(island == "sw0" for _, island, _ in eng.site.remembered.standing)
 
 
+def test_a_train_stops_at_the_event_limit_where_the_loop_does():
+    """A step a train takes counts as an event (`Sim.take`): a run passes its limit at the same
+    event, at the same time, with trains and without."""
+    from fabric_ext.runtime.machine.jit import JitBackend
+    from fabric_ext.runtime.simulation.sim import EventLimit
+    said = []
+    for trains in (True, False):
+        with pytest.raises(EventLimit) as e:
+            run_engine(compiled("prefill_qos"), backend=JitBackend(), trains=trains, max_events=2_000)
+        said.append(str(e.value))
+    assert said[0] == said[1] and "passed 2,000 events" in said[0]
+
+
 def _detached_mid_run(trains):
     from fabric_ext.runtime.machine.jit import JitBackend
     from fabric_ext.runtime.simulation.engine import Engine, RunOptions

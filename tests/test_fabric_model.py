@@ -545,15 +545,15 @@ def _pool(n_gpus=3):
 CHUNK = 3 << 17     # whole nanoseconds on the pool's channel (16,384) and a GPU's link: times can meet
 
 
-def _streamed(flows, trains, site=None):
+def _streamed(flows, trains, site=None, engines=1):
     """Weights streamed from the pool to GPUs and other traffic through the switch (flows of
     random sizes, start times, priorities and ends); what every transfer, link and the hook
     site saw."""
     sim = Sim()
     g, islands, kinds = _pool()
     hooks = (site or Standing)({name: prio for name, *_, prio in flows})
-    f = Fabric(sim, g, islands, kinds, {}, {"pool": 24 * GBps}, hooks, copy_engines={d: 1 for d in kinds if d != "sw"},
-               trains=trains)
+    f = Fabric(sim, g, islands, kinds, {}, {"pool": 24 * GBps}, hooks,
+               copy_engines={d: engines for d in kinds if d != "sw"}, trains=trains)
     transfers = []
     for name, cls, src, dst, start, nbytes, _ in flows:
         t = Transfer(name, 1, cls, "", src, dst, nbytes, chunk_bytes=CHUNK)
@@ -563,7 +563,7 @@ def _streamed(flows, trains, site=None):
     links = {s.name: (s.bytes, s.intervals, s.queued_bytes) for s in f.servers.values()}
     engines = {e.name: (e.chunks, e.bytes) for es in f.engines.values() for e in es}
     ends = [(t.end, t.landing, t.chunks_done, t.queue_waits) for t in transfers]
-    return ends, links, engines, hooks.asked, sim.events, f.trains.steps if f.trains else 0
+    return ends, links, engines, hooks.asked, sim.events, f.trains.steps if f.trains else 0, hooks
 
 
 _GPUS = ["gpu0", "gpu1", "gpu2"]
@@ -603,6 +603,40 @@ def test_a_train_steps_the_pools_round_robin_ahead():
     on, off = _streamed(flows, True), _streamed(flows, False)
     assert on[:5] == off[:5]
     assert on[5] > 2 * 16 * 3 * 0.8       # most of the 48 chunks' two steps
+
+
+class Words(Standing):
+    """As `Standing`, and each answer at issue is a word whose latest holds at its island, as
+    a prefetch depth does (`ShimHookSite.set_prefetch`)."""
+
+    def __init__(self, priorities):
+        super().__init__(priorities)
+        self.words = {}
+
+    def stood(self, transfer, island, moment, role, times):
+        super().stood(transfer, island, moment, role, times)
+        if moment == "issue":
+            self.words[island] = transfer.name
+
+    def on_issue(self, chunk, island, role):
+        self.words[island] = chunk.transfer.name
+        return super().on_issue(chunk, island, role)
+
+
+@settings(max_examples=150, deadline=None)
+@given(streams)
+@example([("weights", "pool", "gpu0", 0, 6 * MiB, 7), ("kv", "pool", "gpu0", 0, 5 * MiB, 7),
+          ("weights", "pool", "gpu1", 3000, 6 * MiB, 7)])       # the flow a train steps first issues last
+def test_a_train_leaves_the_latest_word_at_each_gpu_as_the_loop_does(spec):
+    """Two copy engines per GPU: weights and KV read from the pool reach one GPU on two
+    streams, and trains step both.  What each chunk's issue says last at a GPU (the prefetch
+    depth, in the engine) is what the loop's last issue there said."""
+    named = [(f"f{i}", cls, src, dst, start, nbytes, prio)
+             for i, (cls, src, dst, start, nbytes, prio) in enumerate(spec) if src != dst]
+    if not named:
+        return
+    on, off = _streamed(named, True, Words, engines=2), _streamed(named, False, Words, engines=2)
+    assert on[:5] == off[:5] and on[6].words == off[6].words
 
 
 class Asking(Standing):
