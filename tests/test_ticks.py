@@ -89,7 +89,7 @@ def _sample_before_ticks(sim, servers, due):
 def sampled(due, samples, servers):
     """The tick contexts the servers' records imply: each port's busy share of the window
     [T - period, T) and the bytes sent in it (each transmission's bytes spread evenly over
-    its service time), summed in transmission order; the queue as sampled just before T."""
+    its time on the link), summed in transmission order; the queue as sampled just before T."""
     want = []
     for t, period in due:
         lo = float(t) - float(period)
@@ -98,9 +98,8 @@ def sampled(due, samples, servers):
             for start, stop, size in srv.intervals:
                 if start < t and stop > lo:
                     overlap = min(stop, float(t)) - max(start, lo)
-                    service = size / srv.bw * 1e9 + srv.overhead
                     busy += overlap
-                    sent += size * overlap / service
+                    sent += size * overlap / (stop - start)
             util = int(min(busy * 100 / period + 0.5, 100))
             want.append((t, port, 11 + port, util, int(sent), samples[t][port][1], period))
     return want

@@ -161,21 +161,19 @@ class Server:
         self.intervals = Intervals()
         self.queued_bytes = 0          # bytes waiting, not yet on the link
         self.on_dequeue = None         # callable(chunk, wait ns) as a chunk starts on the link, if watched
-        self.record: list | None = None           # where a watcher wants transmission starts
-        self.sent_lane = 0
-        self.enqueued_lane: int | None = None     # ... and enqueues, if it does
+        self.enqueues: list | None = None         # where a watcher wants every enqueue (`watch`)
+        self.lane = 0
         self.occupants: list | None = None        # with evidence on, per interval: (transfer, priority,
                                                   # chunk index, when the chunk was enqueued)
         self.ends = ("", "")                      # (device, what it leads to: a device, "memory", "wire")
         self.train = None                         # callable(server, chunk, done) -> bool, asked first at
                                                   # every end of transmission (`trains`)
 
-    def watch(self, record: list | None, sent_lane: int, enqueued_lane: int | None = None) -> None:
-        """Append time, lane and bytes to ``record`` at every transmission start, and at every
-        enqueue if given a lane for those: flat, so a tick source converts it in one call.
-        A record of None stops it."""
-        self.record, self.sent_lane = record, sent_lane
-        self.enqueued_lane = enqueued_lane if record is not None else None
+    def watch(self, enqueues: list | None, lane: int = 0) -> None:
+        """Append time, ``lane`` and bytes to ``enqueues`` at every enqueue: flat, so a tick
+        source converts it in one call (what the link sent, it reads from `intervals`).
+        None stops it."""
+        self.enqueues, self.lane = enqueues, lane
 
     def enqueue(self, chunk: Chunk, done, handed_on=None) -> None:
         """Queue a chunk; ``done(chunk)`` runs at its end of transmission, unless
@@ -196,8 +194,8 @@ class Server:
         """Count a chunk in as queued here (it may start at once); returns the time."""
         now = chunk.enqueued = self.sim.now
         self.queued_bytes += chunk.bytes
-        if self.enqueued_lane is not None:
-            self.record.extend((now, self.enqueued_lane, chunk.bytes))
+        if self.enqueues is not None:
+            self.enqueues.extend((now, self.lane, chunk.bytes))
         return now
 
     def _queue(self, chunk: Chunk, done, handed_on) -> None:
@@ -258,8 +256,6 @@ class Server:
         self.bytes += chunk.bytes
         self.queued_bytes -= chunk.bytes
         self.intervals.flat.extend((now, now + dt, chunk.bytes))
-        if self.record is not None:
-            self.record.extend((now, self.sent_lane, chunk.bytes))
         if self.occupants is not None:
             self.occupants.append((t, chunk.priority, chunk.index, chunk.enqueued))
         if chunk.trail is not None:

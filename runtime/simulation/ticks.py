@@ -1,4 +1,4 @@
-"""Telemetry ticks, run lazily: counters read back from the servers' records, ticks run in batches.
+"""Telemetry ticks, run lazily: counters read back from the links' own records, ticks run in batches.
 
 A tick at time T gives its program one context per port of the island: the bytes
 the port sent over the last period (and that as a utilisation of its capacity),
@@ -7,18 +7,18 @@ other event at its time.  Tick programs decide nothing; their only effect is on
 maps.  So nothing can observe a tick until a program that shares a map with it
 runs, or the maps are read at the end: the engine lets ticks pile up and calls
 `TickSource.catch_up` at those moments.  It rebuilds every pending tick's counters
-from one flat record the island's servers append to (the time, lane and size of
-every transmission start and every enqueue: one append per event) and runs the
-ticks in native batches (a catch-up that runs one tick per period, the common case
-once ticks are elided, counts in plain Python: numpy's cost per call would outweigh
-the work); where the compiler marked a period's handlers `last_wins`
-(each run overwrites everything the one before it wrote), only the last due tick of
-the period runs, the others are counted as passed over.  Islands whose tick programs
-share a map are caught up together, tick time by tick time (`catch_up_together`).
-The outcome is the same as running each tick at its time (`tests/test_ticks.py`
-checks both against each other and against counters sampled one tick at a time), at
-a small fraction of the cost: a 10 us tick on 11 ports over a 2 s prefill is 2.4
-million program runs.
+from what each port's link recorded of its transmissions (`servers.Intervals`: start,
+stop, bytes; kept for the report anyway) and, where a handler reads the queue, from a
+log of enqueues the servers append to, and runs the ticks in native batches (a
+catch-up that runs one tick per period, the common case once ticks are elided, counts
+in plain Python: numpy's cost per call would outweigh the work); where the compiler
+marked a period's handlers `last_wins` (each run overwrites everything the one before
+it wrote), only the last due tick of the period runs, the others are counted as
+passed over.  Islands whose tick programs share a map are caught up together, tick
+time by tick time (`catch_up_together`).  The outcome is the same as running each
+tick at its time (`tests/test_ticks.py` checks both against each other and against
+counters sampled one tick at a time), at a small fraction of the cost: a 10 us tick
+on 11 ports over a 2 s prefill is 2.4 million program runs.
 """
 from __future__ import annotations
 
@@ -32,48 +32,43 @@ BLOCK = 4096               # ticks of the shortest period per batch
 ROW_FIELDS = ("now", "port", "peer", "util_pct", "bytes", "queue_bytes", "period")   # in offset order
 
 
+def _after(flat, i: int, x: float, stop: bool) -> int:
+    """The first of a link's transmissions (`servers.Intervals.flat`: start, stop, bytes), from
+    the i-th on, whose stop is after x (``stop``), else whose start is at or after x.  A link
+    sends one chunk at a time, so both its starts and its stops rise."""
+    col = 1 if stop else 0
+    keys = range(i, len(flat) // 3)
+    if not keys or (flat[3 * i + col] > x if stop else flat[3 * i] >= x):
+        return i            # the usual case: a catch-up moves on by a few transmissions
+    find = bisect.bisect_right if stop else bisect.bisect_left
+    return i + find(keys, x, key=lambda j: flat[3 * j + col])
+
+
 class _Period:
-    """One tick period's progress through the record: its next tick, the first record
-    that tick has not yet counted, each port's transmission that may still be in service
-    past the last tick (a port sends one chunk at a time, so there is at most one), and
-    (when the queue is read) each port's bytes started and enqueued before its last tick.
+    """One tick period's progress through the ports' transmissions: its next tick, per port
+    the first transmission that may still reach into a tick window to come, and (when the
+    queue is read) the bytes each port had started and had enqueued before its last tick.
 
     A tick at T sees its ports over [T - period, T): ``util_pct`` is the share of that
     window the port was busy (a chunk in service for half of it counts 50 %) and ``bytes``
-    the bytes it sent in it, each chunk's bytes spread evenly over its service time (its
-    bytes / bandwidth plus the link's fixed cost per chunk)."""
+    the bytes it sent in it, each chunk's bytes spread evenly over its service time (as the
+    link recorded it: its bytes / bandwidth plus the link's fixed cost per chunk, or a
+    collective's pace)."""
 
-    def __init__(self, period: int, bw: np.ndarray, overhead: np.ndarray, last_wins: bool):
+    def __init__(self, period: int, ports: int, last_wins: bool):
         self.period = period
         self.last_wins = last_wins      # only the last of several ticks in a row has an effect
-        self.next_k = 1                                  # the next tick is at next_k * period
-        self.cursor = 0                                  # records before this are all before the last tick
-        self.before = [0.0] * (2 * len(bw))              # bytes started, then enqueued, per port
-        self.bw, self.overhead = bw.tolist(), overhead.tolist()
-        self.carry: list[tuple[float, float, float] | None] = [None] * len(bw)   # (start, service, bytes)
-
-    def service(self, lane: int, size: float) -> float:
-        """How long a chunk of ``size`` bytes keeps the port busy (as `Server` reckons it)."""
-        bw = self.bw[lane]
-        return (size / bw * 1e9 if bw > 0 else 0.0) + self.overhead[lane]
+        self.next_k = 1                 # the next tick is at next_k * period
+        self.first = [0] * ports        # per port: transmissions before this ended before the next window
+        self.started = [0] * ports      # per port: transmissions before this started before the last tick
+        self.cursor = 0                 # enqueues (the source's log) before this came before the last tick
+        self.before = [0.0] * (2 * ports)   # bytes started, then enqueued, per port, before the last tick
 
     @property
     def due(self) -> float:
         # a float, as every time it is compared with: Python compares a float with an int
         # above 2**30 (a time past 1.07 s in ns) through a slow exact path
         return float(self.next_k * self.period)
-
-    def skip_to(self, record: list, t: float) -> None:
-        """Move the cursor past the records before time t (the record is flat: time, lane,
-        bytes), keeping each port's last transmission: it may still be in service at t."""
-        n, lo = len(self.carry), self.cursor
-        hi = lo + bisect.bisect_left(record[3 * lo::3], t)
-        # only each port's last transmission counts (the dict keeps a lane's last index)
-        last = {lane: i for i, lane in enumerate(record[3 * lo + 1:3 * hi:3], lo)}
-        for lane, i in last.items():
-            if lane < n:
-                self.carry[lane] = (record[3 * i], self.service(lane, record[3 * i + 2]), record[3 * i + 2])
-        self.cursor = hi
 
     def due_by(self, upto: float) -> int:
         """How many ticks are due by ``upto``."""
@@ -92,51 +87,51 @@ class _Period:
             return min(busy * 100 / self.period + 0.5, 100)
         return np.minimum(busy * 100 / self.period + 0.5, 100)
 
-    def fill(self, record: np.ndarray, upto: float, ctx: np.ndarray, queue_read: bool) -> np.ndarray:
+    def fill(self, flats: list, enqueues: list, upto: float, ctx: np.ndarray, queue_read: bool) -> np.ndarray:
         """Write the contexts of this period's last ``len(ctx)`` ticks up to ``upto`` into
         ``ctx`` (a (ticks, ports) view) and return their times; earlier ticks are passed over.
 
-        Each transmission (the ports' carried ones first, then the record's in order) is
-        spread over the tick windows its service time overlaps, and one bincount by
-        (tick, port) sums the overlaps; the queue at T is everything enqueued before T less
-        everything started before T, a running sum over ticks of the records binned by the
-        first tick after them."""
-        n, k1 = len(self.carry), int(upto // self.period)
-        k0 = max(self.next_k, k1 - len(ctx))       # one tick more than run: it bounds the first run's bytes
-        times = np.arange(k0, k1 + 1, dtype=np.float64) * self.period
-        k = len(times)
-        rec = record[self.cursor:record_end(record, self.cursor, times[-1])]
-        starts = rec[rec[:, 1] < n]
-        carried = [(lane, *c) for lane, c in enumerate(self.carry) if c is not None]
-        lane = np.concatenate([[c[0] for c in carried], starts[:, 1]]).astype(np.int64)
-        s = np.concatenate([[c[1] for c in carried], starts[:, 0]])
-        size = np.concatenate([[c[3] for c in carried], starts[:, 2]])
-        new = lane[len(carried):]
-        bw = np.asarray(self.bw)[new]
-        # `service`, in the same operations (the Python path must agree bit for bit)
-        fresh = np.divide(size[len(carried):], bw, out=np.zeros_like(bw), where=bw > 0) * 1e9
-        d = np.concatenate([[c[2] for c in carried], fresh + np.asarray(self.overhead)[new]])
-        busy, sent = self._spread(times, lane, s, d, s + d, size, n)
-        if len(lane):               # each port's last transmission may outlast the batch
-            last = len(lane) - 1 - np.unique(lane[::-1], return_index=True)[1]
-            for j in last.tolist():
-                self.carry[lane[j]] = (float(s[j]), float(d[j]), float(size[j]))
-        run = slice(k - len(ctx), None)
-        ctx["now"] = times[run, None]
+        Each transmission that reaches into their windows is spread over the windows its
+        service time overlaps, and one bincount by (tick, port) sums the overlaps; the queue
+        at T is everything enqueued before T less everything started before T, a running sum
+        over ticks of the starts and enqueues binned by the first tick after them."""
+        n, k1 = len(flats), int(upto // self.period)
+        times = np.arange(k1 - len(ctx) + 1, k1 + 1, dtype=np.float64) * self.period
+        lo, hi = float(times[0]) - self.period, float(times[-1])
+        spans = []
+        for port, flat in enumerate(flats):
+            i = self.first[port] = _after(flat, self.first[port], lo, stop=True)
+            spans.append((i, _after(flat, i, hi, stop=False)))
+        rows = _rows(flats, spans)
+        lane = np.repeat(np.arange(n), [j - i for i, j in spans])
+        s, e, size = rows[:, 0], rows[:, 1], rows[:, 2]
+        busy, sent = self._spread(times, lane, s, e - s, e, size, n)
+        ctx["now"] = times[:, None]
         ctx["period"] = self.period
-        ctx["bytes"] = sent[run]
-        ctx["util_pct"] = self.util_pct(busy[run])      # the cast to an integer floors it
+        ctx["bytes"] = sent
+        ctx["util_pct"] = self.util_pct(busy)      # the cast to an integer floors it
         if queue_read:
-            first = np.searchsorted(times, rec[:, 0], side="right")
-            binned = np.bincount(first * (2 * n) + rec[:, 1].astype(np.int64), weights=rec[:, 2],
-                                 minlength=2 * n * (k + 1)).reshape(k + 1, 2, n)[:k]
-            sums = np.cumsum(binned, axis=0, dtype=np.float64)
-            sums += np.reshape(self.before, (2, n))
-            ctx["queue_bytes"] = sums[run, 1] - sums[run, 0]
-            self.before = sums[-1].ravel().tolist()
-        self.cursor += len(rec)
+            ctx["queue_bytes"] = self._queued_many(flats, enqueues, times)
         self.next_k = k1 + 1
-        return times[run]
+        return times
+
+    def _queued_many(self, flats: list, enqueues: list, times: np.ndarray) -> np.ndarray:
+        """The bytes queued at each port just before each of ``times`` (the ticks of one batch)."""
+        n, k, hi = len(flats), len(times), float(times[-1])
+        spans = [(a, _after(flat, a, hi, stop=False)) for a, flat in zip(self.started, flats)]
+        starts = _rows(flats, spans)
+        end = self.cursor + bisect.bisect_left(enqueues[3 * self.cursor::3], hi)
+        enq = np.array(enqueues[3 * self.cursor:3 * end], dtype=np.float64).reshape(-1, 3)
+        at = np.concatenate([starts[:, 0], enq[:, 0]])
+        lanes = np.concatenate([np.repeat(np.arange(n), [j - i for i, j in spans]), n + enq[:, 1].astype(np.int64)])
+        first = np.searchsorted(times, at, side="right")
+        binned = np.bincount(first * (2 * n) + lanes, weights=np.concatenate([starts[:, 2], enq[:, 2]]),
+                             minlength=2 * n * (k + 1)).reshape(k + 1, 2, n)[:k]
+        sums = np.cumsum(binned, axis=0, dtype=np.float64)
+        sums += np.reshape(self.before, (2, n))
+        self.before = sums[-1].ravel().tolist()
+        self.started, self.cursor = [j for _, j in spans], end
+        return sums[:, 1] - sums[:, 0]
 
     def _spread(self, times, lane, s, d, e, size, n):
         """Busy time and bytes of each (tick, port): every transmission [s, e) spread over the
@@ -155,46 +150,51 @@ class _Period:
         sent = np.bincount(bins, weights=part, minlength=k * n).reshape(k, n)
         return busy, sent
 
-    def last_tick(self, record: list, upto: float, queue_read: bool) -> tuple[int, list, list, list]:
-        """`fill` for only the last tick due by ``upto``, counted from the flat record in
-        Python: (its time, busy time per port, bytes sent per port, bytes queued per port,
-        0 unless read), with the same arithmetic in the same order."""
+    def last_tick(self, flats: list, enqueues: list, upto: float, queue_read: bool) -> tuple[int, list, list, list]:
+        """`fill` for only the last tick due by ``upto``, counted in Python: (its time, busy
+        time per port, bytes sent per port, bytes queued per port, 0 unless read), with the
+        same arithmetic in the same order."""
         k1 = int(upto // self.period)
-        t_run = float(k1 * self.period)         # floats, as the record's times (see `due`)
+        t_run = float(k1 * self.period)         # floats, as the transmissions' times (see `due`)
         lo = t_run - float(self.period)
-        n = len(self.carry)
-        busy, sent = [0.0] * n, [0.0] * n
-
-        def spread(lane, start, service, size):
-            end = start + service
-            if start < t_run and end > lo:
-                overlap = min(end, t_run) - max(start, lo)
-                busy[lane] += overlap
-                sent[lane] += size * overlap / service if service > 0 else 0.0
-        for lane, c in enumerate(self.carry):
-            if c is not None:
-                spread(lane, *c)
-        before = self.before
-        i, end = self.cursor, len(record) // 3
-        while i < end:
-            t = record[3 * i]
-            if t >= t_run:
-                break
-            lane, size = int(record[3 * i + 1]), record[3 * i + 2]
-            if lane < n:      # lanes n and up are enqueues
-                service = self.service(lane, size)
-                spread(lane, t, service, size)
-                self.carry[lane] = (t, service, size)
-            before[lane] += size
-            i += 1
-        self.cursor, self.next_k = i, k1 + 1
-        queued = [before[n + j] - before[j] for j in range(n)] if queue_read else [0.0] * n
+        busy, sent = [], []
+        for port, flat in enumerate(flats):
+            i = self.first[port] = _after(flat, self.first[port], lo, stop=True)
+            b = bytes_ = 0.0
+            for j in range(3 * i, len(flat), 3):
+                start = flat[j]
+                if start >= t_run:
+                    break
+                stop, size = flat[j + 1], flat[j + 2]
+                overlap = min(stop, t_run) - max(start, lo)
+                b += overlap
+                bytes_ += size * overlap / (stop - start) if stop > start else 0.0
+            busy.append(b)
+            sent.append(bytes_)
+        self.next_k = k1 + 1
+        queued = self._queued(flats, enqueues, t_run) if queue_read else [0.0] * len(flats)
         return k1 * self.period, busy, sent, queued
 
+    def _queued(self, flats: list, enqueues: list, t: float) -> list:
+        """The bytes queued at each port just before t (its last tick), counted on from the one before."""
+        n, before = len(flats), self.before
+        for port, flat in enumerate(flats):
+            a = self.started[port]
+            b = self.started[port] = _after(flat, a, t, stop=False)
+            before[port] += sum(flat[3 * a + 2:3 * b:3])
+        i, end = self.cursor, len(enqueues) // 3
+        while i < end and enqueues[3 * i] < t:
+            before[n + int(enqueues[3 * i + 1])] += enqueues[3 * i + 2]
+            i += 1
+        self.cursor = i
+        return [before[n + j] - before[j] for j in range(n)]
 
-def record_end(record: np.ndarray, cursor: int, t: float) -> int:
-    """The index past the records (from ``cursor``) before time t."""
-    return cursor + int(np.searchsorted(record[cursor:, 0], t, side="left"))
+
+def _rows(flats: list, spans: list) -> np.ndarray:
+    """The ports' transmissions [i, j) of each (i, j) in ``spans``, one port after another, as
+    an (n, 3) array: start, stop, bytes."""
+    parts = [np.frombuffer(flat[3 * i:3 * j], dtype=np.float64) for flat, (i, j) in zip(flats, spans) if j > i]
+    return (np.concatenate(parts) if parts else np.empty(0)).reshape(-1, 3)
 
 
 class TickSource:
@@ -208,20 +208,20 @@ class TickSource:
         self.spans = spans                               # a list to record trace spans in, or None
         self.servers = servers
         n = len(servers)
-        bw = np.array([srv.bw or 0.0 for srv in servers], dtype=np.float64)
-        overhead = np.array([srv.overhead or 0.0 for srv in servers], dtype=np.float64)
         handlers = shim.handlers.get("tick")
-        self.periods = [_Period(p, bw, overhead, handlers is not None and all(
+        self.periods = [_Period(p, n, handlers is not None and all(
             h.get("last_wins") for h in handlers if h["period"] == p)) for p in sorted({int(p) for p in periods})]
         self.elide = True                                # run only the last of `last_wins` ticks
         self.shortest = self.periods[0].period
         self.next_due = float(self.shortest)
-        self.record: list = []                           # time, lane, bytes, ... from every port's server
-        # lanes: port i's transmission starts are lane i, its enqueues lane n + i; the queue is
-        # rebuilt from enqueues only if a tick handler reads it (else it reads 0)
+        # what the ports sent is their links' own record (`Server.intervals`); the queue is
+        # rebuilt from a log of enqueues (time, port, bytes, ...), kept only if a tick handler
+        # reads it (else it reads 0)
         self.queue_read = handlers is None or any("queue_bytes" in h["reads"] for h in handlers)
-        for port, srv in enumerate(servers):
-            srv.watch(self.record, port, n + port if self.queue_read else None)
+        self.enqueues: list = []
+        if self.queue_read:
+            for port, srv in enumerate(servers):
+                srv.watch(self.enqueues, port)
         codec = shim.codecs["tick"]
         self.dtype = codec.dtype()
         blank = codec.pack()
@@ -247,11 +247,10 @@ class TickSource:
         if not self.active:          # detached after a fault: stop recording
             for srv in self.servers:
                 srv.watch(None, 0)
-            del self.record[:]
+            del self.enqueues[:]
             return
         t = min(t, self.end)
-        # where only each period's last tick runs, one run covers any stretch (its cost is the
-        # records'); else a block of ticks at a time, so a long quiet stretch needs no huge buffer
+        # where only each period's last tick runs, one run covers any stretch; else a block of ticks at a time, so a long quiet stretch needs no huge buffer
         one_run = self.elide and all(p.last_wins for p in self.periods)
         while self.next_due <= t:
             upto = t if one_run else min(t, self.next_due + (self.block - 1) * self.shortest)
@@ -263,10 +262,6 @@ class TickSource:
         """Build the contexts of the ticks up to ``upto`` and run them; False if the program faulted."""
         n = len(self.ports)
         due = [p for p in self.periods if p.due <= upto]
-        if self.elide and not self.queue_read:
-            for p in due:
-                if p.last_wins:     # only its last tick runs: what came before its period is moot
-                    p.skip_to(self.record, float((int(upto // p.period) - 1) * p.period))
         counts = [p.runs(upto, self.elide) for p in due]
         passed = sum(p.due_by(upto) for p in due) - sum(counts)
         if passed:
@@ -284,19 +279,19 @@ class TickSource:
     def _many_ticks(self, due: list, counts: list, upto: float):
         """Write the contexts of each due period's last ``counts`` ticks into the buffer, with
         numpy; returns the tick times."""
-        self._trim()
-        record = np.fromiter(self.record, dtype=np.float64, count=len(self.record)).reshape(-1, 3)
         buf = self._buffer(sum(counts) * len(self.ports)).reshape(-1, len(self.ports))
+        flats = self._flats()
         times, at = [], 0
         for p, k in zip(due, counts):
-            times.append(p.fill(record, upto, buf[at:at + k], self.queue_read))
+            times.append(p.fill(flats, self.enqueues, upto, buf[at:at + k], self.queue_read))
             at += k
         return times[0] if len(times) == 1 else self._in_time_order(buf, np.concatenate(times))
 
     def _last_ticks(self, due: list, upto: float):
         """`_many_ticks` for one tick per due period, counted and packed in Python."""
         n = len(self.ports)
-        ticks = [p.last_tick(self.record, upto, self.queue_read) + (i, p) for i, p in enumerate(due)]
+        flats = self._flats()
+        ticks = [p.last_tick(flats, self.enqueues, upto, self.queue_read) + (i, p) for i, p in enumerate(due)]
         if len(ticks) > 1:      # in time order; at one time the shorter period first (`due` is so)
             ticks.sort(key=lambda tick: (tick[0], tick[4]))
         values = []
@@ -324,11 +319,15 @@ class TickSource:
         buf[:] = buf[order]
         return times[order]
 
+    def _flats(self) -> list:
+        """Each port's transmissions, flat (`servers.Intervals`)."""
+        return [srv.intervals.flat for srv in self.servers]
+
     def _trim(self) -> None:
-        """Drop the records every period has counted: the record holds only what is pending."""
+        """Drop the enqueues every period has counted: the log holds only what is pending."""
         done = min(p.cursor for p in self.periods)
         if done:
-            del self.record[:3 * done]
+            del self.enqueues[:3 * done]
             for p in self.periods:
                 p.cursor -= done
 
