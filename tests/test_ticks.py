@@ -275,3 +275,19 @@ def test_utilisation_is_the_busy_share_of_the_window():
     src.catch_up(40)
     rows = [(r[0], r[3], r[4]) for r in got_rows(shim)]
     assert rows == [(10, 100, 10), (20, 100, 10), (30, 100, 10), (40, 50, 5)]
+
+
+def test_a_collective_is_counted_over_its_time_on_the_link():
+    """A collective's chunk crosses a link at its pace (NCCL's bus bandwidth), slower than
+    the link: a tick sees the port busy for that long, its bytes spread over it."""
+    shim = RecordingShim()
+    sim = Sim()
+    port = Server(sim, "p", 1e9)             # 1 byte per ns
+    src = TickSource(shim, "sw0", [10], [port], [11])
+    flow = Transfer("ar", 1, "activations", "collective", "a", "b", 0)
+    flow.pace, flow.fixed_cost = 0.5e9, False
+    sim.at(0, port.enqueue, Chunk(flow, 0, 20, ["a", "b"]), lambda c: None)   # busy 0-40 ns
+    sim.run()
+    src.catch_up(50)
+    rows = [(r[0], r[3], r[4]) for r in got_rows(shim)]
+    assert rows == [(10, 100, 5), (20, 100, 5), (30, 100, 5), (40, 100, 5), (50, 0, 0)]
