@@ -188,7 +188,7 @@ def _detached_mid_run(trains):
 
 def test_a_program_detached_mid_run_leaves_trains_what_the_loop_does():
     """What stands for the weights' chunks, which trains take, is dropped when the program
-    that decided it is detached (`HookSite.epoch`): the run is the same with trains and
+    that decided it is detached (`HookSite.stands_for`): the run is the same with trains and
     without, where the switch's and a GPU's programs are detached while weights stream."""
     stepped, eng = _detached_mid_run(True)
     looped, _ = _detached_mid_run(False)

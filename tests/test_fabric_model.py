@@ -654,11 +654,14 @@ def test_where_an_answer_does_not_stand_the_loop_takes_every_step():
 
 class Forgetting(Standing):
     """As `Standing` until `forget`: then nothing stands, and asking ranks every chunk 0."""
-    epoch = 0
+    token = None
 
     def forget(self):
         self.forgotten = True
-        self.epoch += 1
+        self.token = object()
+
+    def stands_for(self, transfer):
+        return self.token
 
     def standing(self, transfer, island, moment, role=""):
         return None if getattr(self, "forgotten", False) else super().standing(transfer, island, moment, role)
@@ -669,7 +672,7 @@ class Forgetting(Standing):
 
 
 def test_what_stops_standing_ends_the_trains_that_took_it():
-    """A hook site whose answers stop standing says so (`HookSite.epoch`): trains then leave
+    """A hook site whose answers stop standing says so (`HookSite.stands_for`): trains then leave
     its chunks to the loop, which asks, as it would have without trains (two GPUs' weights
     meet KV written to the pool, which the changed answers let in first)."""
     flows = [("w0", "weights", "pool", "gpu0", 0, 16 * MiB, 7), ("w1", "weights", "pool", "gpu1", 0, 16 * MiB, 7),

@@ -16,8 +16,9 @@ fields a program reads):
 A program detached after a fault takes its island's standing decisions with it (`forget`).
 The fabric reads none of this itself (a transfer only carries its standing decisions for the
 hook site): it asks the hook site at each decision point, and its trains ask what stands
-(`HookSite.standing`), keep what they work out of it until something that stands changes
-(`epoch` counts the changes), and tell the hook site the uses (`HookSite.stood`).
+(`HookSite.standing`), keep what they work out of it until what stands for the transfer
+changes (`HookSite.stands_for`: a transfer's `standing` dict is replaced at every change, never
+changed in place), and tell the hook site the uses (`HookSite.stood`).
 """
 from __future__ import annotations
 
@@ -46,14 +47,13 @@ class DecisionCache:
     plans: dict[tuple, HookPlan] = field(default_factory=dict)
     _holders: set = field(default_factory=set)         # the transfers with standing decisions
     _settled: list[Standing] = field(default_factory=list)
-    epoch: int = 0              # counts the changes to what stands (`stand`, `forget`)
 
     def stand(self, transfer, island: str, moment: str, decisions: dict | None, repeats: list[Known],
               prefetch: int = 0) -> None:
         """``decisions`` hold for the transfer's later chunks at ``island`` at ``moment``."""
         self._holders.add(transfer)
-        self.epoch += 1
-        transfer.standing[island, moment] = s = Standing(decisions, repeats, prefetch)
+        s = Standing(decisions, repeats, prefetch)
+        transfer.standing = {**transfer.standing, (island, moment): s}
         self._settled.append(s)
 
     @property
@@ -63,7 +63,6 @@ class DecisionCache:
 
     def forget(self, island: str) -> None:
         """A program of ``island`` was detached: what it decided no longer holds."""
-        self.epoch += 1
         for t in self._holders:
             t.standing = {k: s for k, s in t.standing.items() if k[0] != island}
 

@@ -46,8 +46,6 @@ class NoPath(InputError):
 class HookSite:
     """What the fabric asks at decision points; the engine implements it with shims."""
 
-    epoch = 0       # changes whenever what stands (`standing`) changes
-
     def asks(self, island: str, moment: str) -> bool:
         """Whether the site may act on events at ``island`` at ``moment`` ("issue", "enter",
         "deliver"): where it does not, the fabric need not ask, nor have an event to."""
@@ -58,6 +56,11 @@ class HookSite:
         the island's role there, or "enter") with no program run: an object with the
         ``decisions`` (None, or a read-only dict) that asking gives.  None: the site must
         be asked."""
+        return None
+
+    def stands_for(self, transfer: Transfer) -> object:
+        """A token of what stands for ``transfer`` (`standing`): the same object for as long as
+        none of it changes, so what is worked out from it may be kept that long."""
         return None
 
     def stood(self, transfer: Transfer, island: str, moment: str, role: str, times: int) -> None:

@@ -135,9 +135,8 @@ class ShimHookSite(HookSite):
             self.remembered.stand(t, island, moment, applied, [known], known.decisions.get("prefetch", 0))
         return applied
 
-    @property
-    def epoch(self):
-        return self.remembered.epoch
+    def stands_for(self, t):
+        return t.standing       # replaced, never changed in place (`DecisionCache`)
 
     def standing(self, t, island, moment, role=""):
         return t.standing.get((island, ISSUE_MOMENT[role] if moment == "issue" else moment))

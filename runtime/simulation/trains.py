@@ -34,7 +34,7 @@ PRIORITY_ONLY = frozenset({"priority"})
 @dataclass(slots=True, eq=False)
 class _Flow:
     """A transfer whose chunks a train may step: what each step needs of it, worked out once
-    (kept while what stands at the hook site holds: `HookSite.epoch`), and how often a train
+    (kept on the transfer while what stands for it holds: `HookSite.stands_for`), and how often a train
     took what stands for it, told to the hook site when the train stops (`HookSite.stood`)."""
     t: object
     server: object              # the first link of its path, shared (the pool's channel)
@@ -63,8 +63,6 @@ class Trains:
         self.fabric, self.sim, self.hooks = fabric, fabric.sim, fabric.hooks
         self.sent, self.handed_on = fabric._sent, fabric._handed_on
         self.steps = 0          # steps taken ahead, over the run (the tests see it engage)
-        self._flows: dict = {}  # transfer -> its `_Flow`, or None where it does not fit
-        self._epoch = None
         self._told: dict = {}   # the flows this train stepped, to tell their counts (`_Flow.tell`)
         self._issues = 0        # issues taken ahead, numbered (`_Flow.last_issue`)
 
@@ -120,7 +118,7 @@ class Trains:
     def _lands(self, chunk, now) -> bool:
         """Whether the chunk arriving at the next device of its flow goes out at once on the
         idle link on, to land without an event (not the one that completes its transfer)."""
-        flow = self._flows.get(chunk.transfer)
+        flow = self._kept(chunk.transfer)
         if flow is None or chunk.path is not flow.t.path or chunk.hop != 1:
             return False
         link, t = flow.link, flow.t
@@ -131,14 +129,15 @@ class Trains:
         class's stream; its path crosses two links, the first two devices in one island (or
         none), nothing asked at the end; what its chunks are asked as they are issued and as
         they enter stands, a priority at most."""
-        hooks = self.hooks
-        if hooks.epoch != self._epoch:
-            self._flows.clear()
-            self._epoch = hooks.epoch
-        if t in self._flows:
-            return self._flows[t]
-        flow = self._flows[t] = self._fits(t)
-        return flow
+        token, kept = self.hooks.stands_for(t), t.train
+        if kept is None or kept[0] is not token:
+            kept = t.train = (token, self._fits(t))
+        return kept[1]
+
+    def _kept(self, t) -> _Flow | None:
+        """``t``'s flow as last worked out, if it fits and what stands for it still holds."""
+        kept = t.train
+        return kept[1] if kept is not None and kept[0] is self.hooks.stands_for(t) else None
 
     def _fits(self, t) -> _Flow | None:
         fabric = self.fabric
@@ -183,7 +182,7 @@ class Trains:
         engine, chunk.engine = chunk.engine, None
         taken = engine._pop()
         t = taken.transfer
-        flow = self._flows[t]
+        flow = t.train[1]           # (`_takes` worked it out)
         self._told[flow] = None
         if flow.enter is not None:      # asking there takes what stands (`HookSite.stood`)
             taken.island = flow.enter
@@ -222,7 +221,7 @@ class Trains:
     def _arrive(self, chunk, now) -> None:
         """Its arrival at the next device, where `_lands` (`Fabric._arrive`, `Server.enqueue`,
         `Fabric._handed_on`)."""
-        flow = self._flows[chunk.transfer]
+        flow = chunk.transfer.train[1]      # (`_lands` read it)
         link = flow.link
         link._admit(chunk)
         end = link._send(chunk)
