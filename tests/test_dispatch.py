@@ -155,7 +155,7 @@ def test_decisions_standing_for_a_transfer_are_dropped_when_their_program_is_det
     is detached (after a fault) they no longer hold, and its later chunks ask again."""
     from fabric_ext.runtime.machine.jit import JitBackend
     report, eng = run_engine(compiled("prefill_qos"), backend=JitBackend())
-    standing = [s for (t, island, _), s in eng.site.remembered.standing.items() if island == "sw0"]
+    standing = [s for (t, island, _), s in eng.site.remembered.standing.items() if island == "sw0" and s.decisions]
     assert standing and all(s.decisions.get("priority") for s in standing)
     eng.shims["sw0"].detach("forward")
     assert not any(island == "sw0" for _, island, _ in eng.site.remembered.standing)
@@ -270,3 +270,29 @@ def test_trains_change_nothing_but_the_time_a_run_takes(name):
     assert _timeless(stepped) == _timeless(looped)
     if name == "prefill_qos":
         assert eng.fabric.trains.steps > stepped["events"] / 3
+
+
+KV_ONLY = """
+import "fabrics/dgx_cxl.fx"
+workload prefill {
+  model: "llama3-8b"; prompt: 2048; batch: 1; tp: 8
+  weights: pool0; kv: pool0; kv_export: nic0; chunk: 2MiB
+}
+movement kv_writeback = kv : gpu* -> pool0
+policy p { on kv_writeback.forward at sw0 { priority = 1 } }
+"""
+
+
+def test_where_no_handler_acts_on_a_movement_nothing_stands_and_trains_step_it(tmp_path):
+    """The switch's program acts on KV only: for the weights nothing is decided there, which
+    holds for every chunk of theirs, so their chunks stream from the pool in trains as they
+    do with no program at all; the report is the same as the loop's."""
+    from fabric_ext.runtime.machine.jit import JitBackend
+    folder = compile_text(tmp_path, KV_ONLY)
+    small = dict(model="llama3-8b", prompt=2048, tp=8)
+    stepped, eng = run_engine(folder, backend=JitBackend(), **small)
+    looped, _ = run_engine(folder, backend=JitBackend(), trains=False, **small)
+    assert _timeless(stepped) == _timeless(looped)
+    assert eng.fabric.trains.steps > stepped["events"] / 3
+    bare, bare_eng = run_engine(folder, backend=JitBackend(), attach=False, **small)
+    assert eng.fabric.trains.steps > bare_eng.fabric.trains.steps / 2

@@ -6,7 +6,8 @@ fields a program reads):
 - a `HookPlan` per place an event happens (island, the transfer's ends, movement): which hooks
   there have a program acting on the movement, and whether all of them decide from the
   transfer's own fields alone;
-- a `Standing` per (transfer, island, moment) where the plan is static: the decisions hold for
+- a `Standing` per (transfer, island, moment) where the plan is static (or has no hook: then
+  nothing is decided, which holds as well): the decisions hold for
   every chunk of the transfer issued at the island (moment "issue/src" or "issue/dst") or
   entering it on the transfer's path ("enter"), so later chunks take them without asking the
   shims.  They are kept on the transfer (`Transfer.standing`, keyed by island and moment),
@@ -54,7 +55,8 @@ class DecisionCache:
         self._holders.add(transfer)
         s = Standing(decisions, repeats, prefetch)
         transfer.standing = {**transfer.standing, (island, moment): s}
-        self._settled.append(s)
+        if repeats:
+            self._settled.append(s)
 
     @property
     def standing(self) -> dict[tuple, Standing]:

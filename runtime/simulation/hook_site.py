@@ -121,6 +121,7 @@ class ShimHookSite(HookSite):
             return standing.decisions
         plan = self._one_hook_plan(island, "issue", t.movement_id)
         if not plan.hooks:
+            self._nothing_stands(t, island, moment)
             return None
         fields = self._chunk_fields(chunk)
         path = chunk.path
@@ -190,6 +191,8 @@ class ShimHookSite(HookSite):
             self._plan(where, island, self._enter_hooks(island, path[0], path[-1]), t.movement_id)
         hooks = plan.hooks
         if not hooks:
+            if path is t.path:
+                self._nothing_stands(t, island, "enter")
             return None
         fields = self._chunk_fields(chunk)
         hop = chunk.hop
@@ -215,6 +218,12 @@ class ShimHookSite(HookSite):
             # the same for every chunk of this transfer here (None: the program faulted)
             self.remembered.stand(t, island, "enter", merged, each)
         return merged
+
+    def _nothing_stands(self, t, island, moment) -> None:
+        """No handler there acts on the transfer's movement: that holds for all its chunks (plans
+        are kept), and standing, it lets trains step them (`trains`)."""
+        if not self.trace:
+            self.remembered.stand(t, island, moment, None, [])
 
     @staticmethod
     def _queue_fields(fields: dict, server, priority: int, split: bool) -> None:
