@@ -296,3 +296,65 @@ def test_where_no_handler_acts_on_a_movement_nothing_stands_and_trains_step_it(t
     assert eng.fabric.trains.steps > stepped["events"] / 3
     bare, bare_eng = run_engine(folder, backend=JitBackend(), attach=False, **small)
     assert eng.fabric.trains.steps > bare_eng.fabric.trains.steps / 2
+
+
+def test_a_decision_read_from_a_map_entry_stands_at_its_hop_while_the_entry_holds(monkeypatch):
+    """prefill_qos's KV write-back handler at the switch reads port_util[ev.out_port], which
+    the switch's tick writes: its decision holds for a transfer's chunks at that hop while the
+    entry is unchanged, so the switch's program is asked once per transfer and per change of
+    the entry, not per chunk; a changed entry is asked about again, and its decision acts."""
+    from fabric_ext.runtime.machine.jit import JitBackend
+    from fabric_ext.runtime.simulation.servers import Chunk
+    from fabric_ext.runtime.simulation.shims import Shim
+    asked = Counter()
+    decide = Shim.decide
+    monkeypatch.setattr(Shim, "decide", lambda self, hook, fields, now=0.0:
+                        asked.update([(self.island, hook, fields["movement"])]) or decide(self, hook, fields, now))
+    report, eng = run_engine(compiled("prefill_qos"), backend=JitBackend(), prompt=8192, tp=8)
+    kv = load_manifest(compiled("prefill_qos"))["ids"]["movements"]["kv_writeback"]
+    transfers = [t for t in eng.fabric.transfers if t.movement_id == kv]
+    chunks = sum(t.chunks_total for t in transfers)
+    assert len(transfers) <= asked["sw0", "forward", kv] < chunks
+    t = next(t for t in transfers if ("sw0", "enter") in t.standing)
+    out_port = eng.fabric.port_index("sw0", t.path[2])
+    port_util = eng.shims["sw0"].maps["port_util"]
+    eng.site.before_event = None                # the run is over: no ticks to catch up
+    chunk = Chunk(t, 0, 2 << 20, t.path)
+    chunk.hop = 1
+    asked.clear()
+    port_util[out_port] = 95                    # hot: paced
+    assert eng.site.on_enter(chunk, "sw0") == {"priority": 1, "rate": 16_000_000_000}
+    assert eng.site.on_enter(chunk, "sw0") == {"priority": 1, "rate": 16_000_000_000}
+    port_util[out_port] = 10
+    assert eng.site.on_enter(chunk, "sw0") == {"priority": 1}
+    assert asked["sw0", "forward", kv] == 2     # once per value of the entry
+
+
+HOT_PORT = """
+import "fabrics/dgx_cxl.fx"
+workload prefill {
+  model: "llama3-8b"; prompt: 8192; batch: 1; tp: 8
+  weights: hbm; kv: pool0; chunk: 256KiB
+}
+movement kv_writeback = kv : gpu* -> pool0
+map port_util : array<u32, percent>[16]
+policy p {
+  on sw0.tick(10us) { port_util[ev.port] = ev.util_pct }
+  on kv_writeback.forward at sw0 { priority = 1  if port_util[ev.out_port] > 50% { rate = 8GB/s } }
+}
+"""
+
+
+def test_a_decision_standing_at_a_hop_sees_the_ticks_before_it(tmp_path, monkeypatch):
+    """Where the entry a standing decision read is written by ticks, the ticks due run before
+    it is checked: a run whose decisions flip with the port's load is the same as one that
+    asks the program for every chunk."""
+    from fabric_ext.runtime.machine.jit import JitBackend
+    folder = compile_text(tmp_path, HOT_PORT)
+    small = dict(model="llama3-8b", prompt=8192, tp=8)
+    standing, _ = run_engine(folder, backend=JitBackend(), **small)
+    monkeypatch.setattr(dispatch, "MEMO_LIMIT", 0)
+    asked, _ = run_engine(folder, backend=JitBackend(), **small)
+    assert _timeless(standing) == _timeless(asked)
+    sw0 = next(i for i in asked["islands"] if i["name"] == "sw0")
+    assert 0 < sw0["decisions"]["forward.rate"]["8GB/s"] < sw0["per_hook"]["forward"]    # it flips

@@ -33,6 +33,8 @@ class HookPlan:
     hooks: tuple[str, ...]      # the hooks whose program acts on the movement here, in firing order
     static: bool                # each decides from the transfer's own fields alone
     queue_split: bool = False   # one reads what is queued ahead by priority (ev.queued_ahead_hi/_lo)
+    at_hop: bool = False        # not static, but each decides from those, the ports at the chunk's
+                                # hop and array entries at keys among them (`Standing.guard`)
 
 
 @dataclass(slots=True)
@@ -41,6 +43,9 @@ class Standing:
     repeats: list[Known]        # the decisions these are, whose hits the uses count as
     prefetch: int = 0           # an issue hook's prefetch decision, which the hook site applies
     uses: int = 0
+    hop: int | None = None      # where a plan is `at_hop`: the hop they hold at, ...
+    guard: tuple = ()           # ... while each (entry bytes, start, stop, bytes then) is unchanged
+    watch: tuple = ()           # ... read after the ticks that write them ran (`HookSite.before_event` args)
 
 
 @dataclass
@@ -50,10 +55,11 @@ class DecisionCache:
     _settled: list[Standing] = field(default_factory=list)
 
     def stand(self, transfer, island: str, moment: str, decisions: dict | None, repeats: list[Known],
-              prefetch: int = 0) -> None:
-        """``decisions`` hold for the transfer's later chunks at ``island`` at ``moment``."""
+              prefetch: int = 0, hop: int | None = None, guard: tuple = (), watch: tuple = ()) -> None:
+        """``decisions`` hold for the transfer's later chunks at ``island`` at ``moment`` (at
+        ``hop`` only, while the ``guard`` entries hold, where given)."""
         self._holders.add(transfer)
-        s = Standing(decisions, repeats, prefetch)
+        s = Standing(decisions, repeats, prefetch, 0, hop, guard, watch)
         transfer.standing = {**transfer.standing, (island, moment): s}
         if repeats:
             self._settled.append(s)

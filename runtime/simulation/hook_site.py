@@ -21,6 +21,8 @@ from .servers import Transfer
 TRANSFER_FIELDS = ("movement", "class", "operator", "src", "dst", "layer", "critical")
 # what a standing issue decision is kept under, per role of the island (`DecisionCache.stand`)
 ISSUE_MOMENT = {"src": "issue/src", "dst": "issue/dst"}
+# ... and those that are also the same for every chunk of a transfer at one hop of its path
+HOP_FIELDS = frozenset(TRANSFER_FIELDS) | {"in_port", "out_port"}
 # context fields counted only for a handler that reads them (`ShimHookSite._queue_fields`)
 QUEUE_SPLIT = frozenset({"queued_ahead_hi", "queued_ahead_lo"})
 
@@ -140,7 +142,8 @@ class ShimHookSite(HookSite):
         return t.standing       # replaced, never changed in place (`DecisionCache`)
 
     def standing(self, t, island, moment, role=""):
-        return t.standing.get((island, ISSUE_MOMENT[role] if moment == "issue" else moment))
+        s = t.standing.get((island, ISSUE_MOMENT[role] if moment == "issue" else moment))
+        return s if s is None or s.hop is None else None     # one that holds at a hop is checked there
 
     def stood(self, t, island, moment, role, times):
         standing = self.standing(t, island, moment, role)
@@ -181,7 +184,7 @@ class ShimHookSite(HookSite):
         t, path = chunk.transfer, chunk.path
         if path is t.path:          # a decision stands only for the transfer's own path
             standing = t.standing.get((island, "enter"))
-            if standing is not None:
+            if standing is not None and (standing.hop is None or self._holds(standing, chunk.hop)):
                 standing.uses += 1
                 return standing.decisions
         if island not in self._watching("enter"):
@@ -214,10 +217,37 @@ class ShimHookSite(HookSite):
                 if known is not None:
                     merged.update(known.decisions)
         merged = self._devices(merged)
-        if plan.static and path is t.path and not self.trace and all(k is not None and k.kept for k in each):
-            # the same for every chunk of this transfer here (None: the program faulted)
-            self.remembered.stand(t, island, "enter", merged, each)
+        if path is t.path and not self.trace and all(k is not None and k.kept for k in each):
+            # the same for every chunk of this transfer here (None: the program faulted) ...
+            if plan.static:
+                self.remembered.stand(t, island, "enter", merged, each)
+            elif plan.at_hop:       # ... at this hop, while the entries read hold
+                self.remembered.stand(t, island, "enter", merged, each, hop=hop,
+                                      guard=self._guard(island, hooks, t.movement_id, fields),
+                                      watch=tuple((island, h, t.movement_id) for h in hooks))
         return merged
+
+    def _guard(self, island, hooks, movement, fields) -> tuple:
+        """The array entries the hooks' decisions for these fields depend on, as (the map's
+        bytes, start, stop, their bytes now)."""
+        guard = []
+        for h in hooks:
+            for values, size, count, field, const in self.shims[island].acting(h, movement).entries:
+                index = (fields.get(field, 0) if field is not None else const) & 0xFFFFFFFF
+                if index < count:       # (out of range, a lookup finds nothing, whatever the map holds)
+                    start = index * size
+                    guard.append((values, start, start + size, bytes(values[start:start + size])))
+        return tuple(guard)
+
+    def _holds(self, standing, hop) -> bool:
+        """Whether a standing that is `at_hop` holds for a chunk at ``hop``: the entries its
+        decisions read, once the ticks that write them have run, are as they were."""
+        if hop != standing.hop:
+            return False
+        if self.before_event is not None:
+            for args in standing.watch:
+                self.before_event(*args)
+        return all(values[start:stop] == then for values, start, stop, then in standing.guard)
 
     def _nothing_stands(self, t, island, moment) -> None:
         """No handler there acts on the transfer's movement: that holds for all its chunks (plans
@@ -243,8 +273,10 @@ class ShimHookSite(HookSite):
         acting = [(h, a) for h, a in acting if a is not None]
         static = all(a.key_fields is not None and not a.entries and set(a.key_fields).issubset(TRANSFER_FIELDS)
                      for _, a in acting)
+        at_hop = not static and all(a.key_fields is not None and HOP_FIELDS.issuperset(a.key_fields)
+                                    and all(e[3] is None or e[3] in HOP_FIELDS for e in a.entries) for _, a in acting)
         split = any(a.reads is None or not QUEUE_SPLIT.isdisjoint(a.reads) for _, a in acting)
-        plan = self.remembered.plans[where] = HookPlan(tuple(h for h, _ in acting), static, split)
+        plan = self.remembered.plans[where] = HookPlan(tuple(h for h, _ in acting), static, split, at_hop)
         return plan
 
     def _one_hook_plan(self, island, hook, movement) -> HookPlan:
