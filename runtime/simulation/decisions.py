@@ -6,8 +6,7 @@ fields a program reads):
 - a `HookPlan` per place an event happens (island, the transfer's ends, movement): which hooks
   there have a program acting on the movement, and whether all of them decide from the
   transfer's own fields alone;
-- a `Standing` per (transfer, island, moment) where the plan is static (or has no hook: then
-  nothing is decided, which holds as well): the decisions hold for
+- a `Standing` per (transfer, island, moment) where the plan is static: the decisions hold for
   every chunk of the transfer issued at the island (moment "issue/src" or "issue/dst") or
   entering it on the transfer's path ("enter"), so later chunks take them without asking the
   shims.  They are kept on the transfer (`Transfer.standing`, keyed by island and moment),
@@ -34,7 +33,8 @@ class HookPlan:
     static: bool                # each decides from the transfer's own fields alone
     queue_split: bool = False   # one reads what is queued ahead by priority (ev.queued_ahead_hi/_lo)
     at_hop: bool = False        # not static, but each decides from those, the ports at the chunk's
-                                # hop and array entries at keys among them (`Standing.guard`)
+                                # hop and array entries at keys among them (`AtHop`)
+    watch: tuple = ()           # (island, hook, movement) of each hook: `HookSite.before_event`'s args
 
 
 @dataclass(slots=True)
@@ -43,9 +43,18 @@ class Standing:
     repeats: list[Known]        # the decisions these are, whose hits the uses count as
     prefetch: int = 0           # an issue hook's prefetch decision, which the hook site applies
     uses: int = 0
-    hop: int | None = None      # where a plan is `at_hop`: the hop they hold at, ...
-    guard: tuple = ()           # ... while each (entry bytes, start, stop, bytes then) is unchanged
-    watch: tuple = ()           # ... read after the ticks that write them ran (`HookSite.before_event` args)
+
+
+@dataclass(slots=True)
+class AtHop(Standing):
+    """Decisions of an `at_hop` plan: they hold at one hop of the transfer's path, while the
+    map entries they read are unchanged."""
+    hop: int = 0
+    guard: tuple = ()           # (entry bytes, start, stop, their bytes then) each
+    watch: tuple = ()           # what `HookSite.before_event` runs before they are read: the ticks
+
+
+NOTHING = Standing(None, [])    # where no handler acts on a movement at a place (shared: its uses count nothing)
 
 
 @dataclass
@@ -55,14 +64,13 @@ class DecisionCache:
     _settled: list[Standing] = field(default_factory=list)
 
     def stand(self, transfer, island: str, moment: str, decisions: dict | None, repeats: list[Known],
-              prefetch: int = 0, hop: int | None = None, guard: tuple = (), watch: tuple = ()) -> None:
-        """``decisions`` hold for the transfer's later chunks at ``island`` at ``moment`` (at
-        ``hop`` only, while the ``guard`` entries hold, where given)."""
+              prefetch: int = 0, at_hop: tuple | None = None) -> None:
+        """``decisions`` hold for the transfer's later chunks at ``island`` at ``moment`` (where
+        ``at_hop`` is given, (hop, guard, watch): only there, while the entries hold: `AtHop`)."""
         self._holders.add(transfer)
-        s = Standing(decisions, repeats, prefetch, 0, hop, guard, watch)
+        s = AtHop(decisions, repeats, prefetch, 0, *at_hop) if at_hop else Standing(decisions, repeats, prefetch)
         transfer.standing = {**transfer.standing, (island, moment): s}
-        if repeats:
-            self._settled.append(s)
+        self._settled.append(s)
 
     @property
     def standing(self) -> dict[tuple, Standing]:

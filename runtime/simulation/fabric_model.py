@@ -447,5 +447,6 @@ class Fabric:
     def _complete(self, t: Transfer) -> None:
         """The transfer's last chunk has arrived."""
         t.end = self.sim.now
+        t.train = None          # (nothing more to step)
         if t.on_done is not None:
             t.on_done(t)

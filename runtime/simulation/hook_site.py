@@ -11,7 +11,7 @@ from fabric_ext.contract.flows import MovementTable
 from fabric_ext.contract.hooks import firing, hooks_of
 from fabric_ext.contract.topology import island_role
 
-from .decisions import DecisionCache, HookPlan
+from .decisions import NOTHING, AtHop, DecisionCache, HookPlan
 from .dispatch import Known
 from .fabric_model import APPLIED, Fabric, HookSite
 from .figures import figures
@@ -123,7 +123,6 @@ class ShimHookSite(HookSite):
             return standing.decisions
         plan = self._one_hook_plan(island, "issue", t.movement_id)
         if not plan.hooks:
-            self._nothing_stands(t, island, moment)
             return None
         fields = self._chunk_fields(chunk)
         path = chunk.path
@@ -143,7 +142,11 @@ class ShimHookSite(HookSite):
 
     def standing(self, t, island, moment, role=""):
         s = t.standing.get((island, ISSUE_MOMENT[role] if moment == "issue" else moment))
-        return s if s is None or s.hop is None else None     # one that holds at a hop is checked there
+        if s is None:       # where no handler acts on the movement, nothing is decided, for every chunk
+            plan = self._one_hook_plan(island, "issue", t.movement_id) if moment == "issue" else \
+                self._enter_plan(island, t.path, t.movement_id)
+            return NOTHING if not plan.hooks and not self.trace else None
+        return None if s.__class__ is AtHop else s     # one that holds at a hop is checked there
 
     def stood(self, t, island, moment, role, times):
         standing = self.standing(t, island, moment, role)
@@ -184,18 +187,14 @@ class ShimHookSite(HookSite):
         t, path = chunk.transfer, chunk.path
         if path is t.path:          # a decision stands only for the transfer's own path
             standing = t.standing.get((island, "enter"))
-            if standing is not None and (standing.hop is None or self._holds(standing, chunk.hop)):
+            if standing is not None and (standing.__class__ is not AtHop or self._holds(standing, chunk.hop)):
                 standing.uses += 1
                 return standing.decisions
         if island not in self._watching("enter"):
             return None
-        where = (island, path[0], path[-1], t.movement_id)      # the ends say the role
-        plan = self.remembered.plans.get(where) or \
-            self._plan(where, island, self._enter_hooks(island, path[0], path[-1]), t.movement_id)
+        plan = self._enter_plan(island, path, t.movement_id)
         hooks = plan.hooks
         if not hooks:
-            if path is t.path:
-                self._nothing_stands(t, island, "enter")
             return None
         fields = self._chunk_fields(chunk)
         hop = chunk.hop
@@ -222,9 +221,8 @@ class ShimHookSite(HookSite):
             if plan.static:
                 self.remembered.stand(t, island, "enter", merged, each)
             elif plan.at_hop:       # ... at this hop, while the entries read hold
-                self.remembered.stand(t, island, "enter", merged, each, hop=hop,
-                                      guard=self._guard(island, hooks, t.movement_id, fields),
-                                      watch=tuple((island, h, t.movement_id) for h in hooks))
+                self.remembered.stand(t, island, "enter", merged, each, at_hop=(
+                    hop, self._guard(island, hooks, t.movement_id, fields), plan.watch))
         return merged
 
     def _guard(self, island, hooks, movement, fields) -> tuple:
@@ -249,12 +247,6 @@ class ShimHookSite(HookSite):
                 self.before_event(*args)
         return all(values[start:stop] == then for values, start, stop, then in standing.guard)
 
-    def _nothing_stands(self, t, island, moment) -> None:
-        """No handler there acts on the transfer's movement: that holds for all its chunks (plans
-        are kept), and standing, it lets trains step them (`trains`)."""
-        if not self.trace:
-            self.remembered.stand(t, island, moment, None, [])
-
     @staticmethod
     def _queue_fields(fields: dict, server, priority: int, split: bool) -> None:
         """What is queued at the chunk's egress: all of it, and where a handler reads them, the
@@ -276,8 +268,16 @@ class ShimHookSite(HookSite):
         at_hop = not static and all(a.key_fields is not None and HOP_FIELDS.issuperset(a.key_fields)
                                     and all(e[3] is None or e[3] in HOP_FIELDS for e in a.entries) for _, a in acting)
         split = any(a.reads is None or not QUEUE_SPLIT.isdisjoint(a.reads) for _, a in acting)
-        plan = self.remembered.plans[where] = HookPlan(tuple(h for h, _ in acting), static, split, at_hop)
+        hooks = tuple(h for h, _ in acting)
+        plan = self.remembered.plans[where] = HookPlan(hooks, static, split, at_hop,
+                                                       tuple((island, h, movement) for h in hooks))
         return plan
+
+    def _enter_plan(self, island, path, movement) -> HookPlan:
+        """The plan of a chunk on ``path`` entering ``island`` (kept per ends: they say the role)."""
+        where = (island, path[0], path[-1], movement)
+        return self.remembered.plans.get(where) or \
+            self._plan(where, island, self._enter_hooks(island, path[0], path[-1]), movement)
 
     def _one_hook_plan(self, island, hook, movement) -> HookPlan:
         """The plan of an event only ``hook`` of ``island`` fires at (kept, as `_plan`'s)."""
