@@ -62,16 +62,20 @@ END = 420
 
 
 def _three_ports(shim, periods, chunks, **kw):
-    """Three ports (1, 0.5 and 4 bytes per ns) the chunks queue at, a tick source over
-    them, every tick due by END, and the counters sampled just before each."""
+    """Three ports (1, 0.5 and 4 bytes per ns) the chunks queue at (every third a collective's,
+    at its pace), a tick source over them, every tick due by END, and the counters sampled just
+    before each."""
     sim = Sim()
     servers = [Server(sim, f"p{i}", bw) for i, bw in enumerate([1e9, 0.5e9, 4e9])]
     src = TickSource(shim, "sw0", periods, servers, [11, 12, 13], **kw)
     due = sorted({(k * p, p) for p in periods for k in range(1, END // p + 1)})
     samples = _sample_before_ticks(sim, servers, due)
     flow = Transfer("m", 1, "kv", "", "a", "b", 0)
+    collective = Transfer("ar", 2, "activations", "collective", "a", "b", 0)   # every third chunk: at
+    collective.pace, collective.fixed_cost = 0.3e9, False                      # its pace, below the links'
     for i, (t, port, size) in enumerate(chunks):
-        sim.at(t, servers[port].enqueue, Chunk(flow, i, size, ["a", "b"]), lambda c: None)
+        sim.at(t, servers[port].enqueue, Chunk(collective if i % 3 == 2 else flow, i, size, ["a", "b"]),
+               lambda c: None)
     return sim, servers, src, due, samples
 
 
