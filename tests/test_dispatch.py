@@ -358,3 +358,52 @@ def test_a_decision_standing_at_a_hop_sees_the_ticks_before_it(tmp_path, monkeyp
     assert _timeless(standing) == _timeless(asked)
     sw0 = next(i for i in asked["islands"] if i["name"] == "sw0")
     assert 0 < sw0["decisions"]["forward.rate"]["8GB/s"] < sw0["per_hook"]["forward"]    # it flips
+
+
+def test_an_island_is_asked_only_about_the_movements_its_handlers_name(monkeypatch):
+    """The GPUs' issue program acts on KV write-back and the weights: their chunks are asked
+    about as they are issued; the all-reduce's and the KV export's, which no issue handler
+    names, are not (`HookSite.asks` with a movement)."""
+    from fabric_ext.runtime.machine.jit import JitBackend
+    from fabric_ext.runtime.simulation.hook_site import ShimHookSite
+    asked = Counter()
+    on_issue = ShimHookSite.on_issue
+    monkeypatch.setattr(ShimHookSite, "on_issue", lambda self, chunk, island, role:
+                        asked.update([chunk.transfer.name]) or on_issue(self, chunk, island, role))
+    report, eng = run_engine(compiled("prefill_qos"), backend=JitBackend())
+    chunks = Counter()
+    for t in eng.fabric.transfers:
+        chunks[t.name] += t.chunks_total
+    assert chunks["allreduce"] and chunks["kv_export"]
+    assert asked["allreduce"] == asked["kv_export"] == 0
+    assert asked["kv_writeback"] == chunks["kv_writeback"]
+
+
+COMPLETE_ONE = """
+import "fabrics/dgx_cxl.fx"
+workload prefill {
+  model: "llama3-8b"; prompt: 2048; batch: 1; tp: 8
+  weights: pool0; kv: hbm; chunk: 2MiB
+}
+movement attn_weights = weights(attention) : pool0 -> gpu*
+movement ffn_weights  = weights(ffn)       : pool0 -> gpu*
+policy p { on attn_weights.complete at gpu* { prefetch = 3 } }
+"""
+
+
+def test_chunks_of_a_movement_no_complete_handler_names_land_without_an_event(tmp_path, monkeypatch):
+    """A GPU's complete program acts on the attention weights alone: the FFN weights' chunks
+    land without an event of their own, and the run is the same as one that has an event at
+    each of their arrivals, but for its events."""
+    from fabric_ext.runtime.machine.jit import JitBackend
+    from fabric_ext.runtime.simulation.hook_site import ShimHookSite
+    folder = compile_text(tmp_path, COMPLETE_ONE)
+    small = dict(model="llama3-8b", prompt=2048, tp=8)
+    fewer, _ = run_engine(folder, backend=JitBackend(), **small)
+    asks = ShimHookSite.asks
+    monkeypatch.setattr(ShimHookSite, "asks", lambda self, island, moment, movement=None: asks(self, island, moment))
+    every, _ = run_engine(folder, backend=JitBackend(), **small)
+    assert {**_timeless(fewer), "events": 0} == {**_timeless(every), "events": 0}
+    assert fewer["events"] < every["events"]
+    gpu0 = next(i for i in fewer["islands"] if i["name"] == "gpu0")
+    assert gpu0["per_hook"]["complete"] > 0

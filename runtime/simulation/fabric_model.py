@@ -46,9 +46,10 @@ class NoPath(InputError):
 class HookSite:
     """What the fabric asks at decision points; the engine implements it with shims."""
 
-    def asks(self, island: str, moment: str) -> bool:
+    def asks(self, island: str, moment: str, movement: int | None = None) -> bool:
         """Whether the site may act on events at ``island`` at ``moment`` ("issue", "enter",
-        "deliver"): where it does not, the fabric need not ask, nor have an event to."""
+        "deliver"), of ``movement`` where given: where it does not, the fabric need not ask,
+        nor have an event to."""
         return True
 
     def standing(self, transfer: Transfer, island: str, moment: str, role: str = ""):
@@ -248,13 +249,13 @@ class Fabric:
         """The islands at a transfer's ends whose hooks fire at ``moment`` (the catalogue's)
         and that the hook site asks there, with their role: the source first, then the
         destination (the order their programs see its chunks in).  Asked for every chunk, so
-        kept per pair of ends."""
-        key = (t.path[0], t.path[-1], moment)
+        kept per pair of ends and movement."""
+        key = (t.path[0], t.path[-1], moment, t.movement_id)
         if key not in self._ends_of:
             ends = [(key[0], "src")] + ([(key[1], "dst")] if key[1] != key[0] else [])
             self._ends_of[key] = [(isl, role) for isl, role in ((self.device_island.get(e), r) for e, r in ends)
                                   if isl is not None and firing(self.island_kind.get(isl, ""), moment, role)
-                                  and self.hooks.asks(isl, moment)]
+                                  and self.hooks.asks(isl, moment, t.movement_id)]
         return self._ends_of[key]
 
     def _apply(self, chunk: Chunk, island: str, d: dict, now: float, moment: str = "enter") -> float:

@@ -180,8 +180,13 @@ class ShimHookSite(HookSite):
                                             if h.moment == moment)}
         return self._watched[moment]
 
-    def asks(self, island, moment):
-        return island in self._watching(moment)
+    def asks(self, island, moment, movement=None):
+        if island not in self._watching(moment):
+            return False
+        if movement is None or moment == "enter":       # (what fires on entering depends on the path)
+            return True
+        return any(self._one_hook_plan(island, h.name, movement).hooks
+                   for h in hooks_of(self.islands[island]["kind"]).values() if h.moment == moment)
 
     def on_enter(self, chunk, island):
         t, path = chunk.transfer, chunk.path
