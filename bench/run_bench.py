@@ -13,9 +13,10 @@ counted.  Each wall time is the best of --repeat runs, the two kinds taken in tu
 shared machine the speed drifts between runs, and the median beside each best shows how
 much.  Where it drifts too much to tell a few per cent, --instructions also counts each
 run's instructions under valgrind (cachegrind, no cache simulation: about 30x slower), less
-those of a process that only starts up, each the least of --repeat counts: a whole run's
-count varies by about 1 % from run to run (with a fixed hash seed and no address
-randomisation too), far less than its wall time, and it does not see cache misses.
+those of a process that only starts up, each the least of --repeat counts: with a fixed
+hash seed (PYTHONHASHSEED=0) and one BLAS thread (the counted runs have one) a run's count is
+the same to a few hundred instructions from run to run, where its wall time varies by tens
+of per cent; it does not see cache misses.
 
 The JIT keeps compiled programs in an on-disk code cache (runtime/machine/codecache.py), as a
 user's repeated runs do: the bench gives the runs a cache of their own, makes one run with
@@ -59,11 +60,11 @@ def run_once(folder, backend_name, model, prompt, tp, attach) -> tuple[float, di
     return wall, report
 
 
-def _child(folder, backend_name, model, prompt, tp, attach, cache: Path, prefix=()):
+def _child(folder, backend_name, model, prompt, tp, attach, cache: Path, prefix=(), env=None):
     """Run this script as a child that runs one configuration (under ``prefix``, if given)."""
     return subprocess.run([*prefix, sys.executable, __file__, "--one", json.dumps(
         [str(folder), backend_name, model, prompt, tp, attach])], capture_output=True, text=True,
-        env=os.environ | {"FABRIC_EXT_JIT_CACHE": str(cache)})
+        env=os.environ | {"FABRIC_EXT_JIT_CACHE": str(cache)} | (env or {}))
 
 
 def run_fresh(folder, backend_name, model, prompt, tp, attach, cache: Path) -> tuple[float, dict]:
@@ -78,8 +79,11 @@ def run_fresh(folder, backend_name, model, prompt, tp, attach, cache: Path) -> t
 
 def instructions(folder, backend_name, model, prompt, tp, attach, cache: Path) -> int:
     """Instructions one fresh run executes (valgrind's count)."""
+    # one BLAS thread: OpenBLAS's workers spin for a while after numpy's import, and under
+    # valgrind (one thread at a time) their spinning adds 20-100 M instructions to a count
     out = _child(folder, backend_name, model, prompt, tp, attach, cache,
-                 ("valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null"))
+                 ("valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null"),
+                 {"OPENBLAS_NUM_THREADS": "1"})
     found = re.search(r"I\s+refs:\s+([\d,]+)", out.stderr)
     if out.returncode or not found:
         raise SystemExit(f"valgrind run failed ({backend_name} {model}):\n{out.stderr[-2000:]}")
@@ -100,7 +104,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="only the 8B configuration")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each, best taken (default 3)")
     ap.add_argument("--instructions", action="store_true",
-                    help="also count instructions under valgrind (slow; within about 1 %% from run to run)")
+                    help="also count instructions under valgrind (slow; the same from run to run with PYTHONHASHSEED=0)")
     ap.add_argument("--one", help=argparse.SUPPRESS)      # a child: run one configuration
     args = ap.parse_args()
     if args.instructions and not shutil.which("valgrind"):
