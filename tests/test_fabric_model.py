@@ -239,7 +239,7 @@ class Ranker(Recorder):
     """A `Recorder` that acts on nothing at the sink and records no delivery: chunks land
     there without an event."""
 
-    def asks(self, island, moment, movement=None):
+    def asks(self, island, moment, transfer=None):
         return moment == "enter" and island != "sink"
 
     def on_enter(self, chunk, island):
@@ -304,7 +304,7 @@ def test_landing_without_an_event_changes_nothing_but_the_events(spec):
 
 
 class AsksNothing(HookSite):
-    def asks(self, island, moment, movement=None):
+    def asks(self, island, moment, transfer=None):
         return False
 
 
@@ -362,7 +362,7 @@ def test_a_transfer_completes_when_a_chunk_counted_ahead_arrives():
         g.add_edge(a, b, bw=10 * GBps, latency=lat, kind="cxl")
 
     class Split(HookSite):
-        def asks(self, island, moment, movement=None):
+        def asks(self, island, moment, transfer=None):
             return island == "s" and moment == "enter"
 
         def on_enter(self, chunk, island):
@@ -395,7 +395,7 @@ def test_an_arrival_from_another_island_is_asked_though_one_from_inside_landed_q
         def __init__(self):
             self.entered = []
 
-        def asks(self, island, moment, movement=None):
+        def asks(self, island, moment, transfer=None):
             return moment == "enter" and island == "I"
 
         def on_enter(self, chunk, island):
@@ -447,7 +447,7 @@ def test_a_gpu_issue_hook_is_asked_only_where_the_site_asks_there(asking):
         def __init__(self):
             self.seen = 0
 
-        def asks(self, island, moment, movement=None):
+        def asks(self, island, moment, transfer=None):
             return moment != "issue" or asking
 
         def on_issue(self, chunk, island, role):
@@ -505,7 +505,7 @@ class Standing(HookSite):
     def __init__(self, priorities):
         self.priorities, self.asked = priorities, 0
 
-    def asks(self, island, moment, movement=None):
+    def asks(self, island, moment, transfer=None):
         return (moment, island) == ("enter", "sw") or (moment == "issue" and island.startswith("gpu"))
 
     def standing(self, transfer, island, moment, role=""):

@@ -50,11 +50,9 @@ class AtHop(Standing):
     """Decisions of an `at_hop` plan: they hold at one hop of the transfer's path, while the
     map entries they read are unchanged."""
     hop: int = 0
-    guard: tuple = ()           # (entry bytes, start, stop, their bytes then) each
+    guard: tuple = ()           # (the map's values, the entry's span, its bytes then) each
     watch: tuple = ()           # what `HookSite.before_event` runs before they are read: the ticks
 
-
-NOTHING = Standing(None, [])    # where no handler acts on a movement at a place (shared: its uses count nothing)
 
 
 @dataclass
@@ -64,11 +62,12 @@ class DecisionCache:
     _settled: list[Standing] = field(default_factory=list)
 
     def stand(self, transfer, island: str, moment: str, decisions: dict | None, repeats: list[Known],
-              prefetch: int = 0, at_hop: tuple | None = None) -> None:
+              prefetch: int = 0, hop: int | None = None, guard: tuple = (), watch: tuple = ()) -> None:
         """``decisions`` hold for the transfer's later chunks at ``island`` at ``moment`` (where
-        ``at_hop`` is given, (hop, guard, watch): only there, while the entries hold: `AtHop`)."""
+        a ``hop`` is given, only there, while the ``guard`` entries hold: `AtHop`)."""
         self._holders.add(transfer)
-        s = AtHop(decisions, repeats, prefetch, 0, *at_hop) if at_hop else Standing(decisions, repeats, prefetch)
+        s = Standing(decisions, repeats, prefetch) if hop is None else \
+            AtHop(decisions, repeats, prefetch, hop=hop, guard=guard, watch=watch)
         transfer.standing = {**transfer.standing, (island, moment): s}
         self._settled.append(s)
 

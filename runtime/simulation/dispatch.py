@@ -76,10 +76,17 @@ class Acting:
         return list(self.memo.values()) + self.retired
 
 
+def entry_span(fields: dict, size: int, count: int, field: str | None, const: int) -> slice | None:
+    """Where in the map's values the entry a lookup at this key finds lies (None: out of
+    range, the lookup finds nothing)."""
+    index = (fields.get(field, 0) if field is not None else const) & 0xFFFFFFFF
+    return slice(index * size, (index + 1) * size) if index < count else None
+
+
 def _entry(fields: dict, values: memoryview, size: int, count: int, field: str | None, const: int):
     """An array entry's bytes as a lookup at this key would find them (None: out of range)."""
-    index = (fields.get(field, 0) if field is not None else const) & 0xFFFFFFFF
-    return bytes(values[index * size:(index + 1) * size]) if index < count else None
+    span = entry_span(fields, size, count, field, const)
+    return bytes(values[span]) if span is not None else None
 
 
 def acting(hook: str, prog, handlers: list[dict] | None, movement: int | None,

@@ -46,10 +46,10 @@ class NoPath(InputError):
 class HookSite:
     """What the fabric asks at decision points; the engine implements it with shims."""
 
-    def asks(self, island: str, moment: str, movement: int | None = None) -> bool:
+    def asks(self, island: str, moment: str, transfer: Transfer | None = None) -> bool:
         """Whether the site may act on events at ``island`` at ``moment`` ("issue", "enter",
-        "deliver"), of ``movement`` where given: where it does not, the fabric need not ask,
-        nor have an event to."""
+        "deliver"), of ``transfer``'s chunks on its own path where given: where it does not,
+        the fabric need not ask, nor have an event to, and nothing is decided there."""
         return True
 
     def standing(self, transfer: Transfer, island: str, moment: str, role: str = ""):
@@ -255,7 +255,7 @@ class Fabric:
             ends = [(key[0], "src")] + ([(key[1], "dst")] if key[1] != key[0] else [])
             self._ends_of[key] = [(isl, role) for isl, role in ((self.device_island.get(e), r) for e, r in ends)
                                   if isl is not None and firing(self.island_kind.get(isl, ""), moment, role)
-                                  and self.hooks.asks(isl, moment, t.movement_id)]
+                                  and self.hooks.asks(isl, moment, t)]
         return self._ends_of[key]
 
     def _apply(self, chunk: Chunk, island: str, d: dict, now: float, moment: str = "enter") -> float:

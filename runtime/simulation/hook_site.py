@@ -11,8 +11,8 @@ from fabric_ext.contract.flows import MovementTable
 from fabric_ext.contract.hooks import firing, hooks_of
 from fabric_ext.contract.topology import island_role
 
-from .decisions import NOTHING, AtHop, DecisionCache, HookPlan
-from .dispatch import Known
+from .decisions import AtHop, DecisionCache, HookPlan
+from .dispatch import Known, entry_span
 from .fabric_model import APPLIED, Fabric, HookSite
 from .figures import figures
 from .servers import Transfer
@@ -142,10 +142,6 @@ class ShimHookSite(HookSite):
 
     def standing(self, t, island, moment, role=""):
         s = t.standing.get((island, ISSUE_MOMENT[role] if moment == "issue" else moment))
-        if s is None:       # where no handler acts on the movement, nothing is decided, for every chunk
-            plan = self._one_hook_plan(island, "issue", t.movement_id) if moment == "issue" else \
-                self._enter_plan(island, t.path, t.movement_id)
-            return NOTHING if not plan.hooks and not self.trace else None
         return None if s.__class__ is AtHop else s     # one that holds at a hop is checked there
 
     def stood(self, t, island, moment, role, times):
@@ -180,11 +176,14 @@ class ShimHookSite(HookSite):
                                             if h.moment == moment)}
         return self._watched[moment]
 
-    def asks(self, island, moment, movement=None):
+    def asks(self, island, moment, transfer=None):
         if island not in self._watching(moment):
             return False
-        if movement is None or moment == "enter":       # (what fires on entering depends on the path)
+        if transfer is None:
             return True
+        movement = transfer.movement_id     # the plans say whether a handler there names it
+        if moment == "enter":
+            return bool(self._enter_plan(island, transfer.path, movement).hooks)
         return any(self._one_hook_plan(island, h.name, movement).hooks
                    for h in hooks_of(self.islands[island]["kind"]).values() if h.moment == moment)
 
@@ -226,20 +225,20 @@ class ShimHookSite(HookSite):
             if plan.static:
                 self.remembered.stand(t, island, "enter", merged, each)
             elif plan.at_hop:       # ... at this hop, while the entries read hold
-                self.remembered.stand(t, island, "enter", merged, each, at_hop=(
-                    hop, self._guard(island, hooks, t.movement_id, fields), plan.watch))
+                self.remembered.stand(t, island, "enter", merged, each, hop=hop,
+                                      guard=self._guard(island, hooks, t.movement_id, fields), watch=plan.watch)
         return merged
 
     def _guard(self, island, hooks, movement, fields) -> tuple:
         """The array entries the hooks' decisions for these fields depend on, as (the map's
-        bytes, start, stop, their bytes now)."""
+        values, the entry's span, its bytes now); one out of range finds nothing, whatever the
+        map holds."""
         guard = []
         for h in hooks:
-            for values, size, count, field, const in self.shims[island].acting(h, movement).entries:
-                index = (fields.get(field, 0) if field is not None else const) & 0xFFFFFFFF
-                if index < count:       # (out of range, a lookup finds nothing, whatever the map holds)
-                    start = index * size
-                    guard.append((values, start, start + size, bytes(values[start:start + size])))
+            for values, *entry in self.shims[island].acting(h, movement).entries:
+                span = entry_span(fields, *entry)
+                if span is not None:
+                    guard.append((values, span, bytes(values[span])))
         return tuple(guard)
 
     def _holds(self, standing, hop) -> bool:
@@ -250,7 +249,7 @@ class ShimHookSite(HookSite):
         if self.before_event is not None:
             for args in standing.watch:
                 self.before_event(*args)
-        return all(values[start:stop] == then for values, start, stop, then in standing.guard)
+        return all(values[span] == then for values, span, then in standing.guard)
 
     @staticmethod
     def _queue_fields(fields: dict, server, priority: int, split: bool) -> None:

@@ -238,9 +238,14 @@ class Server:
     def _transmit(self, chunk: Chunk, done, handed_on) -> None:
         end = self._send(chunk)
         if handed_on is not None and not self.classes and not self.per_chunk_events and handed_on(chunk, end):
-            self.busy, self.free_at, self.free_place = False, end, self.sim.place()
+            self._hand_off(end)
         else:
             self.sim.at(end, self._finish, chunk, done)
+
+    def _hand_off(self, end: float) -> None:
+        """The link is done with the chunk it sends as it starts: idle, free at ``end``, and a
+        chunk queued later starts there in the place its finish event would have had."""
+        self.busy, self.free_at, self.free_place = False, end, self.sim.place()
 
     def _send(self, chunk: Chunk) -> float:
         """Put the chunk on the link; returns the end of its transmission."""

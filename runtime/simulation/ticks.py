@@ -38,7 +38,7 @@ def _after(flat, i: int, x: float, stop: bool) -> int:
     sends one chunk at a time, so both its starts and its stops rise."""
     col = 1 if stop else 0
     keys = range(i, len(flat) // 3)
-    if not keys or (flat[3 * i + col] > x if stop else flat[3 * i] >= x):
+    if not keys or (flat[3 * i + col] > x if stop else flat[3 * i + col] >= x):
         return i            # the usual case: a catch-up moves on by a few transmissions
     find = bisect.bisect_right if stop else bisect.bisect_left
     return i + find(keys, x, key=lambda j: flat[3 * j + col])

@@ -149,8 +149,10 @@ class Trains:
         if island != fabric.device_island.get(path[1]) or not fabric._nothing_asked(t, path[2], island) \
                 or link.on_dequeue is not None:
             return None
-        entering = self._answer(t, island, "enter") if island is not None else {}
-        ends = fabric._ends(t, "issue")
+        entering = {}       # where the site asks nothing about its chunks, nothing is decided
+        if island is not None and self.hooks.asks(island, "enter", t):
+            entering = self._answer(t, island, "enter")
+        ends = fabric._ends(t, "issue")     # (the islands the site asks about its chunks there)
         issuing = [self._answer(t, isl, "issue", role) for isl, role in ends] if t.issued < t.chunks_total else []
         if entering is None or None in issuing:
             return None
@@ -162,11 +164,10 @@ class Trains:
 
     def _answer(self, t, island, moment, role="") -> dict | None:
         """What asking at ``island`` for a chunk of ``t`` gives where no program runs and a
-        priority at most comes back: what stands, or {} where the site asks nothing there;
-        None otherwise."""
+        priority at most comes back: what stands; None otherwise."""
         s = self.hooks.standing(t, island, moment, role)
         if s is None:
-            return None if self.hooks.asks(island, moment) else {}
+            return None
         if s.decisions and not s.decisions.keys() <= PRIORITY_ONLY:
             return None
         return s.decisions or {}
@@ -214,7 +215,7 @@ class Trains:
         nxt, done, handed_on = picked
         end = server._send(nxt)
         if handed_on is not None and not server.classes and handed_on(nxt, end):
-            server.busy, server.free_at, server.free_place = False, end, sim.place()
+            server._hand_off(end)
             return None
         return end, sim.place(), nxt, done
 
@@ -226,4 +227,4 @@ class Trains:
         link._admit(chunk)
         end = link._send(chunk)
         self.fabric._landed(chunk, self.fabric._leave(chunk, end))
-        link.busy, link.free_at, link.free_place = False, end, self.sim.place()
+        link._hand_off(end)
