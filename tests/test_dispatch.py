@@ -363,7 +363,7 @@ def test_a_decision_standing_at_a_hop_sees_the_ticks_before_it(tmp_path, monkeyp
 def test_an_island_is_asked_only_about_the_movements_its_handlers_name(monkeypatch):
     """The GPUs' issue program acts on KV write-back and the weights: their chunks are asked
     about as they are issued; the all-reduce's and the KV export's, which no issue handler
-    names, are not (`HookSite.asks` with a movement)."""
+    names, are not (`HookSite.asks` given the transfer)."""
     from fabric_ext.runtime.machine.jit import JitBackend
     from fabric_ext.runtime.simulation.hook_site import ShimHookSite
     asked = Counter()
@@ -401,9 +401,40 @@ def test_chunks_of_a_movement_no_complete_handler_names_land_without_an_event(tm
     small = dict(model="llama3-8b", prompt=2048, tp=8)
     fewer, _ = run_engine(folder, backend=JitBackend(), **small)
     asks = ShimHookSite.asks
-    monkeypatch.setattr(ShimHookSite, "asks", lambda self, island, moment, movement=None: asks(self, island, moment))
+    monkeypatch.setattr(ShimHookSite, "asks", lambda self, island, moment, transfer=None: asks(self, island, moment))
     every, _ = run_engine(folder, backend=JitBackend(), **small)
     assert {**_timeless(fewer), "events": 0} == {**_timeless(every), "events": 0}
     assert fewer["events"] < every["events"]
     gpu0 = next(i for i in fewer["islands"] if i["name"] == "gpu0")
     assert gpu0["per_hook"]["complete"] > 0
+
+
+def test_a_decision_that_holds_at_a_hop_is_not_taken_at_another(monkeypatch):
+    """A KV write-back transfer's decision at the switch holds at the hop it was made at: a
+    chunk of the transfer meeting the switch at another hop of its path asks the program."""
+    from fabric_ext.runtime.machine.jit import JitBackend
+    from fabric_ext.runtime.simulation.decisions import AtHop
+    from fabric_ext.runtime.simulation.servers import Chunk
+    from fabric_ext.runtime.simulation.shims import Shim
+    report, eng = run_engine(compiled("prefill_qos"), backend=JitBackend(), prompt=8192, tp=8)
+    t = next(t for t in eng.fabric.transfers if isinstance(t.standing.get(("sw0", "enter")), AtHop))
+    eng.site.before_event = None                # the run is over: no ticks to catch up
+    asked = Counter()
+    decide = Shim.decide
+    monkeypatch.setattr(Shim, "decide", lambda self, hook, fields, now=0.0:
+                        asked.update([fields["hop"]]) or decide(self, hook, fields, now))
+    assert t.standing["sw0", "enter"].hop == 1
+    for hop in (1, 2):
+        chunk = Chunk(t, 0, 2 << 20, t.path)
+        chunk.hop = hop
+        eng.site.on_enter(chunk, "sw0")
+    assert asked == {2: 1}
+
+
+def test_a_finished_transfer_keeps_no_train_flow():
+    """What trains work out for a transfer (`Transfer.train`) goes with it when it completes:
+    a run holds it only for transfers still moving."""
+    from fabric_ext.runtime.machine.jit import JitBackend
+    report, eng = run_engine(compiled("prefill_qos"), backend=JitBackend(), prompt=8192, tp=8)
+    assert eng.fabric.trains.steps
+    assert all(t.train is None for t in eng.fabric.transfers if t.chunks_done == t.chunks_total)
