@@ -61,10 +61,13 @@ def run_once(folder, backend_name, model, prompt, tp, attach) -> tuple[float, di
 
 
 def _child(folder, backend_name, model, prompt, tp, attach, cache: Path, prefix=(), env=None):
-    """Run this script as a child that runs one configuration (under ``prefix``, if given)."""
+    """Run this script as a child that runs one configuration (under ``prefix``, if given).
+    Its bytecode caches are the bench's own: stale ones beside the sources (from before an
+    edit) would have it compile some modules again and count that."""
     return subprocess.run([*prefix, sys.executable, __file__, "--one", json.dumps(
         [str(folder), backend_name, model, prompt, tp, attach])], capture_output=True, text=True,
-        env=os.environ | {"FABRIC_EXT_JIT_CACHE": str(cache)} | (env or {}))
+        env=os.environ | {"FABRIC_EXT_JIT_CACHE": str(cache), "PYTHONPYCACHEPREFIX": str(cache.parent / "pycache")}
+        | (env or {}))
 
 
 def run_fresh(folder, backend_name, model, prompt, tp, attach, cache: Path) -> tuple[float, dict]:
