@@ -524,6 +524,8 @@ class Standing(HookSite):
 
 
 class Decided:
+    watched = False
+
     def __init__(self, decisions):
         self.decisions = decisions
 

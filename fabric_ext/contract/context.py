@@ -163,6 +163,27 @@ class ContextCodec:
             _pack_into(many[0], buf, 0, flat, many[1])
         return np.frombuffer(buf, dtype=np.uint8).reshape(n, size)
 
+    def stamp(self, fixed: dict[str, int], varying: tuple[str, ...]):
+        """A function of the ``varying`` fields' values (in that order) that returns the context,
+        as bytes, with those and the ``fixed`` fields (inputs only) and every decision at its
+        default: for many contexts that differ in a few fields.  Fields the hook lacks are ignored."""
+        names = tuple(fixed) + tuple(v for v in varying if v not in fixed)
+        plan = self._fills[names] if names in self._fills else self._fill_plan(names)
+        if plan is None:
+            raise ValueError(f"{self.hook.name}: a decision among the fields {names}")
+        st, getter, masks, order = plan
+        values = list(getter({**fixed, **dict.fromkeys(varying, 0)}) + self._dec_defaults)
+        at = [(i, order.index(v)) for i, v in enumerate(varying) if v in order]
+
+        def make(*given) -> bytes:
+            for i, k in at:
+                values[k] = given[i]
+            try:
+                return st.pack(*values)
+            except struct.error:       # as `_pack_into`
+                return st.pack(*[int(v) & m for v, m in zip(values, masks)])
+        return make
+
     def changed_many(self, rows: np.ndarray) -> list[dict[str, int] | None]:
         """`changed` for every row of a batch (None where nothing changed)."""
         if not self._decisions:

@@ -43,6 +43,7 @@ class Standing:
     repeats: list[Known]        # the decisions these are, whose hits the uses count as
     prefetch: int = 0           # an issue hook's prefetch decision, which the hook site applies
     uses: int = 0
+    watched = False             # (`Watched`: each chunk that takes it is given to programs)
 
 
 @dataclass(slots=True)
@@ -55,21 +56,29 @@ class AtHop(Standing):
 
 
 
+@dataclass(slots=True)
+class Watched(Standing):
+    """Nothing decided, for every chunk: the hooks' programs only watch (`shims.mark_observers`).
+    Each chunk that takes it at its hop is still given to them (`ShimHookSite.on_enter`), which
+    keeps its context for their next batch."""
+    hop: int = 0
+    split: bool = False         # a handler reads what is queued ahead by priority
+    queue: object = None        # where the chunks queue on from the hop (`servers.Server`; None: nowhere)
+    stamps: tuple = ()          # (shim, hook, the hook's contexts at the hop: `ContextCodec.stamp`) each
+    watched = True
+
+
 @dataclass
 class DecisionCache:
     plans: dict[tuple, HookPlan] = field(default_factory=dict)
     _holders: set = field(default_factory=set)         # the transfers with standing decisions
     _settled: list[Standing] = field(default_factory=list)
 
-    def stand(self, transfer, island: str, moment: str, decisions: dict | None, repeats: list[Known],
-              prefetch: int = 0, hop: int | None = None, guard: tuple = (), watch: tuple = ()) -> None:
-        """``decisions`` hold for the transfer's later chunks at ``island`` at ``moment`` (where
-        a ``hop`` is given, only there, while the ``guard`` entries hold: `AtHop`)."""
+    def stand(self, transfer, island: str, moment: str, standing: Standing) -> None:
+        """``standing`` holds for the transfer's later chunks at ``island`` at ``moment``."""
         self._holders.add(transfer)
-        s = Standing(decisions, repeats, prefetch) if hop is None else \
-            AtHop(decisions, repeats, prefetch, hop=hop, guard=guard, watch=watch)
-        transfer.standing = {**transfer.standing, (island, moment): s}
-        self._settled.append(s)
+        transfer.standing = {**transfer.standing, (island, moment): standing}
+        self._settled.append(standing)
 
     @property
     def standing(self) -> dict[tuple, Standing]:

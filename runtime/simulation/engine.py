@@ -23,7 +23,7 @@ from .fabric_model import Fabric
 from .figures import default, figures
 from .hook_site import ShimHookSite
 from .prefill import Prefill, Progress  # noqa: F401  (Progress: what RunOptions.progress is called with)
-from .shims import SHIMS
+from .shims import SHIMS, mark_observers
 from .sim import DEFAULT_MAX_EVENTS, Sim
 from .stats import RunRecord
 from .ticks import BLOCK, TickSource, catch_up_together
@@ -72,6 +72,7 @@ class RunOptions:
     eager_ticks: bool = False        # run each tick at its time instead of lazily (tests compare the two)
     per_chunk_events: bool = False   # an event at every end of transmission and every arrival (`fabric_model`)
     trains: bool = True              # servers' round robin over copy engines stepped ahead in one event (`trains`)
+    lazy_observers: bool = True      # programs that only watch run in batches (`shims.mark_observers`)
     max_events: int | None = DEFAULT_MAX_EVENTS   # a run that passes this many events stops (None: no limit)
     stack: str | None = None         # serving-stack profile (figures.json "stacks"), else the workload's
     context_tracer: object = None    # callable(island, hook, ctx bytes) for every event a program acts on
@@ -100,6 +101,8 @@ class Engine:
                 if any(p["island"] == name for p in manifest["programs"]):
                     shim.load(artifacts, manifest, maps)
                 self.shims[name] = shim
+            if opts.lazy_observers:
+                mark_observers(self.shims)
         self.gpus = self._gpus()
         self.site = ShimHookSite(manifest, self.shims, self.sim, self.workload.transfer_chunk,
                                  {g: self.workload.prefetch for g in self.gpus}, opts.trace)
@@ -300,6 +303,8 @@ class Engine:
         if self.prefill.finished is None:
             raise RuntimeError("the prefill did not finish: a transfer never completed")
         self._catch_up(self.ticks, self.prefill.finished)
+        for shim in self.shims.values():
+            shim.flush()
 
     def _prefill_finished(self, t: float) -> None:
         for tick in self.ticks:
@@ -315,6 +320,8 @@ class Engine:
     def record(self) -> RunRecord:
         """What the run hands its report and trace (`stats.RunRecord`)."""
         self.site.remembered.settle()      # the chunks standing decisions served
+        for shim in self.shims.values():    # (a run stopped early: what observers were given)
+            shim.flush()
         servers = list(dict.fromkeys([*self.fabric.servers.values(), *self.fabric.wires.values()]))
         attached = self.opts.attach
         return RunRecord(

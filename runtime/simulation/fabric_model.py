@@ -55,8 +55,9 @@ class HookSite:
     def standing(self, transfer: Transfer, island: str, moment: str, role: str = ""):
         """What holds for every chunk of ``transfer`` at ``island`` at ``moment`` ("issue", with
         the island's role there, or "enter") with no program run: an object with the
-        ``decisions`` (None, or a read-only dict) that asking gives.  None: the site must
-        be asked."""
+        ``decisions`` (None, or a read-only dict) that asking gives, and ``watched``: True where
+        programs there watch each chunk, so each must still be shown to the site (`on_enter`),
+        which takes what stands.  None: the site must be asked."""
         return None
 
     def stands_for(self, transfer: Transfer) -> object:

@@ -11,11 +11,12 @@ from fabric_ext.contract.flows import MovementTable
 from fabric_ext.contract.hooks import firing, hooks_of
 from fabric_ext.contract.topology import island_role
 
-from .decisions import AtHop, DecisionCache, HookPlan
+from .decisions import AtHop, DecisionCache, HookPlan, Standing, Watched
 from .dispatch import Known, entry_span
 from .fabric_model import APPLIED, Fabric, HookSite
 from .figures import figures
 from .servers import Transfer
+from .shims import OBSERVED
 
 # context fields that are the same for every chunk of a transfer (`Transfer.ctx` holds their values)
 TRANSFER_FIELDS = ("movement", "class", "operator", "src", "dst", "layer", "critical")
@@ -25,6 +26,9 @@ ISSUE_MOMENT = {"src": "issue/src", "dst": "issue/dst"}
 HOP_FIELDS = frozenset(TRANSFER_FIELDS) | {"in_port", "out_port"}
 # context fields counted only for a handler that reads them (`ShimHookSite._queue_fields`)
 QUEUE_SPLIT = frozenset({"queued_ahead_hi", "queued_ahead_lo"})
+# the fields of a chunk entering an island that differ between a transfer's chunks at one hop,
+# in the order `ShimHookSite._show` gives them
+PER_CHUNK = ("now", "chunk", "bytes", "queue_bytes", "queued_ahead_hi", "queued_ahead_lo")
 
 
 class ShimHookSite(HookSite):
@@ -134,7 +138,7 @@ class ShimHookSite(HookSite):
             return None
         applied = self._issued(island, known.decisions, t.movement_id)
         if plan.static and not self.trace and known.kept:    # the same for every chunk of the transfer
-            self.remembered.stand(t, island, moment, applied, [known], known.decisions.get("prefetch", 0))
+            self.remembered.stand(t, island, moment, Standing(applied, [known], known.decisions.get("prefetch", 0)))
         return applied
 
     def stands_for(self, t):
@@ -191,26 +195,21 @@ class ShimHookSite(HookSite):
         t, path = chunk.transfer, chunk.path
         if path is t.path:          # a decision stands only for the transfer's own path
             standing = t.standing.get((island, "enter"))
-            if standing is not None and (standing.__class__ is not AtHop or self._holds(standing, chunk.hop)):
-                standing.uses += 1
-                return standing.decisions
+            if standing is not None:
+                if standing.__class__ is Watched:
+                    if standing.hop == chunk.hop:
+                        self._show(standing, chunk)
+                        return standing.decisions
+                elif standing.__class__ is not AtHop or self._holds(standing, chunk.hop):
+                    standing.uses += 1
+                    return standing.decisions
         if island not in self._watching("enter"):
             return None
         plan = self._enter_plan(island, path, t.movement_id)
         hooks = plan.hooks
         if not hooks:
             return None
-        fields = self._chunk_fields(chunk)
-        hop = chunk.hop
-        fabric, dev = self.fabric, path[hop]
-        fields["in_port"] = fabric.port_index(dev, path[hop - 1]) if hop else 0
-        fields["out_port"] = fabric.port_index(dev, path[hop + 1]) if hop + 1 < len(path) else 0
-        if hop + 1 < len(path):
-            self._queue_fields(fields, fabric.server(dev, path[hop + 1]), chunk.priority, plan.queue_split)
-        elif dev in fabric.wires:
-            self._queue_fields(fields, fabric.wires[dev], chunk.priority, plan.queue_split)
-        if "mem_access" in hooks:
-            fields["write"] = int(self.devices[path[-1]]["kind"] == "cxl_mem")
+        fields = self._enter_fields(chunk, plan)
         each = [self.decide(island, h, fields) for h in hooks]
         if len(each) == 1:          # read-only, like every Known's decisions
             merged = each[0].decisions if each[0] is not None else {}
@@ -220,14 +219,57 @@ class ShimHookSite(HookSite):
                 if known is not None:
                     merged.update(known.decisions)
         merged = self._devices(merged)
-        if path is t.path and not self.trace and all(k is not None and k.kept for k in each):
+        if path is t.path and not self.trace and all(k is OBSERVED for k in each):
+            # nothing decided for any chunk of this transfer here; programs watch each one
+            self.remembered.stand(t, island, "enter", self._watched_at_hop(island, plan, chunk, fields))
+        elif path is t.path and not self.trace and all(k is not None and k.kept for k in each):
             # the same for every chunk of this transfer here (None: the program faulted) ...
             if plan.static:
-                self.remembered.stand(t, island, "enter", merged, each)
+                self.remembered.stand(t, island, "enter", Standing(merged, each))
             elif plan.at_hop:       # ... at this hop, while the entries read hold
-                self.remembered.stand(t, island, "enter", merged, each, hop=hop,
-                                      guard=self._guard(island, hooks, t.movement_id, fields), watch=plan.watch)
+                self.remembered.stand(t, island, "enter", AtHop(
+                    merged, each, hop=chunk.hop, guard=self._guard(island, hooks, t.movement_id, fields),
+                    watch=plan.watch))
         return merged
+
+    def _enter_fields(self, chunk, plan: HookPlan) -> dict:
+        """The context fields of a chunk entering the island at its hop, for the plan's hooks."""
+        fields = self._chunk_fields(chunk)
+        path, hop = chunk.path, chunk.hop
+        fabric, dev = self.fabric, path[hop]
+        fields["in_port"] = fabric.port_index(dev, path[hop - 1]) if hop else 0
+        fields["out_port"] = fabric.port_index(dev, path[hop + 1]) if hop + 1 < len(path) else 0
+        queue = self._egress(chunk)
+        if queue is not None:
+            self._queue_fields(fields, queue, chunk.priority, plan.queue_split)
+        if "mem_access" in plan.hooks:
+            fields["write"] = int(self.devices[path[-1]]["kind"] == "cxl_mem")
+        return fields
+
+    def _egress(self, chunk):
+        """Where the chunk queues on from its hop (None: nowhere)."""
+        path, hop = chunk.path, chunk.hop
+        if hop + 1 < len(path):
+            return self.fabric.server(path[hop], path[hop + 1])
+        return self.fabric.wires.get(path[hop])
+
+    def _watched_at_hop(self, island, plan: HookPlan, chunk, fields: dict) -> Watched:
+        """What stands for a transfer whose chunks only programs that watch act on at its hop:
+        the contexts of its chunks there, made from these fields less those of each chunk."""
+        shim = self.shims[island]
+        fixed = {k: v for k, v in fields.items() if k not in PER_CHUNK}
+        return Watched({}, [], hop=chunk.hop, split=plan.queue_split, queue=self._egress(chunk),
+                       stamps=tuple((shim, h, shim.codecs[h].stamp(fixed, PER_CHUNK)) for h in plan.hooks))
+
+    def _show(self, standing: Watched, chunk) -> None:
+        """Give a chunk to the programs that watch it (`Watched`): its context as `_enter_fields`
+        would make it, kept for their next batch."""
+        now, queue = self.sim.now, standing.queue
+        queued = queue.queued_bytes if queue is not None else 0
+        above = queue.queued_above(chunk.priority) if standing.split and queue is not None else 0
+        below = queued - above if standing.split else 0
+        for shim, hook, stamp in standing.stamps:
+            shim.keep(hook, stamp(int(now), chunk.index, chunk.bytes, queued, above, below), now)
 
     def _guard(self, island, hooks, movement, fields) -> tuple:
         """The array entries the hooks' decisions for these fields depend on, as (the map's

@@ -8,18 +8,34 @@ island's ``.bpftime.json`` handler table, as ``bpftimetool import`` would;
 run on whatever VM backend they are given.  A program that faults at run time
 is detached from its hook, the island's defaults apply from then on, and the
 fault is recorded for the report.
+
+A program that only watches (an *observer*: `mark_observers`) is not run at its events: the
+shim keeps each event's context and runs them later, in order, in one batch (`Shim.flush`),
+since nothing in the run can tell when it ran.
 """
 from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
 
+import numpy as np
+
 from fabric_ext.contract.bundle import island_programs
 from fabric_ext.contract.context import ContextCodec
 from fabric_ext.contract.hooks import HOOKS
 
+from ..machine import helpers as H
+from ..machine.errors import InputError
+from ..machine.isa import CALL, JMP, PSEUDO_MAP_FD, PSEUDO_MAP_VALUE
 from ..machine.program import Program, VMFault
 from .dispatch import Acting, Known, acting
+
+# helpers whose effect reaches no further than the program's own maps and does not depend on
+# when the program runs: an observer calls only these (`mark_observers`)
+ORDER_FREE = frozenset({H.MAP_LOOKUP_ELEM, H.MAP_UPDATE_ELEM, H.MAP_DELETE_ELEM, H.GET_SMP_PROCESSOR_ID,
+                        H.RINGBUF_OUTPUT, H.RINGBUF_RESERVE, H.RINGBUF_SUBMIT, H.RINGBUF_DISCARD})
+PENDING_ROWS = 4096     # an observer's events kept before they run (`Shim.flush`): a bound on memory
+OBSERVED = Known({}, kept=False)    # what an observer decides for any event: nothing
 
 
 class Shim:
@@ -42,6 +58,9 @@ class Shim:
         # called with (island, hook, context bytes) for every event a program acts on, before a
         # remembered decision may serve it (a benchmark records what the programs see)
         self.tracer = None
+        # observers' events not run yet (`observe`): hook -> (their contexts, one after another;
+        # the time of each)
+        self.pending: dict[str, tuple[bytearray, list[float]]] = {}
 
     # -- loading ------------------------------------------------------------------------
     def load(self, artifacts, manifest: dict, maps: dict) -> None:
@@ -62,10 +81,35 @@ class Shim:
         self.handles[hook] = self.backend.load(prog)
 
     def detach(self, hook: str) -> None:
+        self.flush(hook)        # what it was given to watch before it went
+        self.pending.pop(hook, None)
         self.programs.pop(hook, None)
         self.handles.pop(hook, None)
         if self.on_detach is not None:      # decisions callers remember from before no longer hold
             self.on_detach(self.island)
+
+    def observe(self, hook: str) -> None:
+        """Run ``hook``'s program in batches from now on (`mark_observers` says which may)."""
+        self.pending.setdefault(hook, (bytearray(), []))
+
+    def flush(self, hook: str | None = None) -> None:
+        """Run the events an observer (every observer, with no ``hook``) was given and has not
+        run yet, in order, in one batch each.  Its manifest says it decides nothing: a
+        decision in the contexts after the batch means the bundle does not hold together."""
+        for h in [hook] if hook is not None else list(self.pending):
+            rows, times = self.pending.get(h, (None, None))
+            if not times:
+                continue
+            self.pending[h] = (bytearray(), [])
+            codec = self.codecs[h]
+            ctxs = np.frombuffer(rows, dtype=np.uint8).reshape(len(times), codec.size)
+            ran = self._run_batch(h, ctxs, times.__getitem__)
+            for row, changed in enumerate(codec.changed_many(ctxs[:ran])):
+                if changed:
+                    raise InputError(
+                        f"{self.island}.{h}: its program decided {changed} for the event at "
+                        f"{times[row]:.0f} ns, where the manifest's handler list says it decides "
+                        "nothing; the bundle does not hold together: compile it again with fabricc")
 
     def has(self, hook: str) -> bool:
         return hook in self.handles
@@ -95,6 +139,9 @@ class Shim:
         act = self.acting(hook, fields.get("movement")) if handle is not None else None
         if act is None:
             return None
+        if hook in self.pending:        # an observer: it runs with the next batch
+            self.keep(hook, self.codecs[hook].fill(fields), now)
+            return OBSERVED
         if self.tracer is not None:
             self.tracer(self.island, hook, bytes(self.codecs[hook].fill(fields)))
         key = act.key(fields)
@@ -117,6 +164,19 @@ class Shim:
         self._count(hook, changed)
         return act.remember(key, changed) or Known(changed, kept=False)
 
+    def keep(self, hook: str, ctx, now: float) -> None:
+        """An event of an observer on ``hook`` (as its context): kept for the next batch."""
+        pending = self.pending.get(hook)
+        if pending is None:             # detached since
+            return
+        if self.tracer is not None:
+            self.tracer(self.island, hook, bytes(ctx))
+        rows, times = pending
+        rows += ctx
+        times.append(now)
+        if len(times) >= PENDING_ROWS:
+            self.flush(hook)
+
     def pass_over(self, hook: str, n: int) -> None:
         """Count n events not run because the runs after them overwrite all they would do."""
         self.passed[hook] += n
@@ -129,12 +189,15 @@ class Shim:
         """Run the program on ``hook`` over a 2-D uint8 array of contexts, in order and in
         place, in one native call where the backend has one; returns the rows run (all of
         them unless the program faulted; ``row_time(row)`` is when the faulting event was)."""
+        if self.tracer is not None and hook in self.handles:
+            for row in ctxs:
+                self.tracer(self.island, hook, row.tobytes())
+        return self._run_batch(hook, ctxs, row_time)
+
+    def _run_batch(self, hook: str, ctxs, row_time) -> int:
         handle = self.handles.get(hook)
         if handle is None:
             return 0
-        if self.tracer is not None:
-            for row in ctxs:
-                self.tracer(self.island, hook, row.tobytes())
         t0 = time.perf_counter_ns()
         n = ran = len(ctxs)
         try:
@@ -176,6 +239,32 @@ class Shim:
                 "ns_per_invocation": round(sum(self.ns.values()) / n) if n else 0,
                 "decisions": {f"{h}.{k}": {label(h, k, v): c for v, c in sorted(cnt.items()) if c}
                               for (h, k), cnt in sorted(decisions.items()) if any(cnt.values())}}
+
+
+def mark_observers(shims: dict[str, Shim]) -> None:
+    """Make every program that only watches an observer (`Shim.observe`), where nothing in the
+    run could tell when it ran: each of its handlers decides nothing (the manifest's list:
+    `Shim.flush` checks it), it calls only `ORDER_FREE` helpers, and no other program touches
+    its maps.  Ticks batch themselves (`ticks.py`)."""
+    programs = [(shim, hook, prog, _maps_used(prog)) for shim in shims.values() for hook, prog in shim.programs.items()]
+    users = Counter(name for *_, used in programs for name in used)
+    for shim, hook, prog, used in programs:
+        handlers = shim.handlers.get(hook)
+        if hook != "tick" and handlers and all(h.get("decides") == {} for h in handlers) \
+                and all(users[name] == 1 for name in used) and _helpers(prog) <= ORDER_FREE:
+            shim.observe(hook)
+
+
+def _helpers(prog: Program) -> set[int]:
+    return {ins.imm for ins in prog.insns if ins.opcode == JMP | CALL and ins.src == 0}
+
+
+def _maps_used(prog: Program) -> set[str]:
+    """The maps the program's code names (an object's programs share its map list; the
+    verifier checked each index): a map is reached only through a handle or value address
+    loaded by ``lddw``."""
+    return {prog.maps[ins.imm].name
+            for ins in prog.insns if ins.is_lddw and ins.src in (PSEUDO_MAP_FD, PSEUDO_MAP_VALUE)}
 
 
 class BpftimeShim(Shim):

@@ -42,6 +42,7 @@ class _Flow:
     engine: object              # the copy engine its chunks are issued to (`Fabric._issue`)
     enter: str | None           # the island its chunks enter as its engine takes them (None: none)
     enter_priority: int | None  # what stands there: the chunk's priority (None: none)
+    watched: bool               # ... nothing, but programs watch: each chunk is given to them there
     ends: list                  # (island, role) asked as a chunk is issued, where answers stand
     issue_priority: int | None  # ... the priority they give (None: none)
     entered: int = 0            # chunks entered in this train
@@ -149,23 +150,25 @@ class Trains:
         if island != fabric.device_island.get(path[1]) or not fabric._nothing_asked(t, path[2], island) \
                 or link.on_dequeue is not None:
             return None
-        entering = {}       # where the site asks nothing about its chunks, nothing is decided
+        entering, watched = {}, False    # where the site asks nothing about its chunks, nothing is decided
         if island is not None and self.hooks.asks(island, "enter", t):
-            entering = self._answer(t, island, "enter")
+            standing = self.hooks.standing(t, island, "enter")
+            entering, watched = self._answer(standing), standing is not None and standing.watched
         ends = fabric._ends(t, "issue")     # (the islands the site asks about its chunks there)
-        issuing = [self._answer(t, isl, "issue", role) for isl, role in ends] if t.issued < t.chunks_total else []
+        issuing = [self._answer(self.hooks.standing(t, isl, "issue", role)) for isl, role in ends] \
+            if t.issued < t.chunks_total else []
         if entering is None or None in issuing:
             return None
         issue_priority = None
         for answer in issuing:          # the last end's word holds (`Fabric._issue`)
             issue_priority = answer.get("priority", issue_priority)
         return _Flow(t, fabric.servers[path[0], path[1]], link, t.engine(CLASS_STREAM.get(t.cls, 1)), island,
-                     entering.get("priority"), ends, issue_priority)
+                     entering.get("priority"), watched, ends, issue_priority)
 
-    def _answer(self, t, island, moment, role="") -> dict | None:
-        """What asking at ``island`` for a chunk of ``t`` gives where no program runs and a
-        priority at most comes back: what stands; None otherwise."""
-        s = self.hooks.standing(t, island, moment, role)
+    @staticmethod
+    def _answer(s) -> dict | None:
+        """What asking gives where ``s`` stands (`HookSite.standing`) and a priority at most comes
+        back; None otherwise."""
         if s is None:
             return None
         if s.decisions and not s.decisions.keys() <= PRIORITY_ONLY:
@@ -187,7 +190,10 @@ class Trains:
         self._told[flow] = None
         if flow.enter is not None:      # asking there takes what stands (`HookSite.stood`)
             taken.island = flow.enter
-            flow.entered += 1
+            if flow.watched:            # ... and gives the chunk to the programs that watch
+                self.hooks.on_enter(taken, flow.enter)
+            else:
+                flow.entered += 1
             if flow.enter_priority is not None:
                 taken.priority = flow.enter_priority
         server._admit(taken)

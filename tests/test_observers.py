@@ -1,0 +1,154 @@
+"""Programs that only watch run in batches (`shims.mark_observers`, `Shim.flush`), and trains
+step the chunks they watch (`decisions.Watched`): nothing in a run may tell the difference."""
+import json
+
+import pytest
+from test_dispatch import POLICIES, _timeless
+
+from fabric_ext.runtime.machine.errors import InputError
+from fabric_ext.runtime.machine.jit import JitBackend
+from fabric_ext.runtime.machine.program import VMFault
+from fabric_ext.runtime.simulation import shims
+from policy_helpers import compiled
+from test_runtime import compile_text, run_engine
+
+SMALL = dict(model="llama3-8b", prompt=2048, tp=8)
+
+# a watcher of everything a chunk's context says as it enters the switch, weights and KV alike
+WATCHER = """
+import "fabrics/dgx_cxl.fx"
+workload prefill {
+  model: "llama3-8b"; prompt: 2048; batch: 1; tp: 8
+  weights: pool0; kv: pool0; kv_export: nic0; chunk: 2MiB
+}
+movement weights_in = weights : pool0 -> gpu* { critical }
+movement kv_out = kv : gpu* -> pool0
+map queued : array<u32, size>[4]
+map when   : array<u32, time>[2]
+map seen   : hash<u32, count>[4096]
+map above  : lhist<size>[0, 64MiB, 2MiB]
+map ring   : ringbuf[64KiB]
+policy p {
+  on weights_in.forward {
+    queued[0] += ev.queue_bytes
+    when[0] += now
+    seen[ev.chunk * 16 + ev.out_port] += 1
+    above = lhist(ev.queued_ahead_hi)
+  }
+  on kv_out.forward {
+    queued[1] += ev.bytes
+    when[1] += now
+    if ev.queue_bytes > 4MiB { emit ring(now, ev.chunk, ev.queue_bytes) }
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_observers_in_batches_change_nothing(name):
+    """Every bundled policy gives the same report, map contents and program runs included,
+    with its watching programs run in batches and each at its event."""
+    batched, eng = run_engine(compiled(name), backend=JitBackend())
+    each, _ = run_engine(compiled(name), backend=JitBackend(), lazy_observers=False)
+    assert _timeless(batched) == _timeless(each)
+    if name == "telemetry":
+        assert set(eng.shims["sw0"].pending) == {"forward"}
+
+
+def _watcher_runs(tmp_path, **opts):
+    folder = compile_text(tmp_path, WATCHER)
+    return [run_engine(folder, backend=JitBackend(), **SMALL, **o) for o in (
+        dict(opts), dict(opts, lazy_observers=False, trains=False, per_chunk_events=True))]
+
+
+def test_a_watched_chunk_is_seen_as_it_is_at_its_event(tmp_path):
+    """A watcher reads each chunk's time, index, port, what is queued at the switch and what
+    of it is above its class: the sums, counts and records are the same when trains step the
+    watched weights and the watchers run in batches as when every chunk is an event and every
+    run is at it."""
+    (batched, eng), (each, _) = _watcher_runs(tmp_path)
+    assert {**_timeless(batched), "events": 0} == {**_timeless(each), "events": 0}
+    maps = batched["maps"]
+    assert maps["queued"]["0"] and maps["when"]["0"] and maps["ring"]["records"]
+    assert eng.fabric.trains.steps > batched["events"] / 3      # the watched weights in trains
+    assert [i["invocations"] for i in batched["islands"]] == [i["invocations"] for i in each["islands"]]
+
+
+def test_a_bounded_batch_changes_nothing(tmp_path, monkeypatch):
+    """An observer's events run once PENDING_ROWS of them wait (memory stays bounded)."""
+    monkeypatch.setattr(shims, "PENDING_ROWS", 7)
+    kept = []
+    flush = shims.Shim.flush
+
+    def counting(self, hook=None):
+        kept.extend(len(times) for times in (self.pending[h][1] for h in ([hook] if hook else self.pending)))
+        flush(self, hook)
+    monkeypatch.setattr(shims.Shim, "flush", counting)
+    (batched, _), (each, _) = _watcher_runs(tmp_path)
+    assert {**_timeless(batched), "events": 0} == {**_timeless(each), "events": 0}
+    assert max(kept) == 7
+
+
+WATCH_AND_DECIDE = WATCHER.replace("policy p {", """policy p {
+  on kv_out.issue at gpu* { priority = 3 }
+  on sw0.tick(10us) { queued[2] = ev.bytes }""")
+
+
+def test_a_program_that_decides_or_shares_a_map_is_run_at_its_event(tmp_path):
+    """A tick that writes the watcher's map, or a handler that decides, keeps the program
+    at its events (the order among programs, and the decisions, matter there)."""
+    folder = compile_text(tmp_path, WATCH_AND_DECIDE)
+    batched, eng = run_engine(folder, backend=JitBackend(), **SMALL)
+    each, _ = run_engine(folder, backend=JitBackend(), lazy_observers=False, **SMALL)
+    assert _timeless(batched) == _timeless(each)
+    assert not any(s.pending for s in eng.shims.values())
+
+
+class FaultAt(JitBackend):
+    """The JIT, but the nth run of any program faults, in a batch or alone."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.left = n
+
+    def run(self, handle, ctx=None, mem=None):
+        self.left -= 1
+        if self.left == 0:
+            raise VMFault(handle.prog, 0, "the test's fault")
+        return super().run(handle, ctx, mem)
+
+    def run_batch(self, handle, ctxs):
+        if 0 < self.left <= len(ctxs):
+            row = self.left - 1
+            super().run_batch(handle, ctxs[:row])
+            self.left = 0
+            e = VMFault(handle.prog, 0, "the test's fault")
+            e.row = row
+            raise e
+        self.left -= len(ctxs)
+        return super().run_batch(handle, ctxs)
+
+
+def test_a_watcher_that_faults_in_a_batch_stops_where_it_would_have(tmp_path):
+    """The 300th run faults: run in a batch, the fault is reported at that event's time, the
+    events after it are not run, and the maps hold what the 299 runs before it left."""
+    folder = compile_text(tmp_path, WATCHER)
+    batched, eng = run_engine(folder, backend=FaultAt(300), **SMALL)
+    each, _ = run_engine(folder, backend=FaultAt(300), lazy_observers=False, **SMALL)
+    assert _timeless(batched) == _timeless(each)
+    assert batched["faults"] and batched["faults"][0]["time_ns"] > 0
+    assert sum(batched["maps"]["seen"].values()) <= 299
+
+
+def test_a_manifest_that_hides_a_decision_is_found_out(tmp_path):
+    """A handler list that says a deciding handler decides nothing makes its program an
+    observer; its decision shows in the batch, and the run stops with a message, not a
+    silently different run."""
+    folder = compile_text(tmp_path, WATCHER.replace("queued[1] += ev.bytes", "queued[1] += ev.bytes\n    priority = 2"))
+    man = json.loads((folder / "manifest.json").read_text())
+    for p in man["programs"]:
+        for h in p["handlers"]:
+            h["decides"] = {}
+    (folder / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(InputError, match="decides nothing.*compile it again"):
+        run_engine(folder, backend=JitBackend(), **SMALL)
