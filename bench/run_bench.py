@@ -1,9 +1,10 @@
 """fabric-run wall time and simulated events per second, with and without the policy.
 
-    python bench/run_bench.py [--backend jit,interp] [--quick] [--repeat N] [--instructions]
+    python bench/run_bench.py [--backend jit,interp] [--quick] [--repeat N] [--instructions] [--policy NAME]
 
 Configurations: Llama-3-8B 8k-token and Llama-3-70B 32k-token prefill, TP 8, on
-policies/prefill_qos.fx (weights streamed from the CXL pool), each with the policy's
+policies/prefill_qos.fx (weights streamed from the CXL pool; --policy names another bundled
+policy, e.g. telemetry, which only watches), each with the policy's
 programs attached and with none (every island on its defaults); the ratio of the two wall
 times is the policy's overhead.  Each run is a fresh process, as every fabric-run is (a
 run leaves the allocator and the garbage collector in a state that slows the next one in
@@ -108,6 +109,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=3, help="runs of each, best taken (default 3)")
     ap.add_argument("--instructions", action="store_true",
                     help="also count instructions under valgrind (slow; the same from run to run with PYTHONHASHSEED=0)")
+    ap.add_argument("--policy", default="prefill_qos", help="a bundled policy (policies/NAME.fx; default prefill_qos)")
     ap.add_argument("--one", help=argparse.SUPPRESS)      # a child: run one configuration
     args = ap.parse_args()
     if args.instructions and not shutil.which("valgrind"):
@@ -120,7 +122,11 @@ def main():
         return
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "out"
-        write_folder(build(ROOT / "policies" / "prefill_qos.fx").files, folder)
+        source = ROOT / "policies" / f"{args.policy}.fx"
+        if not source.is_file():
+            raise SystemExit(f"--policy: no bundled policy {source.name} in {source.parent}")
+        write_folder(build(source).files, folder)
+        print(f"policy {source.name}")
         print(f"{'backend':<8}{'model':<12}{'prompt':>7}{'tp':>4}{'cold s':>8}{'policy wall s':>15}{'median':>8}"
               f"{'events/s':>11}{'none wall s':>13}{'median':>8}{'events/s':>11}{'overhead':>10}{'TTFT ms':>10}"
               f"{'base TTFT':>11}"

@@ -245,7 +245,8 @@ def mark_observers(shims: dict[str, Shim]) -> None:
     """Make every program that only watches an observer (`Shim.observe`), where nothing in the
     run could tell when it ran: each of its handlers decides nothing (the manifest's list:
     `Shim.flush` checks it), it calls only `ORDER_FREE` helpers, and no other program touches
-    its maps.  Ticks batch themselves (`ticks.py`)."""
+    its maps.  Call it once every program is attached (the engine does, as it loads them).
+    Ticks batch themselves (`ticks.py`)."""
     programs = [(shim, hook, prog, _maps_used(prog)) for shim in shims.values() for hook, prog in shim.programs.items()]
     users = Counter(name for *_, used in programs for name in used)
     for shim, hook, prog, used in programs:
