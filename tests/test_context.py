@@ -43,6 +43,21 @@ def test_changed_many_reads_each_row_as_changed_does(hook, data):
             rows[i, off:off + f.size] = list(data.draw(st.sampled_from([1, 7, 2**32 - 1])).to_bytes(f.size, "little"))
     got = codec.changed_many(rows)
     assert got == [codec.changed(rows[i].tobytes()) or None for i in range(n)]
+    assert codec.first_decided(rows) == next((i for i, c in enumerate(got) if c), None)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(HOOK_LIST), st.data())
+def test_a_stamp_makes_the_context_packing_makes(hook, data):
+    """`stamp`: the fixed fields once, the varying ones per context, what `pack` gives for both."""
+    codec = ContextCodec(hook)
+    inputs = [f.name for f in hook.fields if not f.decision] + ["not_a_field"]
+    fixed = {k: data.draw(value) for k in data.draw(st.sets(st.sampled_from(inputs)))}
+    varying = tuple(data.draw(st.lists(st.sampled_from(inputs), unique=True, max_size=4)))
+    stamp = codec.stamp(fixed, varying)
+    for _ in range(3):
+        given_ = [data.draw(value) for _ in varying]
+        assert stamp(*given_) == bytes(codec.pack({**fixed, **dict(zip(varying, given_))}))
 
 
 @settings(max_examples=150, deadline=None)

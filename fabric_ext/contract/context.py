@@ -184,6 +184,14 @@ class ContextCodec:
                 return st.pack(*[int(v) & m for v, m in zip(values, masks)])
         return make
 
+    def first_decided(self, rows: np.ndarray) -> int | None:
+        """The first row of a batch whose decisions are not all at their defaults (None: none)."""
+        if not self._decisions or not len(rows):
+            return None
+        lo, hi = self._dec_start, self._dec_start + self._dec_struct.size
+        differs = (rows[:, lo:hi] != np.frombuffer(self._template_bytes[lo:hi], dtype=np.uint8)).any(axis=1)
+        return int(differs.argmax()) if differs.any() else None
+
     def changed_many(self, rows: np.ndarray) -> list[dict[str, int] | None]:
         """`changed` for every row of a batch (None where nothing changed)."""
         if not self._decisions:

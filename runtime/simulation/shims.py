@@ -103,13 +103,12 @@ class Shim:
             self.pending[h] = (bytearray(), [])
             codec = self.codecs[h]
             ctxs = np.frombuffer(rows, dtype=np.uint8).reshape(len(times), codec.size)
-            ran = self._run_batch(h, ctxs, times.__getitem__)
-            for row, changed in enumerate(codec.changed_many(ctxs[:ran])):
-                if changed:
-                    raise InputError(
-                        f"{self.island}.{h}: its program decided {changed} for the event at "
-                        f"{times[row]:.0f} ns, where the manifest's handler list says it decides "
-                        "nothing; the bundle does not hold together: compile it again with fabricc")
+            row = codec.first_decided(ctxs[:self._run_batch(h, ctxs, times.__getitem__)])
+            if row is not None:
+                raise InputError(
+                    f"{self.island}.{h}: its program decided {codec.changed(ctxs[row])} for the event at "
+                    f"{times[row]:.0f} ns, where the manifest's handler list says it decides "
+                    "nothing; the bundle does not hold together: compile it again with fabricc")
 
     def has(self, hook: str) -> bool:
         return hook in self.handles
