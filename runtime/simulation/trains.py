@@ -9,8 +9,9 @@ the idle link to its GPU and lands there without an event.
 
 Where the chunks' transfers fit that pattern (a `_Flow` each: see `Trains._flow`) and no
 program is asked on the way (the hook site's answers stand: `HookSite.standing`, a priority
-at most), `Trains.finish` takes these steps one after another inside the event of the
-first, for as long as each comes before every event in the loop's queue.  Each step is the
+at most, or nothing but programs that watch, which are shown each chunk), `Trains.finish`
+takes these steps one after another inside the event of the first, for as long as each comes
+before every event in the loop's queue.  Each step is the
 loop's, with the calls between its parts left out: taken at its time and in its order, it
 counts as an event (`Sim.take`), what it schedules takes its place in the order of events
 (`Sim.place`), and it changes the same state (the server's queues, the copy engine's
