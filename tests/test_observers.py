@@ -78,15 +78,66 @@ def test_a_bounded_batch_changes_nothing(tmp_path, monkeypatch):
     """An observer's events run once PENDING_ROWS of them wait (memory stays bounded)."""
     monkeypatch.setattr(shims, "PENDING_ROWS", 7)
     kept = []
-    flush = shims.Shim.flush
+    flush = shims.Batch.flush
 
-    def counting(self, hook=None):
-        kept.extend(len(times) for times in (self.pending[h][1] for h in ([hook] if hook else self.pending)))
-        flush(self, hook)
-    monkeypatch.setattr(shims.Shim, "flush", counting)
+    def counting(self):
+        kept.append(len(self.times))
+        flush(self)
+    monkeypatch.setattr(shims.Batch, "flush", counting)
     (batched, _), (each, _) = _watcher_runs(tmp_path)
     assert {**_timeless(batched), "events": 0} == {**_timeless(each), "events": 0}
     assert max(kept) == 7
+
+
+# watchers on every GPU's issue hook and at the switch, sharing one map: one batch, in order
+GPU_WATCHERS = """
+import "fabrics/dgx_cxl.fx"
+workload prefill {
+  model: "llama3-8b"; prompt: 2048; batch: 1; tp: 8
+  weights: pool0; kv: pool0; kv_export: nic0; chunk: 2MiB
+}
+movement weights_in = weights : pool0 -> gpu* { critical }
+movement kv_out = kv : gpu* -> pool0
+map issued : hash<device, size>[4]     // full after four: which four is the order of events
+map when   : array<u32, time>[1]
+map queued : lhist<size>[0, 64MiB, 1MiB]
+map n      : array<u32, u32>[1]
+map trail  : array<u32, device>[8192]     // who saw what, in the order they saw it
+policy p {
+  on weights_in.issue at gpu* {
+    issued[ev.dst] += ev.bytes
+    n[0] += 1
+    trail[n[0]] = ev.dst
+  }
+  on kv_out.issue at gpu* {
+    when[0] += now
+    queued = lhist(ev.queue_bytes)
+    n[0] += 1
+    trail[n[0]] = ev.src
+  }
+  on weights_in.forward {
+    issued[ev.src] += ev.bytes
+    n[0] += 1
+    trail[n[0]] = ev.src
+  }
+}
+"""
+
+
+def test_watchers_that_share_a_map_run_in_the_order_of_their_events(tmp_path):
+    """Nine programs watch (eight GPUs' issue hooks and the switch's forward) and share a map:
+    their events wait in one batch and run in the order they happened, the weights' chunks
+    still stream in trains, and the report is the one of every run at its event."""
+    folder = compile_text(tmp_path, GPU_WATCHERS)
+    batched, eng = run_engine(folder, backend=JitBackend(), **SMALL)
+    each, _ = run_engine(folder, backend=JitBackend(), **SMALL, lazy_observers=False, trains=False,
+                         per_chunk_events=True)
+    assert {**_timeless(batched), "events": 0} == {**_timeless(each), "events": 0}
+    assert [i["invocations"] for i in batched["islands"]] == [i["invocations"] for i in each["islands"]]
+    batches = {id(b) for s in eng.shims.values() for b in s.pending.values()}
+    assert len(batches) == 1 and sum(len(s.pending) for s in eng.shims.values()) == 9
+    assert eng.fabric.trains.steps > batched["events"] / 3
+    assert batched["maps"]["issued"] and batched["maps"]["when"]["0"]
 
 
 WATCH_AND_DECIDE = WATCHER.replace("policy p {", """policy p {

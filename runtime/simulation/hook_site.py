@@ -26,8 +26,8 @@ ISSUE_MOMENT = {"src": "issue/src", "dst": "issue/dst"}
 HOP_FIELDS = frozenset(TRANSFER_FIELDS) | {"in_port", "out_port"}
 # context fields counted only for a handler that reads them (`ShimHookSite._queue_fields`)
 QUEUE_SPLIT = frozenset({"queued_ahead_hi", "queued_ahead_lo"})
-# the fields of a chunk entering an island that differ between a transfer's chunks at one hop,
-# in the order `ShimHookSite._show` gives them
+# the fields of a chunk issued or entering an island that differ between a transfer's chunks
+# at one hop, in the order `ShimHookSite._show` gives them
 PER_CHUNK = ("now", "chunk", "bytes", "queue_bytes", "queued_ahead_hi", "queued_ahead_lo")
 
 
@@ -123,19 +123,25 @@ class ShimHookSite(HookSite):
         moment = ISSUE_MOMENT[role]
         standing = t.standing.get((island, moment))
         if standing is not None:
-            self._take(standing, t, island, 1)
+            if standing.__class__ is Watched:
+                self._show(standing, chunk)
+            else:
+                self._take(standing, t, island, 1)
             return standing.decisions
         plan = self._one_hook_plan(island, "issue", t.movement_id)
         if not plan.hooks:
             return None
         fields = self._chunk_fields(chunk)
-        path = chunk.path
+        path, queue = chunk.path, None
         if role == "src" and len(path) > 1:
             fields["out_port"] = self.fabric.port_index(path[0], path[1])
-            self._queue_fields(fields, self.fabric.server(path[0], path[1]), chunk.priority, plan.queue_split)
+            queue = self.fabric.server(path[0], path[1])
+            self._queue_fields(fields, queue, chunk.priority, plan.queue_split)
         known = self.decide(island, "issue", fields)
         if known is None:
             return None
+        if known is OBSERVED and not self.trace:    # nothing decided for any chunk; watched each
+            self.remembered.stand(t, island, moment, self._watched_standing(island, plan, 0, queue, fields))
         applied = self._issued(island, known.decisions, t.movement_id)
         if plan.static and not self.trace and known.kept:    # the same for every chunk of the transfer
             self.remembered.stand(t, island, moment, Standing(applied, [known], known.decisions.get("prefetch", 0)))
@@ -221,7 +227,8 @@ class ShimHookSite(HookSite):
         merged = self._devices(merged)
         if path is t.path and not self.trace and all(k is OBSERVED for k in each):
             # nothing decided for any chunk of this transfer here; programs watch each one
-            self.remembered.stand(t, island, "enter", self._watched_at_hop(island, plan, chunk, fields))
+            self.remembered.stand(t, island, "enter", self._watched_standing(
+                island, plan, chunk.hop, self._egress(chunk), fields))
         elif path is t.path and not self.trace and all(k is not None and k.kept for k in each):
             # the same for every chunk of this transfer here (None: the program faulted) ...
             if plan.static:
@@ -253,12 +260,13 @@ class ShimHookSite(HookSite):
             return self.fabric.server(path[hop], path[hop + 1])
         return self.fabric.wires.get(path[hop])
 
-    def _watched_at_hop(self, island, plan: HookPlan, chunk, fields: dict) -> Watched:
-        """What stands for a transfer whose chunks only programs that watch act on at its hop:
-        the contexts of its chunks there, made from these fields less those of each chunk."""
+    def _watched_standing(self, island, plan: HookPlan, hop: int, queue, fields: dict) -> Watched:
+        """What stands for a transfer whose chunks only programs that watch act on (at its
+        ``hop``, where they are ``queue``d on): the contexts of its chunks there, made from these
+        fields less those of each chunk."""
         shim = self.shims[island]
         fixed = {k: v for k, v in fields.items() if k not in PER_CHUNK}
-        return Watched({}, [], hop=chunk.hop, split=plan.queue_split, queue=self._egress(chunk),
+        return Watched({}, [], hop=hop, split=plan.queue_split, queue=queue,
                        stamps=tuple((shim, h, shim.codecs[h].stamp(fixed, PER_CHUNK)) for h in plan.hooks))
 
     def _show(self, standing: Watched, chunk) -> None:

@@ -10,8 +10,8 @@ is detached from its hook, the island's defaults apply from then on, and the
 fault is recorded for the report.
 
 A program that only watches (an *observer*: `mark_observers`) is not run at its events: the
-shim keeps each event's context and runs them later, in order, in one batch (`Shim.flush`),
-since nothing in the run can tell when it ran.
+shim keeps each event's context and runs them later, in the order they happened, in batches
+(`Batch`), since nothing in the run can tell when they ran.
 """
 from __future__ import annotations
 
@@ -58,9 +58,8 @@ class Shim:
         # called with (island, hook, context bytes) for every event a program acts on, before a
         # remembered decision may serve it (a benchmark records what the programs see)
         self.tracer = None
-        # observers' events not run yet (`observe`): hook -> (their contexts, one after another;
-        # the time of each)
-        self.pending: dict[str, tuple[bytearray, list[float]]] = {}
+        self.pending: dict[str, Batch] = {}     # hook -> where an observer's events wait (`Batch`)
+        self._owners: dict[str, tuple] = {}     # hook -> (self, hook), what its stretches of a batch name
 
     # -- loading ------------------------------------------------------------------------
     def load(self, artifacts, manifest: dict, maps: dict) -> None:
@@ -88,27 +87,11 @@ class Shim:
         if self.on_detach is not None:      # decisions callers remember from before no longer hold
             self.on_detach(self.island)
 
-    def observe(self, hook: str) -> None:
-        """Run ``hook``'s program in batches from now on (`mark_observers` says which may)."""
-        self.pending.setdefault(hook, (bytearray(), []))
-
     def flush(self, hook: str | None = None) -> None:
-        """Run the events an observer (every observer, with no ``hook``) was given and has not
-        run yet, in order, in one batch each.  Its manifest says it decides nothing: a
-        decision in the contexts after the batch means the bundle does not hold together."""
-        for h in [hook] if hook is not None else list(self.pending):
-            rows, times = self.pending.get(h, (None, None))
-            if not times:
-                continue
-            self.pending[h] = (bytearray(), [])
-            codec = self.codecs[h]
-            ctxs = np.frombuffer(rows, dtype=np.uint8).reshape(len(times), codec.size)
-            row = codec.first_decided(ctxs[:self._run_batch(h, ctxs, times.__getitem__)])
-            if row is not None:
-                raise InputError(
-                    f"{self.island}.{h}: its program decided {codec.changed(ctxs[row])} for the event at "
-                    f"{times[row]:.0f} ns, where the manifest's handler list says it decides "
-                    "nothing; the bundle does not hold together: compile it again with fabricc")
+        """Run what the observer on ``hook`` (every observer here, with no ``hook``) was given
+        and has not run yet, with the rest of its batch."""
+        for batch in {id(b): b for h, b in self.pending.items() if hook in (None, h)}.values():
+            batch.flush()
 
     def has(self, hook: str) -> bool:
         return hook in self.handles
@@ -138,7 +121,7 @@ class Shim:
         act = self.acting(hook, fields.get("movement")) if handle is not None else None
         if act is None:
             return None
-        if hook in self.pending:        # an observer: it runs with the next batch
+        if hook in self.pending:        # an observer: it runs with its batch
             self.keep(hook, self.codecs[hook].fill(fields), now)
             return OBSERVED
         if self.tracer is not None:
@@ -164,17 +147,35 @@ class Shim:
         return act.remember(key, changed) or Known(changed, kept=False)
 
     def keep(self, hook: str, ctx, now: float) -> None:
-        """An event of an observer on ``hook`` (as its context): kept for the next batch."""
-        pending = self.pending.get(hook)
-        if pending is None:             # detached since
+        """An event of the observer on ``hook``, as its context: it runs with its batch."""
+        batch = self.pending.get(hook)
+        if batch is None:             # detached since
             return
         if self.tracer is not None:
             self.tracer(self.island, hook, bytes(ctx))
-        rows, times = pending
-        rows += ctx
-        times.append(now)
-        if len(times) >= PENDING_ROWS:
-            self.flush(hook)
+        owner = self._owners[hook]
+        if batch.owner is not owner:
+            batch.owner = owner
+            batch.stretches.append((owner, len(batch.times)))
+        batch.rows += ctx
+        batch.times.append(now)
+        if len(batch.times) >= PENDING_ROWS:
+            batch.flush()
+
+    def _run_kept(self, hook: str, rows: np.ndarray, times: list[float]) -> None:
+        """Run the observer on ``hook`` over its kept events' contexts (`Batch.flush`), in one
+        batch.  Its manifest says it decides nothing: a decision in the contexts after the
+        batch means the bundle does not hold together."""
+        if hook not in self.handles:        # it faulted on an earlier one: it runs no more
+            return
+        codec = self.codecs[hook]
+        ctxs = rows.reshape(len(times), codec.size)
+        row = codec.first_decided(ctxs[:self._run_batch(hook, ctxs, times.__getitem__)])
+        if row is not None:
+            raise InputError(
+                f"{self.island}.{hook}: its program decided {codec.changed(ctxs[row])} for the event at "
+                f"{times[row]:.0f} ns, where the manifest's handler list says it decides "
+                "nothing; the bundle does not hold together: compile it again with fabricc")
 
     def pass_over(self, hook: str, n: int) -> None:
         """Count n events not run because the runs after them overwrite all they would do."""
@@ -240,19 +241,58 @@ class Shim:
                               for (h, k), cnt in sorted(decisions.items()) if any(cnt.values())}}
 
 
+class Batch:
+    """The events of a group of observers that share maps with each other and with no other
+    program (one observer, mostly), kept in the order they happened and run in that order:
+    each stretch of one program's events in one call (`Shim._run_kept`)."""
+    __slots__ = ("rows", "times", "stretches", "owner")
+
+    def __init__(self):
+        self.rows = bytearray()         # the events' contexts, one after another
+        self.times: list[float] = []    # when each happened
+        self.stretches: list[tuple] = []    # (shim, hook) of each run of one program's events, and its first
+        self.owner = None               # the last stretch's (shim, hook)
+
+    def flush(self) -> None:
+        rows, times, stretches = self.rows, self.times, self.stretches
+        self.rows, self.times, self.stretches, self.owner = bytearray(), [], [], None
+        start = 0
+        for i, ((shim, hook), first) in enumerate(stretches):
+            last = stretches[i + 1][1] if i + 1 < len(stretches) else len(times)
+            end = start + (last - first) * shim.codecs[hook].size
+            shim._run_kept(hook, np.frombuffer(rows, dtype=np.uint8, count=end - start, offset=start), times[first:last])
+            start = end
+
+
 def mark_observers(shims: dict[str, Shim]) -> None:
-    """Make every program that only watches an observer (`Shim.observe`), where nothing in the
-    run could tell when it ran: each of its handlers decides nothing (the manifest's list:
-    `Shim.flush` checks it), it calls only `ORDER_FREE` helpers, and no other program touches
-    its maps.  Call it once every program is attached (the engine does, as it loads them).
-    Ticks batch themselves (`ticks.py`)."""
+    """Make every program that only watches an observer, where nothing in the run could tell
+    when it ran: each of its handlers decides nothing (the manifest's list: `Shim._run_kept`
+    checks it), it calls only `ORDER_FREE` helpers, and the programs it shares maps with,
+    directly or through others, are observers too; those keep their events in one `Batch`.
+    Call it once every program is attached (the engine does, as it loads them).  Ticks batch
+    themselves (`ticks.py`)."""
     programs = [(shim, hook, prog, _maps_used(prog)) for shim in shims.values() for hook, prog in shim.programs.items()]
-    users = Counter(name for *_, used in programs for name in used)
-    for shim, hook, prog, used in programs:
+    group = list(range(len(programs)))      # union-find over programs that share a map
+
+    def root(i):
+        while group[i] != i:
+            group[i] = i = group[group[i]]
+        return i
+    first: dict[str, int] = {}
+    for i, (*_, used) in enumerate(programs):
+        for name in used:
+            group[root(i)] = root(first.setdefault(name, i))
+    groups: dict[int, list] = {}
+    for i, (shim, hook, prog, _) in enumerate(programs):
         handlers = shim.handlers.get(hook)
-        if hook != "tick" and handlers and all(h.get("decides") == {} for h in handlers) \
-                and all(users[name] == 1 for name in used) and _helpers(prog) <= ORDER_FREE:
-            shim.observe(hook)
+        watches = hook != "tick" and bool(handlers) and all(h.get("decides") == {} for h in handlers) \
+            and _helpers(prog) <= ORDER_FREE
+        groups.setdefault(root(i), []).append((shim, hook) if watches else None)
+    for members in groups.values():
+        if None not in members:
+            batch = Batch()
+            for shim, hook in members:
+                shim.pending[hook], shim._owners[hook] = batch, (shim, hook)
 
 
 def _helpers(prog: Program) -> set[int]:

@@ -46,6 +46,7 @@ class _Flow:
     watched: bool               # ... nothing, but programs watch: each chunk is given to them there
     ends: list                  # (island, role) asked as a chunk is issued, where answers stand
     issue_priority: int | None  # ... the priority they give (None: none)
+    shown: list                 # ... those where nothing stands but programs that watch (`HookSite.on_issue`)
     entered: int = 0            # chunks entered in this train
     issued: int = 0             # chunks issued in this train
     last_issue: int = -1        # when this train last issued one (prefetch words go in that order)
@@ -156,15 +157,19 @@ class Trains:
             standing = self.hooks.standing(t, island, "enter")
             entering, watched = self._answer(standing), standing is not None and standing.watched
         ends = fabric._ends(t, "issue")     # (the islands the site asks about its chunks there)
-        issuing = [self._answer(self.hooks.standing(t, isl, "issue", role)) for isl, role in ends] \
+        standing = [self.hooks.standing(t, isl, "issue", role) for isl, role in ends] \
             if t.issued < t.chunks_total else []
+        issuing = [self._answer(s) for s in standing]
         if entering is None or None in issuing:
             return None
         issue_priority = None
         for answer in issuing:          # the last end's word holds (`Fabric._issue`)
             issue_priority = answer.get("priority", issue_priority)
+        shown = [end for end, s in zip(ends, standing) if s.watched]
+        if shown and issue_priority is not None:    # (a watcher after it would see its priority)
+            return None
         return _Flow(t, fabric.servers[path[0], path[1]], link, t.engine(CLASS_STREAM.get(t.cls, 1)), island,
-                     entering.get("priority"), watched, ends, issue_priority)
+                     entering.get("priority"), watched, [e for e in ends if e not in shown], issue_priority, shown)
 
     @staticmethod
     def _answer(s) -> dict | None:
@@ -206,6 +211,8 @@ class Trains:
                 flow.issued += 1
                 flow.last_issue = self._issues
                 self._issues += 1
+            for island, role in flow.shown:     # (the watchers are given it: `Fabric._issue`)
+                self.hooks.on_issue(issued, island, role)
             if flow.issue_priority is not None:
                 issued.priority = flow.issue_priority
             engine.submit(issued, CLASS_STREAM.get(t.cls, 1))     # (`flow.engine`: `_takes`)
