@@ -202,12 +202,12 @@ class ShimHookSite(HookSite):
         if path is t.path:          # a decision stands only for the transfer's own path
             standing = t.standing.get((island, "enter"))
             if standing is not None:
-                if standing.__class__ is Watched:
-                    if standing.hop == chunk.hop:
-                        self._show(standing, chunk)
-                        return standing.decisions
-                elif standing.__class__ is not AtHop or self._holds(standing, chunk.hop):
+                kind = standing.__class__
+                if kind is Standing or kind is AtHop and self._holds(standing, chunk.hop):
                     standing.uses += 1
+                    return standing.decisions
+                if kind is Watched and standing.hop == chunk.hop:
+                    self._show(standing, chunk)
                     return standing.decisions
         if island not in self._watching("enter"):
             return None
@@ -225,7 +225,7 @@ class ShimHookSite(HookSite):
                 if known is not None:
                     merged.update(known.decisions)
         merged = self._devices(merged)
-        if path is t.path and not self.trace and all(k is OBSERVED for k in each):
+        if path is t.path and not self.trace and each[0] is OBSERVED and all(k is OBSERVED for k in each):
             # nothing decided for any chunk of this transfer here; programs watch each one
             self.remembered.stand(t, island, "enter", self._watched_standing(
                 island, plan, chunk.hop, self._egress(chunk), fields))

@@ -211,8 +211,9 @@ class Trains:
                 flow.issued += 1
                 flow.last_issue = self._issues
                 self._issues += 1
-            for island, role in flow.shown:     # (the watchers are given it: `Fabric._issue`)
-                self.hooks.on_issue(issued, island, role)
+            if flow.shown:
+                for island, role in flow.shown:     # (the watchers are given it: `Fabric._issue`)
+                    self.hooks.on_issue(issued, island, role)
             if flow.issue_priority is not None:
                 issued.priority = flow.issue_priority
             engine.submit(issued, CLASS_STREAM.get(t.cls, 1))     # (`flow.engine`: `_takes`)
