@@ -34,7 +34,7 @@ from .dispatch import Acting, Known, acting
 # when the program runs: an observer calls only these (`mark_observers`)
 ORDER_FREE = frozenset({H.MAP_LOOKUP_ELEM, H.MAP_UPDATE_ELEM, H.MAP_DELETE_ELEM, H.GET_SMP_PROCESSOR_ID,
                         H.RINGBUF_OUTPUT, H.RINGBUF_RESERVE, H.RINGBUF_SUBMIT, H.RINGBUF_DISCARD})
-PENDING_ROWS = 4096     # an observer's events kept before they run (`Shim.flush`): a bound on memory
+PENDING_ROWS = 4096     # events a `Batch` keeps before it runs them: a bound on memory
 OBSERVED = Known({}, kept=False)    # what an observer decides for any event: nothing
 
 
@@ -250,10 +250,11 @@ class Batch:
     def __init__(self):
         self.rows = bytearray()         # the events' contexts, one after another
         self.times: list[float] = []    # when each happened
-        self.stretches: list[tuple] = []    # (shim, hook) of each run of one program's events, and its first
+        self.stretches: list[tuple] = []    # ((shim, hook), its first event) of each run of one program's events
         self.owner = None               # the last stretch's (shim, hook)
 
     def flush(self) -> None:
+        """Run every event kept, in order (a program that faults runs none of its later ones)."""
         rows, times, stretches = self.rows, self.times, self.stretches
         self.rows, self.times, self.stretches, self.owner = bytearray(), [], [], None
         start = 0
