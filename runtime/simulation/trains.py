@@ -156,20 +156,24 @@ class Trains:
         if island is not None and self.hooks.asks(island, "enter", t):
             standing = self.hooks.standing(t, island, "enter")
             entering, watched = self._answer(standing), standing is not None and standing.watched
-        ends = fabric._ends(t, "issue")     # (the islands the site asks about its chunks there)
-        standing = [self.hooks.standing(t, isl, "issue", role) for isl, role in ends] \
-            if t.issued < t.chunks_total else []
-        issuing = [self._answer(s) for s in standing]
-        if entering is None or None in issuing:
+        if entering is None:
             return None
-        issue_priority = None
-        for answer in issuing:          # the last end's word holds (`Fabric._issue`)
-            issue_priority = answer.get("priority", issue_priority)
-        shown = [end for end, s in zip(ends, standing) if s.watched]
+        ends, shown, issue_priority = [], [], None
+        if t.issued < t.chunks_total:
+            for end in fabric._ends(t, "issue"):    # (the islands the site asks about its chunks there)
+                standing = self.hooks.standing(t, end[0], "issue", end[1])
+                answer = self._answer(standing)
+                if answer is None:
+                    return None
+                if standing.watched:
+                    shown.append(end)
+                else:       # the last end's word holds (`Fabric._issue`)
+                    ends.append(end)
+                    issue_priority = answer.get("priority", issue_priority)
         if shown and issue_priority is not None:    # (a watcher after it would see its priority)
             return None
         return _Flow(t, fabric.servers[path[0], path[1]], link, t.engine(CLASS_STREAM.get(t.cls, 1)), island,
-                     entering.get("priority"), watched, [e for e in ends if e not in shown], issue_priority, shown)
+                     entering.get("priority"), watched, ends, issue_priority, shown)
 
     @staticmethod
     def _answer(s) -> dict | None:
