@@ -71,6 +71,8 @@ def test_a_watched_chunk_is_seen_as_it_is_at_its_event(tmp_path):
     maps = batched["maps"]
     assert maps["queued"]["0"] and maps["when"]["0"] and maps["ring"]["records"]
     assert eng.fabric.trains.steps > batched["events"] / 3      # the watched weights in trains
+    # a finished transfer lets its watchers' stamps go (memory stays what a run without them takes)
+    assert not any(s.watched for t in eng.fabric.transfers for s in t.standing.values())
     assert [i["invocations"] for i in batched["islands"]] == [i["invocations"] for i in each["islands"]]
 
 

@@ -78,7 +78,8 @@ class DecisionCache:
         """``standing`` holds for the transfer's later chunks at ``island`` at ``moment``."""
         self._holders.add(transfer)
         transfer.standing = {**transfer.standing, (island, moment): standing}
-        self._settled.append(standing)
+        if standing.repeats:        # (uses to count as hits)
+            self._settled.append(standing)
 
     @property
     def standing(self) -> dict[tuple, Standing]:

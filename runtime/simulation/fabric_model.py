@@ -70,6 +70,10 @@ class HookSite:
         (`trains`): count them as asking would have."""
         return None
 
+    def finished(self, transfer: Transfer) -> None:
+        """The transfer's last chunk has arrived: nothing more will be asked about it."""
+        return None
+
     def on_issue(self, chunk: Chunk, island: str, role: str) -> dict | None:
         """A chunk is about to be issued at a GPU: its decisions, read only (None: nothing for
         the fabric to apply)."""
@@ -450,5 +454,6 @@ class Fabric:
         """The transfer's last chunk has arrived."""
         t.end = self.sim.now
         t.train = None          # (nothing more to step)
+        self.hooks.finished(t)
         if t.on_done is not None:
             t.on_done(t)

@@ -147,6 +147,11 @@ class ShimHookSite(HookSite):
             self.remembered.stand(t, island, moment, Standing(applied, [known], known.decisions.get("prefetch", 0)))
         return applied
 
+    def finished(self, t):
+        """What watchers stood for is let go (the contexts' stamps); counted decisions stay."""
+        if any(s.watched for s in t.standing.values()):
+            t.standing = {k: s for k, s in t.standing.items() if not s.watched}
+
     def stands_for(self, t):
         return t.standing       # replaced, never changed in place (`DecisionCache`)
 
