@@ -142,6 +142,42 @@ def test_watchers_that_share_a_map_run_in_the_order_of_their_events(tmp_path):
     assert batched["maps"]["issued"] and batched["maps"]["when"]["0"]
 
 
+# a watcher of the switch's queues: every chunk that starts on one of its links
+DEQUEUE_WATCHER = """
+import "fabrics/dgx_cxl.fx"
+workload prefill {
+  model: "llama3-8b"; prompt: 2048; batch: 1; tp: 8
+  weights: pool0; kv: pool0; kv_export: nic0; chunk: 2MiB
+}
+map waits : hist<time>
+map sent  : array<u32, size>[16]
+map n     : array<u32, u32>[1]
+map trail : array<u32, u32>[16384]
+policy p {
+  on sw0.dequeue {
+    waits = hist(ev.wait)
+    sent[ev.out_port] += ev.bytes
+    n[0] += 1
+    trail[n[0]] = ev.out_port * 100000 + ev.chunk
+  }
+}
+"""
+
+
+def test_a_queue_watcher_sees_each_chunk_a_train_starts(tmp_path):
+    """Where only a watcher is asked as chunks leave the switch's queues, trains step the
+    weights and each step shows its chunk, at its time, in order: the same report as every
+    chunk an event and every run at it."""
+    folder = compile_text(tmp_path, DEQUEUE_WATCHER)
+    batched, eng = run_engine(folder, backend=JitBackend(), **SMALL)
+    each, _ = run_engine(folder, backend=JitBackend(), **SMALL, lazy_observers=False, trains=False,
+                         per_chunk_events=True)
+    assert {**_timeless(batched), "events": 0} == {**_timeless(each), "events": 0}
+    assert [i["invocations"] for i in batched["islands"]] == [i["invocations"] for i in each["islands"]]
+    assert eng.fabric.trains.steps > batched["events"] / 3
+    assert batched["maps"]["n"]["0"] > 1000
+
+
 WATCH_AND_DECIDE = WATCHER.replace("policy p {", """policy p {
   on kv_out.issue at gpu* { priority = 3 }
   on sw0.tick(10us) { queued[2] = ev.bytes }""")

@@ -108,8 +108,8 @@ class Engine:
                                  {g: self.workload.prefetch for g in self.gpus}, opts.trace)
         self.fabric = self._fabric()
         self.site.bind(self.fabric)
-        self.fabric.watch_dequeue({p["island"] for p in manifest["programs"] if p["hook"] == "dequeue"}
-                                  if opts.attach else set())
+        dequeue = {p["island"] for p in manifest["programs"] if p["hook"] == "dequeue"} if opts.attach else set()
+        self.fabric.watch_dequeue(dequeue, {isl for isl in dequeue if "dequeue" in self.shims[isl].pending})
         stack = opts.stack or manifest.get("workload", {}).get("stack") or figures()["defaults"]["stack"]
         self.timing = Timing(self.workload, self.gpus, {g: self.devices[g].get("props", {}) for g in self.gpus},
                              stack)

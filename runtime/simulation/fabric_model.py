@@ -171,15 +171,14 @@ class Fabric:
     def server(self, u: str, v: str) -> Server:
         return self.servers[(u, v)]
 
-    def watch_dequeue(self, islands: set[str]) -> None:
+    def watch_dequeue(self, islands: set[str], watching: set[str] = frozenset()) -> None:
         """Ask the hook site (`HookSite.on_dequeue`) whenever a chunk leaves a queue of a device
-        of ``islands`` for its link or wire; the other servers ask nothing."""
-        for (u, _), srv in self.servers.items():
-            if self.device_island.get(u) in islands:
-                srv.on_dequeue = self._dequeued
-        for dev, srv in self.wires.items():
+        of ``islands`` for its link or wire; the other servers ask nothing.  At ``watching``
+        islands only programs that watch are asked (`Server.watched`: trains may step there)."""
+        for srv, dev in [(srv, u) for (u, _), srv in self.servers.items()] + [(s, d) for d, s in self.wires.items()]:
             if self.device_island.get(dev) in islands:
                 srv.on_dequeue = self._dequeued
+                srv.watched = self.device_island[dev] in watching
 
     def _dequeued(self, chunk: Chunk, wait: float) -> None:
         path = chunk.path

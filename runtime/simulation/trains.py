@@ -61,6 +61,12 @@ class _Flow:
         self.entered = self.issued = 0
 
 
+def _asks(server) -> bool:
+    """Whether a chunk starting on ``server``'s link meets a program that is not only watching
+    (one that watches is shown it as the step takes it: `Server._send`)."""
+    return server.on_dequeue is not None and not server.watched
+
+
 class Trains:
     def __init__(self, fabric):
         self.fabric, self.sim, self.hooks = fabric, fabric.sim, fabric.hooks
@@ -72,7 +78,7 @@ class Trains:
     def finish(self, server, chunk, done) -> bool:
         """`Server._finish` asks first: True where this took the chunk's end of transmission,
         and the steps after it that fit."""
-        if done != self.sent or server.on_dequeue is not None or not self._takes(server, chunk):
+        if done != self.sent or _asks(server) or not self._takes(server, chunk):
             return False
         sim, arriving = self.sim, []     # arriving: (time, place, chunk, None), a heap
         sending = self._finish(server, chunk, arriving)
@@ -150,7 +156,7 @@ class Trains:
         island = fabric.device_island.get(path[0])
         link = fabric.servers[path[1], path[2]]
         if island != fabric.device_island.get(path[1]) or not fabric._nothing_asked(t, path[2], island) \
-                or link.on_dequeue is not None:
+                or _asks(link):
             return None
         entering, watched = {}, False    # where the site asks nothing about its chunks, nothing is decided
         if island is not None and self.hooks.asks(island, "enter", t):
