@@ -78,7 +78,8 @@ class Trains:
     def finish(self, server, chunk, done) -> bool:
         """`Server._finish` asks first: True where this took the chunk's end of transmission,
         and the steps after it that fit."""
-        if done != self.sent or _asks(server) or not self._takes(server, chunk):
+        if done != self.sent or server.on_dequeue is not None and not server.watched \
+                or not self._takes(server, chunk):     # (`_asks`, inline: every end of transmission asks)
             return False
         sim, arriving = self.sim, []     # arriving: (time, place, chunk, None), a heap
         sending = self._finish(server, chunk, arriving)
