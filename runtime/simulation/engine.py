@@ -303,6 +303,10 @@ class Engine:
         if self.prefill.finished is None:
             raise RuntimeError("the prefill did not finish: a transfer never completed")
         self._catch_up(self.ticks, self.prefill.finished)
+        self._run_observers()
+
+    def _run_observers(self) -> None:
+        """Run what the programs that only watch were given and have not run yet (`shims.Batch`)."""
         for shim in self.shims.values():
             shim.flush()
 
@@ -320,8 +324,7 @@ class Engine:
     def record(self) -> RunRecord:
         """What the run hands its report and trace (`stats.RunRecord`)."""
         self.site.remembered.settle()      # the chunks standing decisions served
-        for shim in self.shims.values():    # (a run stopped early: what observers were given)
-            shim.flush()
+        self._run_observers()               # (a run stopped early, or simulated by hand)
         servers = list(dict.fromkeys([*self.fabric.servers.values(), *self.fabric.wires.values()]))
         attached = self.opts.attach
         return RunRecord(

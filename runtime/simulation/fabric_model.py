@@ -56,8 +56,8 @@ class HookSite:
         """What holds for every chunk of ``transfer`` at ``island`` at ``moment`` ("issue", with
         the island's role there, or "enter") with no program run: an object with the
         ``decisions`` (None, or a read-only dict) that asking gives, and ``watched``: True where
-        programs there watch each chunk, so each must still be shown to the site (`on_enter`),
-        which takes what stands.  None: the site must be asked."""
+        programs there watch each chunk, so each must still be shown to the site (`on_enter`,
+        `on_issue`), which takes what stands.  None: the site must be asked."""
         return None
 
     def stands_for(self, transfer: Transfer) -> object:
@@ -175,7 +175,8 @@ class Fabric:
         """Ask the hook site (`HookSite.on_dequeue`) whenever a chunk leaves a queue of a device
         of ``islands`` for its link or wire; the other servers ask nothing.  At ``watching``
         islands only programs that watch are asked (`Server.watched`: trains may step there)."""
-        for srv, dev in [(srv, u) for (u, _), srv in self.servers.items()] + [(s, d) for d, s in self.wires.items()]:
+        egress = [(u, srv) for (u, _), srv in self.servers.items()] + list(self.wires.items())
+        for dev, srv in egress:
             if self.device_island.get(dev) in islands:
                 srv.on_dequeue = self._dequeued
                 srv.watched = self.device_island[dev] in watching
