@@ -13,16 +13,19 @@ from policy_helpers import compiled
 from test_runtime import compile_text, run_engine
 
 SMALL = dict(model="llama3-8b", prompt=2048, tp=8)
-
-# a watcher of everything a chunk's context says as it enters the switch, weights and KV alike
-WATCHER = """
+# the fabric and workload of every policy below (SMALL's), and the movements most of them watch
+HEADER = """
 import "fabrics/dgx_cxl.fx"
 workload prefill {
   model: "llama3-8b"; prompt: 2048; batch: 1; tp: 8
   weights: pool0; kv: pool0; kv_export: nic0; chunk: 2MiB
-}
+}"""
+PRELUDE = HEADER + """
 movement weights_in = weights : pool0 -> gpu* { critical }
-movement kv_out = kv : gpu* -> pool0
+movement kv_out = kv : gpu* -> pool0"""
+
+# a watcher of everything a chunk's context says as it enters the switch, weights and KV alike
+WATCHER = PRELUDE + """
 map queued : array<u32, size>[4]
 map when   : array<u32, time>[2]
 map seen   : hash<u32, count>[4096]
@@ -92,14 +95,7 @@ def test_a_bounded_batch_changes_nothing(tmp_path, monkeypatch):
 
 
 # watchers on every GPU's issue hook and at the switch, sharing one map: one batch, in order
-GPU_WATCHERS = """
-import "fabrics/dgx_cxl.fx"
-workload prefill {
-  model: "llama3-8b"; prompt: 2048; batch: 1; tp: 8
-  weights: pool0; kv: pool0; kv_export: nic0; chunk: 2MiB
-}
-movement weights_in = weights : pool0 -> gpu* { critical }
-movement kv_out = kv : gpu* -> pool0
+GPU_WATCHERS = PRELUDE + """
 map issued : hash<device, size>[4]     // full after four: which four is the order of events
 map when   : array<u32, time>[1]
 map queued : lhist<size>[0, 64MiB, 1MiB]
@@ -143,12 +139,7 @@ def test_watchers_that_share_a_map_run_in_the_order_of_their_events(tmp_path):
 
 
 # a watcher of the switch's queues: every chunk that starts on one of its links
-DEQUEUE_WATCHER = """
-import "fabrics/dgx_cxl.fx"
-workload prefill {
-  model: "llama3-8b"; prompt: 2048; batch: 1; tp: 8
-  weights: pool0; kv: pool0; kv_export: nic0; chunk: 2MiB
-}
+DEQUEUE_WATCHER = HEADER + """
 map waits : hist<time>
 map sent  : array<u32, size>[16]
 map n     : array<u32, u32>[1]

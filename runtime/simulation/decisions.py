@@ -55,12 +55,11 @@ class AtHop(Standing):
     watch: tuple = ()           # what `HookSite.before_event` runs before they are read: the ticks
 
 
-
 @dataclass(slots=True)
 class Watched(Standing):
     """Nothing decided, for every chunk: the hooks' programs only watch (`shims.mark_observers`).
-    Each chunk that takes it at its hop is still given to them (`ShimHookSite.on_enter`), which
-    keeps its context for their next batch."""
+    Each chunk that takes it at its hop is still given to them (`ShimHookSite.on_issue`,
+    `on_enter`), which keep its context for their batch."""
     hop: int = 0
     split: bool = False         # a handler reads what is queued ahead by priority
     queue: object = None        # where the chunks queue on from the hop (`servers.Server`; None: nowhere)

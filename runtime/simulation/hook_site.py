@@ -140,8 +140,10 @@ class ShimHookSite(HookSite):
         known = self.decide(island, "issue", fields)
         if known is None:
             return None
-        if known is OBSERVED and not self.trace:    # nothing decided for any chunk; watched each
-            self.remembered.stand(t, island, moment, self._watched_standing(island, plan, 0, queue, fields))
+        if known is OBSERVED:       # nothing decided, for any chunk; programs watch each one
+            if not self.trace:
+                self.remembered.stand(t, island, moment, self._watched_standing(island, plan, 0, queue, fields))
+            return None
         applied = self._issued(island, known.decisions, t.movement_id)
         if plan.static and not self.trace and known.kept:    # the same for every chunk of the transfer
             self.remembered.stand(t, island, moment, Standing(applied, [known], known.decisions.get("prefetch", 0)))
@@ -275,8 +277,8 @@ class ShimHookSite(HookSite):
                        stamps=tuple((shim, h, shim.codecs[h].stamp(fixed, PER_CHUNK)) for h in plan.hooks))
 
     def _show(self, standing: Watched, chunk) -> None:
-        """Give a chunk to the programs that watch it (`Watched`): its context as `_enter_fields`
-        would make it, kept for their next batch."""
+        """Give a chunk to the programs that watch it (`Watched`): its context as `on_issue` or
+        `_enter_fields` would make it, kept for their batch."""
         now, queue = self.sim.now, standing.queue
         queued = queue.queued_bytes if queue is not None else 0
         above = queue.queued_above(chunk.priority) if standing.split and queue is not None else 0
