@@ -232,3 +232,40 @@ def test_a_manifest_that_hides_a_decision_is_found_out(tmp_path):
     (folder / "manifest.json").write_text(json.dumps(man))
     with pytest.raises(InputError, match="decides nothing.*compile it again"):
         run_engine(folder, backend=JitBackend(), **SMALL)
+
+
+def test_each_at_its_event_keeps_nothing_back():
+    """`RunOptions(lazy_observers=False)`, the reference every test here compares with, runs
+    each watcher at its event: no batch is kept, and the switch's program runs once per event."""
+    _, eng = run_engine(compiled("telemetry"), backend=JitBackend(), lazy_observers=False)
+    assert not any(s.pending for s in eng.shims.values())
+    batched, beng = run_engine(compiled("telemetry"), backend=JitBackend())
+    assert beng.shims["sw0"].pending and not any(b.times for s in beng.shims.values() for b in s.pending.values())
+
+
+def test_a_program_with_a_helper_that_tells_time_or_order_is_no_observer():
+    """A watcher that calls a helper whose result depends on when or after what it runs (the
+    clock, prandom, printk) runs at its events: its calls are read from its code."""
+    from fabric_ext.runtime.machine.isa import CALL, JMP, Insn
+    for helper, batched in ((None, True), (5, False), (7, False), (6, False), (1, True)):
+        _, eng = run_engine(compiled("telemetry"), backend=JitBackend(), lazy_observers=False)
+        prog = eng.shims["sw0"].programs["forward"]
+        if helper is not None:
+            prog.insns.append(Insn(JMP | CALL, imm=helper))      # (never reached: the rule reads code)
+        shims.mark_observers(eng.shims)
+        assert ("forward" in eng.shims["sw0"].pending) is batched, helper
+
+
+def test_a_watcher_detached_mid_run_runs_what_it_was_given_first():
+    """Detaching a watcher runs the events it kept before it goes, as they ran at each event."""
+    from fabric_ext.contract.bundle import create_maps, load_manifest
+    from fabric_ext.runtime.simulation.engine import Engine, RunOptions
+    reports = []
+    for lazy in (True, False):
+        folder = compiled("telemetry")
+        man = load_manifest(folder)
+        eng = Engine(folder, man, create_maps(man), JitBackend(), RunOptions(**SMALL, lazy_observers=lazy))
+        eng.sim.at(100e6, eng.shims["sw0"].detach, "forward")
+        reports.append(eng.run())
+    assert _timeless(reports[0]) == _timeless(reports[1])
+    assert 0 < reports[0]["maps"]["bytes_by_movement"]["1"] < 11274289152     # half the weights' bytes
