@@ -12,6 +12,7 @@ from ..units import DEVICE, quantity_as
 _FMT = {"u32": "<I", "u64": "<Q"}
 SHARED_LIMIT = 1024     # distinct decision outcomes (and batch sizes) a codec keeps structures for
 _MASK = {"<I": 0xFFFFFFFF, "<Q": 0xFFFFFFFFFFFFFFFF}
+_NO_PLAN = object()     # `fill` has not met this set of field names yet
 
 
 def _pack_into(st: struct.Struct, buf, offset: int, values, masks) -> None:
@@ -72,7 +73,9 @@ class ContextCodec:
         over the whole context: the given inputs, zeros for the others, the decisions' defaults."""
         buf = self.buffer
         names = tuple(values)
-        plan = self._fills[names] if names in self._fills else self._fill_plan(names)
+        plan = self._fills.get(names, _NO_PLAN)
+        if plan is _NO_PLAN:
+            plan = self._fill_plan(names)
         if plan is None:
             ctypes.memmove(buf, self._template_bytes, self.size)
             self._write(buf, values)
@@ -209,9 +212,16 @@ class ContextCodec:
         """Decisions whose value differs from the default (what the program decided).  Read-only:
         contexts that decided alike share one dict (up to SHARED_LIMIT outcomes per codec), so
         callers may count outcomes by identity."""
-        if not self._decisions:
-            return {}
-        return self._changed(self._dec_struct.unpack_from(buf, self._dec_start))
+        return self.changed_of(self.outcome(buf))
+
+    def outcome(self, buf) -> tuple:
+        """Every decision field's value as the context holds it, in layout order: a key to count
+        runs by, which `changed_of` turns into what `changed` gives."""
+        return self._dec_struct.unpack_from(buf, self._dec_start) if self._decisions else ()
+
+    def changed_of(self, outcome: tuple) -> dict[str, int]:
+        """`changed` of a context whose `outcome` this is."""
+        return self._changed(outcome) if outcome else {}
 
     def _changed(self, values: tuple) -> dict[str, int]:
         out = self._outcomes.get(values)

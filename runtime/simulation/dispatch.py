@@ -57,9 +57,6 @@ class Acting:
             key += tuple([_entry(fields, *e) for e in self.entries])
         return key
 
-    def recall(self, key) -> Known | None:
-        return self.memo.get(key) if key is not None else None
-
     def remember(self, key, decisions: dict) -> Known | None:
         """Keep the decisions of a run for these field values (None if not remembered)."""
         if key is None:

@@ -81,9 +81,12 @@ class ShimHookSite(HookSite):
 
     # -- what the fabric asks ------------------------------------------------------------------
     def _chunk_fields(self, chunk):
-        f = dict(zip(TRANSFER_FIELDS, chunk.transfer.ctx))
-        f["now"], f["chunk"], f["bytes"], f["hop"] = int(self.sim.now), chunk.index, chunk.bytes, chunk.hop
-        return f
+        """The context fields every hook a chunk meets has: its transfer's (in the order of
+        `TRANSFER_FIELDS`, as `transfer` keeps them) and its own."""
+        movement, cls, operator, src, dst, layer, critical = chunk.transfer.ctx
+        return {"movement": movement, "class": cls, "operator": operator, "src": src, "dst": dst, "layer": layer,
+                "critical": critical, "now": int(self.sim.now), "chunk": chunk.index, "bytes": chunk.bytes,
+                "hop": chunk.hop}
 
     def decide(self, island, hook, fields) -> Known | None:
         """The decisions the program on ``island``'s ``hook`` makes for an event (a `Known`:
@@ -236,7 +239,8 @@ class ShimHookSite(HookSite):
             # nothing decided for any chunk of this transfer here; programs watch each one
             self.remembered.stand(t, island, "enter", self._watched_standing(
                 island, plan, chunk.hop, self._egress(chunk), fields))
-        elif path is t.path and not self.trace and all(k is not None and k.kept for k in each):
+        elif path is t.path and not self.trace and each[0] is not None and each[0].kept \
+                and all(k is not None and k.kept for k in each):
             # the same for every chunk of this transfer here (None: the program faulted) ...
             if plan.static:
                 self.remembered.stand(t, island, "enter", Standing(merged, each))

@@ -21,7 +21,7 @@ from collections import Counter, defaultdict
 import numpy as np
 
 from fabric_ext.contract.bundle import island_programs
-from fabric_ext.contract.context import ContextCodec
+from fabric_ext.contract.context import SHARED_LIMIT, ContextCodec
 from fabric_ext.contract.hooks import HOOKS
 
 from ..machine import helpers as H
@@ -49,7 +49,8 @@ class Shim:
         self.invocations: Counter = Counter()     # program runs, per hook
         self.passed: Counter = Counter()          # events whose run a later one's made moot, per hook
         self.ns: Counter = Counter()
-        self.decisions: dict[tuple, Counter] = defaultdict(Counter)   # (hook, decision) -> value counts
+        self.outcomes: dict[str, Counter] = defaultdict(Counter)   # hook -> runs per `ContextCodec.outcome`
+        self._unkept: dict[tuple, Known] = {}    # (hook, outcome) -> a run's decisions, as callers get them
         self.faults: list[dict] = []
         self.maps: dict = {}
         self.handlers: dict[str, list[dict]] = {}     # hook -> the manifest's handler list
@@ -126,11 +127,12 @@ class Shim:
             return OBSERVED
         if self.tracer is not None:
             self.tracer(self.island, hook, bytes(self.codecs[hook].fill(fields)))
-        key = act.key(fields)
-        known = act.recall(key)
-        if known is not None:
-            known.hits += 1
-            return known
+        key = act.key(fields) if act.key_fields is not None else None
+        if key is not None:
+            known = act.memo.get(key)
+            if known is not None:
+                known.hits += 1
+                return known
         codec = self.codecs[hook]
         ctx = codec.fill(fields)
         t0 = time.perf_counter_ns()
@@ -142,9 +144,20 @@ class Shim:
         finally:
             self.ns[hook] += time.perf_counter_ns() - t0
             self.invocations[hook] += 1
-        changed = codec.changed(ctx)
-        self._count(hook, changed)
-        return act.remember(key, changed) or Known(changed, kept=False)
+        outcome = codec.outcome(ctx)
+        self.outcomes[hook][outcome] += 1
+        known = act.remember(key, codec.changed_of(outcome)) if key is not None else None
+        return known or self._unremembered(hook, outcome)
+
+    def _unremembered(self, hook: str, outcome: tuple) -> Known:
+        """A run's decisions where they are not remembered for its fields: read-only, so runs
+        that decided alike share one (as many as a codec shares `changed` dicts)."""
+        known = self._unkept.get((hook, outcome))
+        if known is None:
+            known = Known(self.codecs[hook].changed_of(outcome), kept=False)
+            if len(self._unkept) < SHARED_LIMIT:
+                self._unkept[hook, outcome] = known
+        return known
 
     def keep(self, hook: str, ctx, now: float) -> None:
         """An event of the observer on ``hook``, as its context: it runs with its batch."""
@@ -180,10 +193,6 @@ class Shim:
     def pass_over(self, hook: str, n: int) -> None:
         """Count n events not run because the runs after them overwrite all they would do."""
         self.passed[hook] += n
-
-    def _count(self, hook, decisions, n=1):
-        for k, v in decisions.items():
-            self.decisions[hook, k][v] += n
 
     def deliver_batch(self, hook: str, ctxs, row_time=lambda row: 0.0) -> int:
         """Run the program on ``hook`` over a 2-D uint8 array of contexts, in order and in
@@ -224,7 +233,11 @@ class Shim:
         from fabric_ext.units import format_quantity
         n = sum(self.invocations.values())
         events = Counter(self.invocations) + self.passed
-        decisions = defaultdict(Counter, {k: Counter(c) for k, c in self.decisions.items()})
+        decisions = defaultdict(Counter)
+        for hook, runs in self.outcomes.items():
+            for outcome, count in runs.items():
+                for k, v in self.codecs[hook].changed_of(outcome).items():
+                    decisions[hook, k][v] += count
         for act in self._acting.values():
             for known in act.known() if act is not None else ():
                 events[act.hook] += known.hits
