@@ -438,3 +438,35 @@ def test_a_finished_transfer_keeps_no_train_flow():
     report, eng = run_engine(compiled("prefill_qos"), backend=JitBackend(), prompt=8192, tp=8)
     assert eng.fabric.trains.steps
     assert all(t.train is None for t in eng.fabric.transfers if t.chunks_done == t.chunks_total)
+
+
+@pytest.mark.parametrize("name", ["nic_pacing", "prefill_qos"])
+def test_decision_counts_are_what_each_run_decided_however_many_outcomes_are_shared(name, monkeypatch):
+    """The shims count a run by its outcome and hand runs that decided alike one answer, up to
+    SHARED_LIMIT outcomes; here one, so most runs take the path that shares nothing.  The
+    report's counts must still be those of every run's own decisions, read field by field."""
+    from fabric_ext.contract import context
+    from fabric_ext.runtime.simulation import shims
+    monkeypatch.setattr(context, "SHARED_LIMIT", 1)
+    monkeypatch.setattr(shims, "SHARED_LIMIT", 1)
+    monkeypatch.setattr(dispatch, "MEMO_LIMIT", 0)      # every event runs its program
+    decided = Counter()
+
+    class Recording(Interpreter):
+        def run(self, prog, ctx=None, mem=None):
+            r0 = super().run(prog, ctx, mem)
+            codec = ContextCodec(prog.hook)
+            for field, value in codec.decisions(ctx).items():
+                if value != prog.hook.field(field).default:
+                    decided[prog.name, field, value] += 1
+            return r0
+    report, eng = run_engine(compiled(name), backend=Recording())
+    counted = Counter()
+    for shim in eng.shims.values():
+        for hook, runs in shim.outcomes.items():
+            for outcome, n in runs.items():
+                for field, value in shim.codecs[hook].changed_of(outcome).items():
+                    counted[shim.programs[hook].name, field, value] += n
+    assert counted == decided and sum(decided.values()) > 1000
+    in_report = sorted(n for i in report["islands"] for by_value in i["decisions"].values() for n in by_value.values())
+    assert in_report == sorted(decided.values())      # (labelled with units: compared as counts)
