@@ -58,10 +58,17 @@ def test_observers_in_batches_change_nothing(name):
         assert set(eng.shims["sw0"].pending) == {"forward"}
 
 
-def _watcher_runs(tmp_path, **opts):
-    folder = compile_text(tmp_path, WATCHER)
-    return [run_engine(folder, backend=JitBackend(), **SMALL, **o) for o in (
-        dict(opts), dict(opts, lazy_observers=False, trains=False, per_chunk_events=True))]
+def _batched_and_each(folder):
+    """(report, engine) of a run with watchers in batches and trains stepping what they watch,
+    and of the reference: every chunk an event and every run at it."""
+    return [run_engine(folder, backend=JitBackend(), **SMALL, **opts)
+            for opts in ({}, dict(lazy_observers=False, trains=False, per_chunk_events=True))]
+
+
+def _same_runs(batched, each):
+    """The same report but for the events the loop counts, and the same program runs."""
+    assert {**_timeless(batched), "events": 0} == {**_timeless(each), "events": 0}
+    assert [i["invocations"] for i in batched["islands"]] == [i["invocations"] for i in each["islands"]]
 
 
 def test_a_watched_chunk_is_seen_as_it_is_at_its_event(tmp_path):
@@ -69,14 +76,13 @@ def test_a_watched_chunk_is_seen_as_it_is_at_its_event(tmp_path):
     of it is above its class: the sums, counts and records are the same when trains step the
     watched weights and the watchers run in batches as when every chunk is an event and every
     run is at it."""
-    (batched, eng), (each, _) = _watcher_runs(tmp_path)
-    assert {**_timeless(batched), "events": 0} == {**_timeless(each), "events": 0}
+    (batched, eng), (each, _) = _batched_and_each(compile_text(tmp_path, WATCHER))
+    _same_runs(batched, each)
     maps = batched["maps"]
     assert maps["queued"]["0"] and maps["when"]["0"] and maps["ring"]["records"]
     assert eng.fabric.trains.steps > batched["events"] / 3      # the watched weights in trains
     # a finished transfer lets its watchers' stamps go (memory stays what a run without them takes)
     assert not any(s.watched for t in eng.fabric.transfers for s in t.standing.values())
-    assert [i["invocations"] for i in batched["islands"]] == [i["invocations"] for i in each["islands"]]
 
 
 def test_a_bounded_batch_changes_nothing(tmp_path, monkeypatch):
@@ -89,7 +95,7 @@ def test_a_bounded_batch_changes_nothing(tmp_path, monkeypatch):
         kept.append(len(self.times))
         flush(self)
     monkeypatch.setattr(shims.Batch, "flush", counting)
-    (batched, _), (each, _) = _watcher_runs(tmp_path)
+    (batched, _), (each, _) = _batched_and_each(compile_text(tmp_path, WATCHER))
     assert {**_timeless(batched), "events": 0} == {**_timeless(each), "events": 0}
     assert max(kept) == 7
 
@@ -126,12 +132,8 @@ def test_watchers_that_share_a_map_run_in_the_order_of_their_events(tmp_path):
     """Nine programs watch (eight GPUs' issue hooks and the switch's forward) and share a map:
     their events wait in one batch and run in the order they happened, the weights' chunks
     still stream in trains, and the report is the one of every run at its event."""
-    folder = compile_text(tmp_path, GPU_WATCHERS)
-    batched, eng = run_engine(folder, backend=JitBackend(), **SMALL)
-    each, _ = run_engine(folder, backend=JitBackend(), **SMALL, lazy_observers=False, trains=False,
-                         per_chunk_events=True)
-    assert {**_timeless(batched), "events": 0} == {**_timeless(each), "events": 0}
-    assert [i["invocations"] for i in batched["islands"]] == [i["invocations"] for i in each["islands"]]
+    (batched, eng), (each, _) = _batched_and_each(compile_text(tmp_path, GPU_WATCHERS))
+    _same_runs(batched, each)
     batches = {id(b) for s in eng.shims.values() for b in s.pending.values()}
     assert len(batches) == 1 and sum(len(s.pending) for s in eng.shims.values()) == 9
     assert eng.fabric.trains.steps > batched["events"] / 3
@@ -159,12 +161,8 @@ def test_a_queue_watcher_sees_each_chunk_a_train_starts(tmp_path):
     """Where only a watcher is asked as chunks leave the switch's queues, trains step the
     weights and each step shows its chunk, at its time, in order: the same report as every
     chunk an event and every run at it."""
-    folder = compile_text(tmp_path, DEQUEUE_WATCHER)
-    batched, eng = run_engine(folder, backend=JitBackend(), **SMALL)
-    each, _ = run_engine(folder, backend=JitBackend(), **SMALL, lazy_observers=False, trains=False,
-                         per_chunk_events=True)
-    assert {**_timeless(batched), "events": 0} == {**_timeless(each), "events": 0}
-    assert [i["invocations"] for i in batched["islands"]] == [i["invocations"] for i in each["islands"]]
+    (batched, eng), (each, _) = _batched_and_each(compile_text(tmp_path, DEQUEUE_WATCHER))
+    _same_runs(batched, each)
     assert eng.fabric.trains.steps > batched["events"] / 3
     assert batched["maps"]["n"]["0"] > 1000
 

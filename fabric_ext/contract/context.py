@@ -73,7 +73,7 @@ class ContextCodec:
         over the whole context: the given inputs, zeros for the others, the decisions' defaults."""
         buf = self.buffer
         names = tuple(values)
-        plan = self._fills.get(names, _NO_PLAN)
+        plan = self._fills.get(names, _NO_PLAN)      # (without a call: every run fills a context)
         if plan is _NO_PLAN:
             plan = self._fill_plan(names)
         if plan is None:
@@ -86,7 +86,10 @@ class ContextCodec:
 
     def _fill_plan(self, names: tuple):
         """`fill`'s struct for events with these fields, or None where they name a decision
-        (then the template is copied and the fields written over it)."""
+        (then the template is copied and the fields written over it); kept per set of names."""
+        plan = self._fills.get(names, _NO_PLAN)
+        if plan is not _NO_PLAN:
+            return plan
         plan = None
         if self._inputs_first and self._defaults.keys().isdisjoint(names):
             st, start, getter, masks, order = self._layout_for(names)
@@ -171,7 +174,7 @@ class ContextCodec:
         as bytes, with those and the ``fixed`` fields (inputs only) and every decision at its
         default: for many contexts that differ in a few fields.  Fields the hook lacks are ignored."""
         names = tuple(fixed) + tuple(v for v in varying if v not in fixed)
-        plan = self._fills[names] if names in self._fills else self._fill_plan(names)
+        plan = self._fill_plan(names)
         if plan is None:
             raise ValueError(f"{self.hook.name}: a decision among the fields {names}")
         st, getter, masks, order = plan
