@@ -292,8 +292,27 @@ def test_a_program_may_use_as_many_maps_as_the_kernel_allows():
 def test_the_jit_tells_a_loop_from_a_backward_jump(src, expected):
     """Straight-line code takes the JIT's fast tier with no instruction budget (each instruction
     runs at most once); only a real cycle in the control-flow graph counts as a loop."""
-    from fabric_ext.runtime.machine.lift import acyclic
+    from fabric_ext.runtime.machine.flow import acyclic
     assert acyclic(Program("p", assemble(src))) is expected
+
+
+@pytest.mark.parametrize("src, ctx_size, why", [
+    ("ldxdw %r0, [%r1+8]\nstxdw [%r10-8], %r0\nexit", 16, None),
+    ("mov %r0, 0\nadd %r0, 1\njlt %r0, 10, -2\nexit", 16, "loop"),
+    ("ldxdw %r0, [%r1+0]\nexit", 0, "known only at run time"),          # memory given to a bare program
+    ("stdw [%r10-8], 0\nmov %r1, %r10\nadd %r1, -8\nmov %r2, 8\ncall 6\nmov %r0, 0\nexit", 16,
+     "trace_printk"),
+])
+def test_may_fault_says_why_a_run_could_fault(src, ctx_size, why):
+    """`flow.may_fault`: None only for a verified program that no run on a whole context can
+    fault (tests/fuzz/soundness.py holds it to that on random programs); else the reason."""
+    from fabric_ext.runtime.machine.flow import may_fault
+    prog = Program("p", assemble(src), ctx_size=ctx_size)
+    assert may_fault(prog) == "it was not verified"
+    verify(prog)
+    reason = may_fault(prog)
+    assert reason is None if why is None else why in reason, reason
+    assert may_fault(prog, budget=2) is not None
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])

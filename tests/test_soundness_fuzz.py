@@ -1,5 +1,6 @@
 """The soundness fuzzer (tests/fuzz/soundness.py) in CI: a bounded, seeded run, and every case
-it ever found replayed (tests/soundness_cases/*.json: rejected now, or clean under proof checking);
+it ever found replayed (tests/soundness_cases/*.json: rejected now, or clean under proof checking,
+and not faulting where `flow.may_fault` says they cannot);
 and a seeded run of the random-policy judge (tests/fuzz/policy_verdicts.py)."""
 import os
 import random
@@ -19,8 +20,9 @@ KERNEL_OK, KERNEL_WHY = kernel.permitted()
 def test_fuzzer_finds_no_unsound_proof():
     rep = fuzz(SEED, seconds=60, max_programs=6000)
     print(f"seed {SEED}: {rep.generated} programs, {rep.accepted} accepted, "
-          f"{rep.kernel_rejected} of them rejected by the kernel")
+          f"{rep.kernel_rejected} of them rejected by the kernel, {rep.faultless} found unable to fault")
     assert rep.accepted > rep.generated // 20, "the generator should get programs past the verifier"
+    assert rep.faultless > rep.accepted // 10, "some should be held to `may_fault`'s word"
     assert not rep.failures, "\n".join(c.why + "\n" + c.to_json() for c in rep.failures[:3])
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from . import helpers as Hl
 from . import isa as I
 from .codecache import CodeCache, default_dir
+from .flow import acyclic
 from .lift import (
     FAULT_BUDGET,
     FAULT_HELPER,
@@ -30,7 +31,6 @@ from .lift import (
     STACK_SIZE,
     Env,
     Lifter,
-    acyclic,
     address_table,
     map_slot,
     mem_need,

@@ -30,6 +30,7 @@ import llvmlite.binding as llvm
 from . import helpers as Hl
 from . import irtext as L
 from . import isa as I
+from .flow import local_calls
 from .maps import ARRAY, EMPTY, HASH, HASH_MULTIPLIER, LRU_HASH, PERCPU_ARRAY, PERCPU_HASH, RINGBUF, USED
 from .program import Program
 from .semantics import ctx_write_mask
@@ -75,51 +76,6 @@ def _const_bytes(m, name: str, data: bytes):
     g.global_constant = True
     g.linkage = "internal"
     return g
-
-
-def local_calls(slots) -> list[tuple[int, I.Insn]]:
-    """Each call of a subprogram (a local call): its pc and instruction."""
-    return [(pc, ins) for pc, ins in enumerate(slots)
-            if ins is not None and ins.opcode == I.JMP | I.CALL and ins.src == I.PSEUDO_CALL]
-
-
-def acyclic(prog: Program) -> bool:
-    """No local call and no cycle in the control-flow graph, reachable or not: then no
-    instruction runs twice.  (LLVM lays out straight-line code with backward jumps too: a
-    shared tail placed before the branch that reaches it.)"""
-    slots = prog.slots
-    n = len(slots)
-
-    def successors(pc: int) -> tuple[int, ...]:
-        ins = slots[pc]
-        if ins.cls not in (I.JMP, I.JMP32) or ins.op == I.CALL:
-            return (pc + ins.slots,)
-        if ins.op == I.EXIT:
-            return ()
-        target = pc + 1 + ins.jump_offset
-        return (target,) if ins.op == I.JA else (pc + 1, target)
-
-    if local_calls(slots):
-        return False
-    state = [0] * n                 # 0 unvisited, 1 on the path, 2 done
-    for root in range(n):
-        if slots[root] is None or state[root]:
-            continue
-        stack = [(root, iter(successors(root)))]
-        state[root] = 1
-        while stack:
-            pc, it = stack[-1]
-            nxt = next(it, None)
-            if nxt is None:
-                state[pc] = 2
-                stack.pop()
-            elif 0 <= nxt < n and slots[nxt] is not None:
-                if state[nxt] == 1:
-                    return False
-                if state[nxt] == 0:
-                    state[nxt] = 1
-                    stack.append((nxt, iter(successors(nxt))))
-    return True
 
 
 def mem_need(prog: Program, proof: dict | None) -> int:

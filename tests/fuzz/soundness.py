@@ -6,8 +6,10 @@ signed/unsigned boundaries and 2^63/2^64, calls helpers with good and bad argume
 subprograms and runs bounded loops.  Most are rejected.  Each accepted one is run on the
 reference interpreter with proof checking (`Interpreter(check_proofs=True)`) on inputs chosen
 to hit the boundaries: a `ProofViolation` means the verifier proved an access that is not in
-bounds, which is what lets the JIT touch host memory.  Where bpf(2) is permitted, accepted
-programs the kernel rejects (the suspicious ones) get many more inputs.
+bounds, which is what lets the JIT touch host memory.  An accepted program that `flow.may_fault`
+finds no way to fault must not fault on any of them either (the simulation runs such programs'
+watching events late, on that word: `observers.mark_observers`).  Where bpf(2) is permitted,
+accepted programs the kernel rejects (the suspicious ones) get many more inputs.
 
     python tests/fuzz/soundness.py --seed 1 --seconds 60 [--save tests/soundness_cases]
 
@@ -26,12 +28,14 @@ from pathlib import Path
 from fabric_ext.runtime.machine import isa as I
 from fabric_ext.runtime.machine.asm import assemble
 from fabric_ext.runtime.machine.elf import MapSpec
+from fabric_ext.runtime.machine.flow import may_fault
 from fabric_ext.runtime.machine.interp import Interpreter
 from fabric_ext.runtime.machine.maps import ARRAY, HASH, RINGBUF
 from fabric_ext.runtime.machine.program import Program, ProofViolation, VMFault
 from fabric_ext.runtime.machine.verifier import VerifierError, verify
 
 MEM_SIZE = 64
+BUDGET = 50_000         # instructions a run of a generated program may execute
 WORK = ("%r6", "%r7", "%r8")      # callee-saved: they survive helper calls
 BOUNDARY = [0, 1, 2, 7, 8, 255, 256, 0x7FFF, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 1 << 32,
             (1 << 63) - 1, 1 << 63, (1 << 64) - 8, (1 << 64) - 1]
@@ -295,8 +299,10 @@ def accepts(case: Case) -> Program | bool | str:
 
 
 def check(case: Case, prog: Program, rng: random.Random, n_inputs: int) -> str | None:
-    """Run ``prog``, the verified program of ``case``, under proof checking; the violation, if any."""
-    vm = Interpreter(budget=50_000, check_proofs=True)
+    """Run ``prog``, the verified program of ``case``, under proof checking; the violation, if
+    any, or a fault of a program `may_fault` says cannot fault."""
+    vm = Interpreter(budget=BUDGET, check_proofs=True)
+    faultless = case.ctx and may_fault(prog, BUDGET) is None
     for data in [bytes.fromhex(h) for h in case.inputs] + inputs(rng, n_inputs):   # a saved case's own first
         fill_maps(prog, rng)
         buf = bytearray(data)
@@ -308,8 +314,10 @@ def check(case: Case, prog: Program, rng: random.Random, n_inputs: int) -> str |
         except ProofViolation as e:
             case.inputs = [data.hex()]
             return str(e)
-        except VMFault:
-            pass
+        except VMFault as e:
+            if faultless:
+                case.inputs = [data.hex()]
+                return f"may_fault found no way for it to fault, but it did: {e}"
     return None
 
 
@@ -329,6 +337,7 @@ def kernel_rejects(case: Case) -> bool:
 class Report:
     generated: int = 0
     accepted: int = 0
+    faultless: int = 0          # accepted ones `may_fault` finds no way to fault
     kernel_rejected: int = 0
     failures: list[Case] = field(default_factory=list)
 
@@ -354,6 +363,7 @@ def fuzz(seed: int, seconds: float, max_programs: int | None = None, n_inputs: i
                 rep.failures.append(case)
             continue
         rep.accepted += 1
+        rep.faultless += case.ctx and may_fault(prog, BUDGET) is None
         more = use_kernel and kernel_rejects(case)
         rep.kernel_rejected += more
         why = check(case, prog, rng, n_inputs * (8 if more else 1))
@@ -371,7 +381,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rep = fuzz(args.seed, args.seconds)
     print(f"seed {args.seed}: {rep.generated} programs, {rep.accepted} accepted, "
-          f"{rep.kernel_rejected} of those rejected by the kernel, {len(rep.failures)} proof violations")
+          f"{rep.kernel_rejected} of those rejected by the kernel, {rep.faultless} found unable to fault, "
+          f"{len(rep.failures)} failures")
     for i, case in enumerate(rep.failures):
         print(f"  {case.why}")
         if args.save:
