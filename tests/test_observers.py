@@ -1,4 +1,4 @@
-"""Programs that only watch run in batches (`shims.mark_observers`, `Shim.flush`), and trains
+"""Programs that only watch run in batches (`observers.mark_observers`, `Shim.flush`), and trains
 step the chunks they watch (`decisions.Watched`): nothing in a run may tell the difference."""
 import json
 
@@ -8,7 +8,7 @@ from test_dispatch import POLICIES, _timeless
 from fabric_ext.runtime.machine.errors import InputError
 from fabric_ext.runtime.machine.jit import JitBackend
 from fabric_ext.runtime.machine.program import VMFault
-from fabric_ext.runtime.simulation import shims
+from fabric_ext.runtime.simulation import observers
 from policy_helpers import compiled
 from test_runtime import compile_text, run_engine
 
@@ -87,14 +87,14 @@ def test_a_watched_chunk_is_seen_as_it_is_at_its_event(tmp_path):
 
 def test_a_bounded_batch_changes_nothing(tmp_path, monkeypatch):
     """An observer's events run once PENDING_ROWS of them wait (memory stays bounded)."""
-    monkeypatch.setattr(shims, "PENDING_ROWS", 7)
+    monkeypatch.setattr(observers, "PENDING_ROWS", 7)
     kept = []
-    flush = shims.Batch.flush
+    flush = observers.Batch.flush
 
     def counting(self):
         kept.append(len(self.times))
         flush(self)
-    monkeypatch.setattr(shims.Batch, "flush", counting)
+    monkeypatch.setattr(observers.Batch, "flush", counting)
     (batched, _), (each, _) = _batched_and_each(compile_text(tmp_path, WATCHER))
     assert {**_timeless(batched), "events": 0} == {**_timeless(each), "events": 0}
     assert max(kept) == 7
@@ -182,6 +182,54 @@ def test_a_program_that_decides_or_shares_a_map_is_run_at_its_event(tmp_path):
     assert not any(s.pending for s in eng.shims.values())
 
 
+# each GPU's issue program decides the weights' prefetch and only watches the KV it writes back
+DECIDE_AND_WATCH = PRELUDE + """
+map kv_seen : hash<device, size>[8]
+map n       : array<u32, u32>[1]
+map trail   : array<u32, u32>[4096]     // the KV transfers' layers in the order the programs saw them
+policy p {
+  on weights_in.issue at gpu* { prefetch = 3 }
+  on kv_out.issue at gpu* {
+    kv_seen[ev.src] += ev.bytes
+    n[0] += 1
+    trail[n[0]] = ev.layer
+  }
+}
+"""
+
+
+def test_a_program_watches_in_batches_the_movements_it_decides_nothing_for(tmp_path, monkeypatch):
+    """The GPUs' issue programs decide for the weights at their events and keep the KV chunks
+    they only watch for one batch (the eight share maps), since no run of them can fault: the
+    report, the maps and the order in the trail included, is the one of every run at its event."""
+    kept = []
+    flush = observers.Batch.flush
+
+    def counting(self):
+        kept.append(len(self.times))
+        flush(self)
+    monkeypatch.setattr(observers.Batch, "flush", counting)
+    (batched, eng), (each, _) = _batched_and_each(compile_text(tmp_path, DECIDE_AND_WATCH))
+    _same_runs(batched, each)
+    kv = next(m["id"] for m in eng.man["movements"] if m["name"] == "kv_out")
+    gpus = [s for name, s in eng.shims.items() if name.startswith("gpu")]
+    assert all(s.watched == {"issue": frozenset({kv})} and s.watches("issue", kv) and not s.watches("issue")
+               for s in gpus) and len(gpus) == 8
+    assert len({id(b) for s in gpus for b in s.pending.values()}) == 1
+    assert sum(kept) == batched["maps"]["n"]["0"] > 100        # every KV run, in batches
+    assert all(i["decisions"].get("issue.prefetch") for i in batched["islands"] if i["name"].startswith("gpu"))
+
+
+def test_a_program_that_may_fault_decides_and_watches_at_its_events(tmp_path):
+    """With a loop, a run could exhaust its budget and detach the program, deciding handlers
+    and all, at an event a batch would reach only later: its watching runs stay at their events."""
+    folder = compile_text(tmp_path, DECIDE_AND_WATCH.replace("n[0] += 1\n", "for i in 0..64 { n[0] += 1 }\n"))
+    batched, eng = run_engine(folder, backend=JitBackend(), **SMALL)
+    each, _ = run_engine(folder, backend=JitBackend(), lazy_observers=False, **SMALL)
+    assert _timeless(batched) == _timeless(each)
+    assert not any(s.pending for s in eng.shims.values()) and batched["maps"]["n"]["0"] > 6400
+
+
 class FaultAt(JitBackend):
     """The JIT, but the nth run of any program faults, in a batch or alone."""
 
@@ -218,6 +266,20 @@ def test_a_watcher_that_faults_in_a_batch_stops_where_it_would_have(tmp_path):
     assert sum(batched["maps"]["seen"].values()) <= 299
 
 
+@pytest.mark.parametrize("nth", [1, 300, 301])
+def test_one_of_kin_watchers_that_faults_in_a_shared_call_stops_alone(tmp_path, nth):
+    """The eight GPUs' watchers are the same code on the same maps, so their events run in one
+    call; the one whose run faults is reported at its event and detached, and the others' events
+    after it still run: the same report as every run at its event."""
+    folder = compile_text(tmp_path, GPU_WATCHERS)
+    batched, eng = run_engine(folder, backend=FaultAt(nth), **SMALL)
+    each, _ = run_engine(folder, backend=FaultAt(nth), lazy_observers=False, **SMALL)
+    assert _timeless(batched) == _timeless(each)
+    assert len(batched["faults"]) == 1 and batched["maps"]["n"]["0"] > nth
+    fault = batched["faults"][0]
+    assert fault["program"] == f"{fault['island']}_{fault['hook']}"      # its own, not its kin's
+
+
 def test_a_manifest_that_hides_a_decision_is_found_out(tmp_path):
     """A handler list that says a deciding handler decides nothing makes its program an
     observer; its decision shows in the batch, and the run stops with a message, not a
@@ -250,7 +312,7 @@ def test_a_program_with_a_helper_that_tells_time_or_order_is_no_observer():
         prog = eng.shims["sw0"].programs["forward"]
         if helper is not None:
             prog.insns.append(Insn(JMP | CALL, imm=helper))      # (never reached: the rule reads code)
-        shims.mark_observers(eng.shims)
+        observers.mark_observers(eng.shims)
         assert ("forward" in eng.shims["sw0"].pending) is batched, helper
 
 

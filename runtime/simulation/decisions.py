@@ -57,7 +57,7 @@ class AtHop(Standing):
 
 @dataclass(slots=True)
 class Watched(Standing):
-    """Nothing decided, for every chunk: the hooks' programs only watch (`shims.mark_observers`).
+    """Nothing decided, for every chunk: the hooks' programs only watch (`observers.mark_observers`).
     Each chunk that takes it at its hop is still given to them (`ShimHookSite.on_issue`,
     `on_enter`), which keep its context for their batch."""
     hop: int = 0

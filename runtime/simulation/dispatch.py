@@ -37,7 +37,7 @@ class Known:
 
 class Acting:
     """The handlers of one program that act on one movement's events."""
-    __slots__ = ("hook", "maps", "key_fields", "entries", "reads", "memo", "retired")
+    __slots__ = ("hook", "maps", "key_fields", "entries", "reads", "memo", "retired", "watched")
 
     def __init__(self, hook: str, maps: frozenset, key_fields: tuple | None, entries: tuple = (),
                  reads: frozenset | None = None):
@@ -48,6 +48,7 @@ class Acting:
         self.entries = entries           # the map entries they also depend on: (values, size, count, field, const)
         self.memo: dict[tuple, Known] = {}
         self.retired: list[Known] = []   # remembered once, kept for their counts
+        self.watched = False             # its events wait for a batch (`observers.mark_observers`)
 
     def key(self, fields: dict) -> tuple | None:
         if self.key_fields is None:

@@ -22,8 +22,9 @@ from fabric_ext.contract.schema import PROP_RANGES
 from .fabric_model import Fabric
 from .figures import default, figures
 from .hook_site import ShimHookSite
+from .observers import mark_observers
 from .prefill import Prefill, Progress  # noqa: F401  (Progress: what RunOptions.progress is called with)
-from .shims import SHIMS, mark_observers
+from .shims import SHIMS
 from .sim import DEFAULT_MAX_EVENTS, Sim
 from .stats import RunRecord
 from .ticks import BLOCK, TickSource, catch_up_together
@@ -72,7 +73,7 @@ class RunOptions:
     eager_ticks: bool = False        # run each tick at its time instead of lazily (tests compare the two)
     per_chunk_events: bool = False   # an event at every end of transmission and every arrival (`fabric_model`)
     trains: bool = True              # servers' round robin over copy engines stepped ahead in one event (`trains`)
-    lazy_observers: bool = True      # programs that only watch run in batches (`shims.mark_observers`)
+    lazy_observers: bool = True      # programs that only watch run in batches (`observers.mark_observers`)
     max_events: int | None = DEFAULT_MAX_EVENTS   # a run that passes this many events stops (None: no limit)
     stack: str | None = None         # serving-stack profile (figures.json "stacks"), else the workload's
     context_tracer: object = None    # callable(island, hook, ctx bytes) for every event a program acts on
@@ -109,7 +110,7 @@ class Engine:
         self.fabric = self._fabric()
         self.site.bind(self.fabric)
         dequeue = {p["island"] for p in manifest["programs"] if p["hook"] == "dequeue"} if opts.attach else set()
-        self.fabric.watch_dequeue(dequeue, {isl for isl in dequeue if "dequeue" in self.shims[isl].pending})
+        self.fabric.watch_dequeue(dequeue, {isl for isl in dequeue if self.shims[isl].watches("dequeue")})
         stack = opts.stack or manifest.get("workload", {}).get("stack") or figures()["defaults"]["stack"]
         self.timing = Timing(self.workload, self.gpus, {g: self.devices[g].get("props", {}) for g in self.gpus},
                              stack)
@@ -306,7 +307,7 @@ class Engine:
         self._run_observers()
 
     def _run_observers(self) -> None:
-        """Run what the programs that only watch were given and have not run yet (`shims.Batch`)."""
+        """Run what the programs that only watch were given and have not run yet (`observers.Batch`)."""
         for shim in self.shims.values():
             shim.flush()
 

@@ -162,7 +162,7 @@ class Server:
         self.intervals = Intervals()
         self.queued_bytes = 0          # bytes waiting, not yet on the link
         self.on_dequeue = None         # callable(chunk, wait ns) as a chunk starts on the link, if watched
-        self.watched = False           # ... by programs that only watch (`shims.mark_observers`)
+        self.watched = False           # ... by programs that only watch (`observers.mark_observers`)
         self.enqueues: list | None = None         # where a watcher wants every enqueue (`watch`)
         self.lane = 0
         self.occupants: list | None = None        # with evidence on, per interval: (transfer, priority,

@@ -9,32 +9,21 @@ run on whatever VM backend they are given.  A program that faults at run time
 is detached from its hook, the island's defaults apply from then on, and the
 fault is recorded for the report.
 
-A program that only watches (an *observer*: `mark_observers`) is not run at its events: the
-shim keeps each event's context and runs them later, in the order they happened, in batches
-(`Batch`), since nothing in the run can tell when they ran.
+A program that only watches (an *observer*: `observers.py`) is not run at its events: the
+shim keeps each event's context for a batch that runs them later, in the order they happened.
 """
 from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
 
-import numpy as np
-
 from fabric_ext.contract.bundle import island_programs
 from fabric_ext.contract.context import SHARED_LIMIT, ContextCodec
 from fabric_ext.contract.hooks import HOOKS
 
-from ..machine import helpers as H
-from ..machine.errors import InputError
-from ..machine.isa import CALL, JMP, PSEUDO_MAP_FD, PSEUDO_MAP_VALUE
 from ..machine.program import Program, VMFault
 from .dispatch import Acting, Known, acting
 
-# helpers whose effect reaches no further than the program's own maps and does not depend on
-# when the program runs: an observer calls only these (`mark_observers`)
-ORDER_FREE = frozenset({H.MAP_LOOKUP_ELEM, H.MAP_UPDATE_ELEM, H.MAP_DELETE_ELEM, H.GET_SMP_PROCESSOR_ID,
-                        H.RINGBUF_OUTPUT, H.RINGBUF_RESERVE, H.RINGBUF_SUBMIT, H.RINGBUF_DISCARD})
-PENDING_ROWS = 4096     # events a `Batch` keeps before it runs them: a bound on memory
 OBSERVED = Known({}, kept=False)    # what an observer decides for any event: nothing
 
 
@@ -59,8 +48,9 @@ class Shim:
         # called with (island, hook, context bytes) for every event a program acts on, before a
         # remembered decision may serve it (a benchmark records what the programs see)
         self.tracer = None
-        self.pending: dict[str, Batch] = {}     # hook -> where an observer's events wait (`Batch`)
-        self._owners: dict[str, tuple] = {}     # hook -> (self, hook), what its stretches of a batch name
+        self.pending: dict[str, object] = {}    # hook -> where an observer's events wait (`observers.Batch`)
+        self.watched: dict[str, frozenset | None] = {}  # hook -> the movements it keeps there (None: all)
+        self._owners: dict[str, object] = {}    # hook -> what its stretches of a batch name (`observers.Owner`)
 
     # -- loading ------------------------------------------------------------------------
     def load(self, artifacts, manifest: dict, maps: dict) -> None:
@@ -83,6 +73,7 @@ class Shim:
     def detach(self, hook: str) -> None:
         self.flush(hook)        # what it was given to watch before it went
         self.pending.pop(hook, None)
+        self.watched.pop(hook, None)
         self.programs.pop(hook, None)
         self.handles.pop(hook, None)
         if self.on_detach is not None:      # decisions callers remember from before no longer hold
@@ -97,14 +88,33 @@ class Shim:
     def has(self, hook: str) -> bool:
         return hook in self.handles
 
+    def watch(self, hook: str, movements: frozenset | None, batch, owner) -> None:
+        """Keep the events of ``movements`` (None: every event) on ``hook`` for ``batch``, as
+        ``owner``'s, instead of running them as they come (`observers.mark_observers`)."""
+        if movements is not None and self.watched.get(hook):
+            movements |= self.watched[hook]
+        self.watched[hook] = movements
+        self.pending[hook], self._owners[hook] = batch, owner
+        self._acting.clear()
+
+    def watches(self, hook: str, movement: int | None = None) -> bool:
+        """Whether the events of ``movement`` on ``hook`` wait for a batch (None: whether all of
+        its events do)."""
+        if hook not in self.pending:
+            return False
+        movements = self.watched[hook]
+        return movements is None or movement in movements
+
     def acting(self, hook: str, movement: int | None) -> Acting | None:
         """What the program on ``hook`` does for events of ``movement`` (None: nothing;
         see `dispatch.py`)."""
         key = (hook, movement)
         if key not in self._acting:
             prog = self.programs.get(hook)
-            self._acting[key] = acting(hook, prog, self.handlers.get(hook), movement,
-                                       self.backend.host_maps) if prog else None
+            act = self._acting[key] = acting(hook, prog, self.handlers.get(hook), movement,
+                                             self.backend.host_maps) if prog else None
+            if act is not None:
+                act.watched = self.watches(hook, movement)
         return self._acting[key]
 
     def maps_for(self, hook: str, movement: int | None) -> frozenset | None:
@@ -122,7 +132,7 @@ class Shim:
         act = self.acting(hook, fields.get("movement")) if handle is not None else None
         if act is None:
             return None
-        if hook in self.pending:        # an observer: it runs with its batch
+        if act.watched:        # an observer of these events: it runs them with its batch
             self.keep(hook, self.codecs[hook].fill(fields), now)
             return OBSERVED
         if self.tracer is not None:
@@ -139,7 +149,7 @@ class Shim:
         try:
             self.backend.run(handle, ctx)
         except VMFault as e:
-            self._fault(hook, e, now)
+            self.fault(hook, e, now)
             return None
         finally:
             self.ns[hook] += time.perf_counter_ns() - t0
@@ -166,29 +176,12 @@ class Shim:
             return
         if self.tracer is not None:
             self.tracer(self.island, hook, bytes(ctx))
-        owner = self._owners[hook]
-        if batch.owner is not owner:
-            batch.owner = owner
-            batch.stretches.append((owner, len(batch.times)))
-        batch.rows += ctx
-        batch.times.append(now)
-        if len(batch.times) >= PENDING_ROWS:
-            batch.flush()
+        batch.add(self._owners[hook], ctx, now)
 
-    def _run_kept(self, hook: str, rows: np.ndarray, times: list[float]) -> None:
-        """Run the observer on ``hook`` over its kept events' contexts (`Batch.flush`), in one
-        batch.  Its manifest says it decides nothing: a decision in the contexts after the
-        batch means the bundle does not hold together."""
-        if hook not in self.handles:        # it faulted on an earlier one: it runs no more
-            return
-        codec = self.codecs[hook]
-        ctxs = rows.reshape(len(times), codec.size)
-        row = codec.first_decided(ctxs[:self._run_batch(hook, ctxs, times.__getitem__)])
-        if row is not None:
-            raise InputError(
-                f"{self.island}.{hook}: its program decided {codec.changed(ctxs[row])} for the event at "
-                f"{times[row]:.0f} ns, where the manifest's handler list says it decides "
-                "nothing; the bundle does not hold together: compile it again with fabricc")
+    def count(self, hook: str, runs: int, ns: int) -> None:
+        """Count ``runs`` of the program on ``hook`` made elsewhere (a batch), taking ``ns``."""
+        self.invocations[hook] += runs
+        self.ns[hook] += ns
 
     def pass_over(self, hook: str, n: int) -> None:
         """Count n events not run because the runs after them overwrite all they would do."""
@@ -213,16 +206,19 @@ class Shim:
             self.backend.run_batch(handle, ctxs)
         except VMFault as e:
             ran, n = e.row, e.row + 1          # the faulting run counts as an invocation
-            self._fault(hook, e, row_time(e.row))
+            self.fault(hook, e, row_time(e.row))
         finally:
             self.ns[hook] += time.perf_counter_ns() - t0
             self.invocations[hook] += n
         return ran
 
-    def _fault(self, hook, e: VMFault, now):
-        src = e.program.source_line(e.pc)
-        self.faults.append({"island": self.island, "hook": hook, "program": e.program.name, "pc": e.pc,
-                            "where": e.program.where(e.pc), "line": str(src) if src else None,
+    def fault(self, hook, e: VMFault, now) -> None:
+        """The program on ``hook`` faulted at ``now``: it is recorded and detached.  (It is named
+        from this shim: a backend may run programs of the same code with one handle.)"""
+        prog = self.programs.get(hook, e.program)
+        src = prog.source_line(e.pc)
+        self.faults.append({"island": self.island, "hook": hook, "program": prog.name, "pc": e.pc,
+                            "where": prog.where(e.pc), "line": str(src) if src else None,
                             "reason": e.reason, "time_ns": now})
         self.detach(hook)
 
@@ -252,73 +248,6 @@ class Shim:
                 "ns_per_invocation": round(sum(self.ns.values()) / n) if n else 0,
                 "decisions": {f"{h}.{k}": {label(h, k, v): c for v, c in sorted(cnt.items()) if c}
                               for (h, k), cnt in sorted(decisions.items()) if any(cnt.values())}}
-
-
-class Batch:
-    """The events of a group of observers that share maps with each other and with no other
-    program (one observer, mostly), kept in the order they happened and run in that order:
-    each stretch of one program's events in one call (`Shim._run_kept`)."""
-    __slots__ = ("rows", "times", "stretches", "owner")
-
-    def __init__(self):
-        self.rows = bytearray()         # the events' contexts, one after another
-        self.times: list[float] = []    # when each happened
-        self.stretches: list[tuple] = []    # ((shim, hook), its first event) of each run of one program's events
-        self.owner = None               # the last stretch's (shim, hook)
-
-    def flush(self) -> None:
-        """Run every event kept, in order (a program that faults runs none of its later ones)."""
-        rows, times, stretches = self.rows, self.times, self.stretches
-        self.rows, self.times, self.stretches, self.owner = bytearray(), [], [], None
-        start = 0
-        for i, ((shim, hook), first) in enumerate(stretches):
-            last = stretches[i + 1][1] if i + 1 < len(stretches) else len(times)
-            end = start + (last - first) * shim.codecs[hook].size
-            shim._run_kept(hook, np.frombuffer(rows, dtype=np.uint8, count=end - start, offset=start), times[first:last])
-            start = end
-
-
-def mark_observers(shims: dict[str, Shim]) -> None:
-    """Make every program that only watches an observer, where nothing in the run could tell
-    when it ran: each of its handlers decides nothing (the manifest's list: `Shim._run_kept`
-    checks it), it calls only `ORDER_FREE` helpers, and the programs it shares maps with,
-    directly or through others, are observers too; those keep their events in one `Batch`.
-    Call it once every program is attached (the engine does, as it loads them).  Ticks batch
-    themselves (`ticks.py`)."""
-    programs = [(shim, hook, prog, _maps_used(prog)) for shim in shims.values() for hook, prog in shim.programs.items()]
-    group = list(range(len(programs)))      # union-find over programs that share a map
-
-    def root(i):
-        while group[i] != i:
-            group[i] = i = group[group[i]]
-        return i
-    first: dict[str, int] = {}
-    for i, (*_, used) in enumerate(programs):
-        for name in used:
-            group[root(i)] = root(first.setdefault(name, i))
-    groups: dict[int, list] = {}
-    for i, (shim, hook, prog, _) in enumerate(programs):
-        handlers = shim.handlers.get(hook)
-        watches = hook != "tick" and bool(handlers) and all(h.get("decides") == {} for h in handlers) \
-            and _helpers(prog) <= ORDER_FREE
-        groups.setdefault(root(i), []).append((shim, hook) if watches else None)
-    for members in groups.values():
-        if None not in members:
-            batch = Batch()
-            for shim, hook in members:
-                shim.pending[hook], shim._owners[hook] = batch, (shim, hook)
-
-
-def _helpers(prog: Program) -> set[int]:
-    return {ins.imm for ins in prog.insns if ins.opcode == JMP | CALL and ins.src == 0}
-
-
-def _maps_used(prog: Program) -> set[str]:
-    """The maps the program's code names (an object's programs share its map list; the
-    verifier checked each index): a map is reached only through a handle or value address
-    loaded by ``lddw``."""
-    return {prog.maps[ins.imm].name
-            for ins in prog.insns if ins.is_lddw and ins.src in (PSEUDO_MAP_FD, PSEUDO_MAP_VALUE)}
 
 
 class BpftimeShim(Shim):

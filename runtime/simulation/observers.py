@@ -1,0 +1,212 @@
+"""Programs that only watch (*observers*): which they are (`mark_observers`) and where their
+events wait to be run (`Batch`).
+
+An observer is not run at its events: its shim keeps each event's context and the batch runs
+them later, in the order they happened, since nothing in the run can tell when they ran.  What
+it decides is checked after the batch (nothing, or the bundle does not hold together).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..machine import helpers as H
+from ..machine.errors import InputError
+from ..machine.flow import helpers_called, may_fault
+from ..machine.isa import PSEUDO_MAP_FD, PSEUDO_MAP_VALUE, RUN_BUDGET
+from ..machine.program import Program, VMFault
+
+# helpers whose effect reaches no further than the program's own maps and does not depend on
+# when the program runs: an observer calls only these
+ORDER_FREE = frozenset({H.MAP_LOOKUP_ELEM, H.MAP_UPDATE_ELEM, H.MAP_DELETE_ELEM, H.GET_SMP_PROCESSOR_ID,
+                        H.RINGBUF_OUTPUT, H.RINGBUF_RESERVE, H.RINGBUF_SUBMIT, H.RINGBUF_DISCARD})
+PENDING_ROWS = 4096     # events a `Batch` keeps before it runs them: a bound on memory
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Whose events a stretch of a batch holds: a shim's program on a hook.  Programs of one
+    ``kin`` are the same code on the same maps for the same hook, so either gives an event what
+    the other would, and their events run in one call (`Batch.flush`)."""
+    shim: object
+    hook: str
+    kin: object
+
+
+@dataclass(frozen=True, slots=True)
+class _Span:
+    owner: Owner
+    first: int          # its first event in the batch, and one past its last
+    last: int
+    offset: int         # where its first context starts in the batch's rows
+
+
+class Batch:
+    """The events of a group of observers that share maps with each other and with no other
+    program (one observer, mostly), kept in the order they happened and run in that order."""
+    __slots__ = ("rows", "times", "stretches", "owner")
+
+    def __init__(self):
+        self.rows = bytearray()         # the events' contexts, one after another
+        self.times: list[float] = []    # when each happened
+        self.stretches: list[tuple] = []    # (`Owner`, its first event) of each run of one program's events
+        self.owner = None               # the last stretch's
+
+    def add(self, owner: Owner, ctx, now: float) -> None:
+        """Keep an event of ``owner``'s, as its context; run them all once `PENDING_ROWS` wait."""
+        if self.owner is not owner:
+            self.owner = owner
+            self.stretches.append((owner, len(self.times)))
+        self.rows += ctx
+        self.times.append(now)
+        if len(self.times) >= PENDING_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Run every event kept, in order: each stretch of kin programs' events in one call (a
+        program that faults runs none of its later ones)."""
+        rows, times, stretches = self.rows, self.times, self.stretches
+        self.rows, self.times, self.stretches, self.owner = bytearray(), [], [], None
+        data = np.frombuffer(rows, dtype=np.uint8)
+        spans, offset = [], 0
+        for i, (owner, first) in enumerate(stretches):
+            last = stretches[i + 1][1] if i + 1 < len(stretches) else len(times)
+            spans.append(_Span(owner, first, last, offset))
+            offset += (last - first) * owner.shim.codecs[owner.hook].size
+        i = 0
+        while i < len(spans):
+            j = i + 1
+            while j < len(spans) and spans[j].owner.kin is spans[i].owner.kin:
+                j += 1
+            _run_kin(spans[i:j], data, times)
+            i = j
+
+
+def _run_kin(spans: list[_Span], data: np.ndarray, times: list[float]) -> None:
+    """Run the events of consecutive spans of kin programs, as few calls as the spans' programs
+    being attached allow; each program counts its own runs and its share of the time."""
+    while spans:
+        spans = [s for s in spans if s.owner.shim.has(s.owner.hook)]    # (one that faulted runs no more)
+        if not spans:
+            return
+        k = 1
+        while k < len(spans) and spans[k].first == spans[k - 1].last:
+            k += 1
+        run, spans = spans[:k], spans[k:]
+        first, last = run[0].first, run[-1].last
+        shim, hook = run[0].owner.shim, run[0].owner.hook
+        codec = shim.codecs[hook]
+        ctxs = data[run[0].offset:run[0].offset + (last - first) * codec.size].reshape(last - first, codec.size)
+        t0 = time.perf_counter_ns()
+        try:
+            shim.backend.run_batch(shim.handles[hook], ctxs)
+            ran, fault = last - first, None
+        except VMFault as e:
+            ran, fault = e.row, e
+        ns = time.perf_counter_ns() - t0
+        runs = ran + (fault is not None)        # the faulting run counts as an invocation
+        for s in run:
+            n = max(0, min(s.last, first + runs) - s.first)
+            if n:
+                s.owner.shim.count(s.owner.hook, n, ns * n // runs)
+        row = codec.first_decided(ctxs[:ran])
+        if row is not None:
+            owner = _owner_of(run, first + row)
+            raise InputError(
+                f"{owner.shim.island}.{owner.hook}: its program decided {codec.changed(ctxs[row])} for the "
+                f"event at {times[first + row]:.0f} ns, where the manifest's handler list says it decides "
+                "nothing; the bundle does not hold together: compile it again with fabricc")
+        if fault is not None:
+            at = first + ran
+            owner = _owner_of(run, at)
+            owner.shim.fault(owner.hook, fault, times[at])
+            spans = [s for s in run if s.first > at] + spans
+
+
+def _owner_of(spans: list[_Span], event: int) -> Owner:
+    return next(s.owner for s in spans if s.first <= event < s.last)
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """What one program does for the events of some movements (the handlers named for them):
+    the smallest part of a program that `mark_observers` batches."""
+    shim: object
+    hook: str
+    movements: frozenset | None     # None: every event of the hook
+    maps: frozenset                 # the maps its handlers touch
+    watches: bool                   # it decides nothing and calls only `ORDER_FREE` helpers
+
+
+def mark_observers(shims: dict) -> None:
+    """Make every program that only watches an observer, where nothing in the run could tell
+    when it ran: it decides nothing (the manifest's list: checked after each batch), calls only
+    `ORDER_FREE` helpers, and the programs it shares maps with (the maps its code names),
+    directly or through others, are observers too; those keep their events in one `Batch`.
+
+    A program whose handlers decide for some movements and only watch others is an observer of
+    those others, on the same terms (here the maps each handler touches are the manifest's, as
+    for the ticks run before an event), where none of its runs can fault (`flow.may_fault`): a
+    fault would detach it, deciding handlers and all, at an event the batch reaches only later.
+    Its watching handlers share one batch.  Call it once every program is attached (the engine
+    does, as it loads them).  Ticks batch themselves (`ticks.py`)."""
+    units = [u for shim in shims.values() for hook, prog in shim.programs.items() for u in _units(shim, hook, prog)]
+    group = list(range(len(units)))      # union-find over units that share a map or a batch
+
+    def root(i):
+        while group[i] != i:
+            group[i] = i = group[group[i]]
+        return i
+    first: dict = {}
+    for i, u in enumerate(units):
+        for name in u.maps | ({(id(u.shim), u.hook)} if u.watches else set()):
+            group[root(i)] = root(first.setdefault(name, i))
+    groups: dict[int, list[_Unit]] = {}
+    for i, u in enumerate(units):
+        groups.setdefault(root(i), []).append(u)
+    kins: dict[tuple, object] = {}
+    for members in groups.values():
+        if all(u.watches for u in members) and all(_whole_or_faultless(u, members, units) for u in members):
+            batch = Batch()
+            for u in members:
+                prog = u.shim.programs[u.hook]
+                kin = kins.setdefault((prog.code, tuple(map(id, prog.maps)), id(prog.hook)), object())
+                u.shim.watch(u.hook, u.movements, batch, Owner(u.shim, u.hook, kin))
+
+
+def _units(shim, hook: str, prog: Program) -> list[_Unit]:
+    """The program as units: one per movement its handlers name, where each names one (the
+    maps its code names that no handler lists go with every unit); else one, the whole."""
+    handlers = shim.handlers.get(hook) or []
+    orderly = helpers_called(prog) <= ORDER_FREE and hook != "tick"
+    code_maps = frozenset(_maps_used(prog))
+    if not handlers or prog.hook is None or prog.hook.field("movement") is None \
+            or any(h.get("movement") is None for h in handlers):
+        return [_Unit(shim, hook, None, code_maps,
+                      orderly and bool(handlers) and all(h.get("decides") == {} for h in handlers))]
+    unlisted = code_maps - {m for h in handlers for m in h.get("maps", ())}
+    by_movement: dict[int, list[dict]] = {}
+    for h in handlers:
+        by_movement.setdefault(h["movement"], []).append(h)
+    return [_Unit(shim, hook, frozenset({m}), frozenset(x for h in hs for x in h.get("maps", ())) | unlisted,
+                  orderly and all(h.get("decides") == {} for h in hs))
+            for m, hs in by_movement.items()]
+
+
+def _whole_or_faultless(unit: _Unit, members: list[_Unit], units: list[_Unit]) -> bool:
+    """Whether batching ``unit`` with ``members`` keeps what its program decides elsewhere:
+    all of the program is batched, or no run of it can fault."""
+    if all(any(u is m for m in members) for u in units if u.shim is unit.shim and u.hook == unit.hook):
+        return True
+    backend = unit.shim.backend
+    return backend.host_maps and may_fault(unit.shim.programs[unit.hook], getattr(backend, "budget", RUN_BUDGET)) is None
+
+
+def _maps_used(prog: Program) -> set[str]:
+    """The maps the program's code names (an object's programs share its map list; the
+    verifier checked each index): a map is reached only through a handle or value address
+    loaded by ``lddw``."""
+    return {prog.maps[ins.imm].name
+            for ins in prog.insns if ins.is_lddw and ins.src in (PSEUDO_MAP_FD, PSEUDO_MAP_VALUE)}
