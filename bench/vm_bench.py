@@ -2,7 +2,8 @@
 
     python bench/vm_bench.py [--quick]
 
-Programs: a prime-counting loop, a byte-swap loop, a map-heavy counting loop, a memory-bound
+Programs: a prime-counting loop, a byte-swap loop, two map-heavy counting loops (an array's
+value added to in place; a hash map's looked up and written back), a memory-bound
 loop (sum 512 u64 of a 4 KiB input with ``ldxdw``), and every compiled example policy replayed
 on an event stream recorded from fabric-run.  Inputs come from memory (the byte-swap loop
 starts from its input, the memory loop sums it) and a batch keeps every run's r0
@@ -38,7 +39,7 @@ from fabric_ext.runtime.machine import jit, kernel
 from fabric_ext.runtime.machine.asm import assemble
 from fabric_ext.runtime.machine.interp import Interpreter
 from fabric_ext.runtime.machine.jit import JitBackend
-from fabric_ext.runtime.machine.maps import ARRAY, Map
+from fabric_ext.runtime.machine.maps import ARRAY, HASH, Map
 from fabric_ext.runtime.machine.program import Program
 from fabric_ext.runtime.machine.verifier import verify
 
@@ -160,6 +161,35 @@ skip:
     exit
 """
 
+# counting as C programs write it: look the key up, add one, write it back with an update
+HASH_COUNT = """
+    mov %r6, 0
+loop:
+    mov %r1, %r6
+    and %r1, 3
+    stxw [%r10-4], %r1
+    lddw %r1, 0
+    mov %r2, %r10
+    add %r2, -4
+    call 1
+    mov %r1, 1
+    jeq %r0, 0, put
+    ldxdw %r1, [%r0+0]
+    add %r1, 1
+put:
+    stxdw [%r10-16], %r1
+    lddw %r1, 0
+    mov %r2, %r10
+    add %r2, -4
+    mov %r3, %r10
+    add %r3, -16
+    mov %r4, 0
+    call 2
+    add %r6, 1
+    jlt %r6, 64, loop
+    mov %r0, 0
+    exit
+"""
 
 def _map_fd(insns):
     """lddw 0 as the program's map 0."""
@@ -173,6 +203,8 @@ def loop_programs():
     return [("prime loop", Program("prime", assemble(PRIME)), bytes(8), None),
             ("byte-swap loop", Program("bswap", assemble(BSWAP)), bytes(range(1, 9)), assemble(BSWAP_XDP)),
             ("map counting", Program("count", count, [Map("counts", ARRAY, 4, 8, 4)]), bytes(8), None),
+            ("hash update counting", Program("hcount", _map_fd(assemble(HASH_COUNT)), [Map("counts", HASH, 4, 8, 8)]),
+             bytes(8), None),
             ("memory loop 4 KiB", Program("memsum", assemble(MEMSUM)), words.tobytes(), _map_fd(assemble(MEMSUM_XDP)))]
 
 
