@@ -8,6 +8,7 @@ it decides is checked after the batch (nothing, or the bundle does not hold toge
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,108 +26,87 @@ ORDER_FREE = frozenset({H.MAP_LOOKUP_ELEM, H.MAP_UPDATE_ELEM, H.MAP_DELETE_ELEM,
 PENDING_ROWS = 4096     # events a `Batch` keeps before it runs them: a bound on memory
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Owner:
-    """Whose events a stretch of a batch holds: a shim's program on a hook.  Programs of one
-    ``kin`` are the same code on the same maps for the same hook, so either gives an event what
-    the other would, and their events run in one call (`Batch.flush`)."""
+    """Whose an event in a batch is: a shim's program on a hook (one each, told apart by
+    identity).  Programs of one ``kin`` are the same code on the same maps for the same hook,
+    so either gives an event what the other would, and their events run in one call
+    (`Batch.flush`)."""
     shim: object
     hook: str
     kin: object
 
 
-@dataclass(frozen=True, slots=True)
-class _Span:
-    owner: Owner
-    first: int          # its first event in the batch, and one past its last
-    last: int
-    offset: int         # where its first context starts in the batch's rows
-
-
 class Batch:
     """The events of a group of observers that share maps with each other and with no other
     program (one observer, mostly), kept in the order they happened and run in that order."""
-    __slots__ = ("rows", "times", "stretches", "owner")
+    __slots__ = ("rows", "times", "owners", "starts", "kin")
 
     def __init__(self):
         self.rows = bytearray()         # the events' contexts, one after another
         self.times: list[float] = []    # when each happened
-        self.stretches: list[tuple] = []    # (`Owner`, its first event) of each run of one program's events
-        self.owner = None               # the last stretch's
+        self.owners: list[Owner] = []   # whose each is
+        self.starts: list[int] = []     # the first event of each stretch of one kin's events
+        self.kin = None                 # the last stretch's
 
     def add(self, owner: Owner, ctx, now: float) -> None:
         """Keep an event of ``owner``'s, as its context; run them all once `PENDING_ROWS` wait."""
-        if self.owner is not owner:
-            self.owner = owner
-            self.stretches.append((owner, len(self.times)))
+        if self.kin is not owner.kin:
+            self.kin = owner.kin
+            self.starts.append(len(self.times))
         self.rows += ctx
         self.times.append(now)
+        self.owners.append(owner)
         if len(self.times) >= PENDING_ROWS:
             self.flush()
 
     def flush(self) -> None:
         """Run every event kept, in order: each stretch of kin programs' events in one call (a
         program that faults runs none of its later ones)."""
-        rows, times, stretches = self.rows, self.times, self.stretches
-        self.rows, self.times, self.stretches, self.owner = bytearray(), [], [], None
+        rows, times, owners, starts = self.rows, self.times, self.owners, self.starts
+        self.rows, self.times, self.owners, self.starts, self.kin = bytearray(), [], [], [], None
         data = np.frombuffer(rows, dtype=np.uint8)
-        spans, offset = [], 0
-        for i, (owner, first) in enumerate(stretches):
-            last = stretches[i + 1][1] if i + 1 < len(stretches) else len(times)
-            spans.append(_Span(owner, first, last, offset))
-            offset += (last - first) * owner.shim.codecs[owner.hook].size
-        i = 0
-        while i < len(spans):
-            j = i + 1
-            while j < len(spans) and spans[j].owner.kin is spans[i].owner.kin:
-                j += 1
-            _run_kin(spans[i:j], data, times)
-            i = j
+        offset = 0
+        for first, last in zip(starts, starts[1:] + [len(times)]):
+            size = owners[first].shim.codecs[owners[first].hook].size
+            ctxs = data[offset:offset + (last - first) * size].reshape(last - first, size)
+            _run_kin(ctxs, times[first:last], owners[first:last])
+            offset += (last - first) * size
 
 
-def _run_kin(spans: list[_Span], data: np.ndarray, times: list[float]) -> None:
-    """Run the events of consecutive spans of kin programs, as few calls as the spans' programs
-    being attached allow; each program counts its own runs and its share of the time."""
-    while spans:
-        spans = [s for s in spans if s.owner.shim.has(s.owner.hook)]    # (one that faulted runs no more)
-        if not spans:
-            return
-        k = 1
-        while k < len(spans) and spans[k].first == spans[k - 1].last:
-            k += 1
-        run, spans = spans[:k], spans[k:]
-        first, last = run[0].first, run[-1].last
-        shim, hook = run[0].owner.shim, run[0].owner.hook
-        codec = shim.codecs[hook]
-        ctxs = data[run[0].offset:run[0].offset + (last - first) * codec.size].reshape(last - first, codec.size)
+def _run_kin(ctxs: np.ndarray, times: list[float], owners: list[Owner]) -> None:
+    """Run kin programs' events in one call (where one faults, the others' after it in another);
+    each program counts its own runs and its share of the time."""
+    while owners:
+        attached = {o for o in dict.fromkeys(owners) if o.shim.has(o.hook)}
+        if len(attached) < len(set(owners)):        # (one that faulted runs no more)
+            keep = [o in attached for o in owners]
+            ctxs, times = ctxs[np.array(keep, dtype=bool)], [t for t, k in zip(times, keep) if k]
+            owners = [o for o, k in zip(owners, keep) if k]
+            if not owners:
+                return
+        shim, hook = owners[0].shim, owners[0].hook
         t0 = time.perf_counter_ns()
         try:
             shim.backend.run_batch(shim.handles[hook], ctxs)
-            ran, fault = last - first, None
+            ran, fault = len(owners), None
         except VMFault as e:
             ran, fault = e.row, e
         ns = time.perf_counter_ns() - t0
         runs = ran + (fault is not None)        # the faulting run counts as an invocation
-        for s in run:
-            n = max(0, min(s.last, first + runs) - s.first)
-            if n:
-                s.owner.shim.count(s.owner.hook, n, ns * n // runs)
+        for owner, n in Counter(owners[:runs]).items():
+            owner.shim.count(owner.hook, n, ns * n // runs)
+        codec = shim.codecs[hook]
         row = codec.first_decided(ctxs[:ran])
         if row is not None:
-            owner = _owner_of(run, first + row)
             raise InputError(
-                f"{owner.shim.island}.{owner.hook}: its program decided {codec.changed(ctxs[row])} for the "
-                f"event at {times[first + row]:.0f} ns, where the manifest's handler list says it decides "
+                f"{owners[row].shim.island}.{owners[row].hook}: its program decided {codec.changed(ctxs[row])} "
+                f"for the event at {times[row]:.0f} ns, where the manifest's handler list says it decides "
                 "nothing; the bundle does not hold together: compile it again with fabricc")
-        if fault is not None:
-            at = first + ran
-            owner = _owner_of(run, at)
-            owner.shim.fault(owner.hook, fault, times[at])
-            spans = [s for s in run if s.first > at] + spans
-
-
-def _owner_of(spans: list[_Span], event: int) -> Owner:
-    return next(s.owner for s in spans if s.first <= event < s.last)
+        if fault is None:
+            return
+        owners[ran].shim.fault(owners[ran].hook, fault, times[ran])
+        ctxs, times, owners = ctxs[ran + 1:], times[ran + 1:], owners[ran + 1:]
 
 
 @dataclass(frozen=True)
