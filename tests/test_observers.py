@@ -157,11 +157,17 @@ policy p {
 """
 
 
-def test_a_queue_watcher_sees_each_chunk_a_train_starts(tmp_path):
+# the same, one handler per movement named (a program watching every movement it names)
+DEQUEUE_WATCHER_BY_MOVEMENT = PRELUDE + DEQUEUE_WATCHER[len(HEADER):].replace(
+    "on sw0.dequeue {", "on weights_in.dequeue at sw0 { n[0] += 1 }\n  on kv_out.dequeue at sw0 {")
+
+
+@pytest.mark.parametrize("policy", [DEQUEUE_WATCHER, DEQUEUE_WATCHER_BY_MOVEMENT], ids=["any", "by movement"])
+def test_a_queue_watcher_sees_each_chunk_a_train_starts(tmp_path, policy):
     """Where only a watcher is asked as chunks leave the switch's queues, trains step the
     weights and each step shows its chunk, at its time, in order: the same report as every
     chunk an event and every run at it."""
-    (batched, eng), (each, _) = _batched_and_each(compile_text(tmp_path, DEQUEUE_WATCHER))
+    (batched, eng), (each, _) = _batched_and_each(compile_text(tmp_path, policy))
     _same_runs(batched, each)
     assert eng.fabric.trains.steps > batched["events"] / 3
     assert batched["maps"]["n"]["0"] > 1000

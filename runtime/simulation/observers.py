@@ -146,14 +146,23 @@ def mark_observers(shims: dict) -> None:
     groups: dict[int, list[_Unit]] = {}
     for i, u in enumerate(units):
         groups.setdefault(root(i), []).append(u)
+    units_of = Counter((u.shim, u.hook) for u in units)
     kins: dict[tuple, object] = {}
     for members in groups.values():
-        if all(u.watches for u in members) and all(_whole_or_faultless(u, members, units) for u in members):
-            batch = Batch()
-            for u in members:
-                prog = u.shim.programs[u.hook]
-                kin = kins.setdefault((prog.code, tuple(map(id, prog.maps)), id(prog.hook)), object())
-                u.shim.watch(u.hook, u.movements, batch, Owner(u.shim, u.hook, kin))
+        if not all(u.watches for u in members):
+            continue
+        programs: dict[tuple, list[_Unit]] = {}
+        for u in members:
+            programs.setdefault((u.shim, u.hook), []).append(u)
+        whole = {key: len(mine) == units_of[key] for key, mine in programs.items()}
+        if not all(whole[key] or _faultless(*key) for key in programs):
+            continue
+        batch = Batch()
+        for (shim, hook), mine in programs.items():
+            prog = shim.programs[hook]
+            kin = kins.setdefault((prog.code, tuple(map(id, prog.maps)), id(prog.hook)), object())
+            movements = None if whole[shim, hook] else frozenset().union(*(u.movements for u in mine))
+            shim.watch(hook, movements, batch, Owner(shim, hook, kin))
 
 
 def _units(shim, hook: str, prog: Program) -> list[_Unit]:
@@ -175,13 +184,10 @@ def _units(shim, hook: str, prog: Program) -> list[_Unit]:
             for m, hs in by_movement.items()]
 
 
-def _whole_or_faultless(unit: _Unit, members: list[_Unit], units: list[_Unit]) -> bool:
-    """Whether batching ``unit`` with ``members`` keeps what its program decides elsewhere:
-    all of the program is batched, or no run of it can fault."""
-    if all(any(u is m for m in members) for u in units if u.shim is unit.shim and u.hook == unit.hook):
-        return True
-    backend = unit.shim.backend
-    return backend.host_maps and may_fault(unit.shim.programs[unit.hook], getattr(backend, "budget", RUN_BUDGET)) is None
+def _faultless(shim, hook: str) -> bool:
+    """No run of the program on ``hook`` can fault, on this shim's backend (`flow.may_fault`)."""
+    backend = shim.backend
+    return backend.host_maps and may_fault(shim.programs[hook], getattr(backend, "budget", RUN_BUDGET)) is None
 
 
 def _maps_used(prog: Program) -> set[str]:

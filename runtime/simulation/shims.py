@@ -50,7 +50,7 @@ class Shim:
         self.tracer = None
         self.pending: dict[str, object] = {}    # hook -> where an observer's events wait (`observers.Batch`)
         self.watched: dict[str, frozenset | None] = {}  # hook -> the movements it keeps there (None: all)
-        self._owners: dict[str, object] = {}    # hook -> what its stretches of a batch name (`observers.Owner`)
+        self._owners: dict[str, object] = {}    # hook -> whose its events in a batch are (`observers.Owner`)
 
     # -- loading ------------------------------------------------------------------------
     def load(self, artifacts, manifest: dict, maps: dict) -> None:
@@ -91,8 +91,6 @@ class Shim:
     def watch(self, hook: str, movements: frozenset | None, batch, owner) -> None:
         """Keep the events of ``movements`` (None: every event) on ``hook`` for ``batch``, as
         ``owner``'s, instead of running them as they come (`observers.mark_observers`)."""
-        if movements is not None and self.watched.get(hook):
-            movements |= self.watched[hook]
         self.watched[hook] = movements
         self.pending[hook], self._owners[hook] = batch, owner
         self._acting.clear()
