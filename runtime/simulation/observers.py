@@ -8,6 +8,7 @@ it decides is checked after the batch (nothing, or the bundle does not hold toge
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass
 
@@ -40,73 +41,103 @@ class Owner:
 class Batch:
     """The events of a group of observers that share maps with each other and with no other
     program (one observer, mostly), kept in the order they happened and run in that order."""
-    __slots__ = ("rows", "times", "owners", "starts", "kin")
+    __slots__ = ("rows", "times", "segments", "owner")
 
     def __init__(self):
         self.rows = bytearray()         # the events' contexts, one after another
         self.times: list[float] = []    # when each happened
-        self.owners: list[Owner] = []   # whose each is
-        self.starts: list[int] = []     # the first event of each stretch of one kin's events
-        self.kin = None                 # the last stretch's
+        self.segments: list[tuple] = []     # (its first event, `Owner`) of each run of one program's events
+        self.owner = None               # the last segment's
 
     def add(self, owner: Owner, ctx, now: float) -> None:
         """Keep an event of ``owner``'s, as its context; run them all once `PENDING_ROWS` wait."""
-        if self.kin is not owner.kin:
-            self.kin = owner.kin
-            self.starts.append(len(self.times))
+        if self.owner is not owner:
+            self.owner = owner
+            self.segments.append((len(self.times), owner))
         self.rows += ctx
         self.times.append(now)
-        self.owners.append(owner)
         if len(self.times) >= PENDING_ROWS:
             self.flush()
 
     def flush(self) -> None:
-        """Run every event kept, in order: each stretch of kin programs' events in one call (a
-        program that faults runs none of its later ones)."""
-        rows, times, owners, starts = self.rows, self.times, self.owners, self.starts
-        self.rows, self.times, self.owners, self.starts, self.kin = bytearray(), [], [], [], None
+        """Run every event kept, in order: the events of consecutive segments of kin programs
+        in one call (a program that faults runs none of its later ones)."""
+        rows, times, segments = self.rows, self.times, self.segments
+        self.rows, self.times, self.segments, self.owner = bytearray(), [], [], None
         data = np.frombuffer(rows, dtype=np.uint8)
-        offset = 0
-        for first, last in zip(starts, starts[1:] + [len(times)]):
-            size = owners[first].shim.codecs[owners[first].hook].size
+        i, offset = 0, 0
+        while i < len(segments):
+            kin, j = segments[i][1].kin, i + 1
+            while j < len(segments) and segments[j][1].kin is kin:
+                j += 1
+            first, last = segments[i][0], segments[j][0] if j < len(segments) else len(times)
+            size = segments[i][1].shim.codecs[segments[i][1].hook].size
             ctxs = data[offset:offset + (last - first) * size].reshape(last - first, size)
-            _run_kin(ctxs, times[first:last], owners[first:last])
+            _run_kin(ctxs, times[first:last], [(f - first, o) for f, o in segments[i:j]])
             offset += (last - first) * size
+            i = j
 
 
-def _run_kin(ctxs: np.ndarray, times: list[float], owners: list[Owner]) -> None:
-    """Run kin programs' events in one call (where one faults, the others' after it in another);
-    each program counts its own runs and its share of the time."""
-    while owners:
-        attached = {o for o in dict.fromkeys(owners) if o.shim.has(o.hook)}
-        if len(attached) < len(set(owners)):        # (one that faulted runs no more)
-            keep = [o in attached for o in owners]
-            ctxs, times = ctxs[np.array(keep, dtype=bool)], [t for t, k in zip(times, keep) if k]
-            owners = [o for o, k in zip(owners, keep) if k]
-            if not owners:
+def _run_kin(ctxs: np.ndarray, times: list[float], segments: list[tuple]) -> None:
+    """Run kin programs' events (``segments``: each program's first event among them) in one
+    call, and where one faults, the others' after it in another; each program counts its own
+    runs and its share of the time."""
+    while segments:
+        if not all(o.shim.has(o.hook) for o in {o for _, o in segments}):    # one faulted: its events go
+            ctxs, times, segments = _attached(ctxs, times, segments)
+            if not segments:
                 return
-        shim, hook = owners[0].shim, owners[0].hook
+        shim, hook = segments[0][1].shim, segments[0][1].hook
         t0 = time.perf_counter_ns()
         try:
             shim.backend.run_batch(shim.handles[hook], ctxs)
-            ran, fault = len(owners), None
+            ran, fault = len(times), None
         except VMFault as e:
             ran, fault = e.row, e
         ns = time.perf_counter_ns() - t0
         runs = ran + (fault is not None)        # the faulting run counts as an invocation
-        for owner, n in Counter(owners[:runs]).items():
+        counts = Counter()
+        for (first, owner), end in zip(segments, _ends(segments, len(times))):
+            if first < runs:
+                counts[owner] += min(end, runs) - first
+        for owner, n in counts.items():
             owner.shim.count(owner.hook, n, ns * n // runs)
         codec = shim.codecs[hook]
         row = codec.first_decided(ctxs[:ran])
         if row is not None:
+            owner = _owner_at(segments, row)
             raise InputError(
-                f"{owners[row].shim.island}.{owners[row].hook}: its program decided {codec.changed(ctxs[row])} "
-                f"for the event at {times[row]:.0f} ns, where the manifest's handler list says it decides "
-                "nothing; the bundle does not hold together: compile it again with fabricc")
+                f"{owner.shim.island}.{owner.hook}: its program decided {codec.changed(ctxs[row])} for the "
+                f"event at {times[row]:.0f} ns, where the manifest's handler list says it decides nothing; "
+                "the bundle does not hold together: compile it again with fabricc")
         if fault is None:
             return
-        owners[ran].shim.fault(owners[ran].hook, fault, times[ran])
-        ctxs, times, owners = ctxs[ran + 1:], times[ran + 1:], owners[ran + 1:]
+        owner = _owner_at(segments, ran)
+        owner.shim.fault(owner.hook, fault, times[ran])
+        rest = ran + 1
+        segments = [(max(first - rest, 0), o) for (first, o), end in zip(segments, _ends(segments, len(times)))
+                    if end > rest]
+        ctxs, times = ctxs[rest:], times[rest:]
+
+
+def _ends(segments: list[tuple], n: int) -> list[int]:
+    return [first for first, _ in segments[1:]] + [n]
+
+
+def _owner_at(segments: list[tuple], event: int) -> Owner:
+    return segments[bisect_right([first for first, _ in segments], event) - 1][1]
+
+
+def _attached(ctxs: np.ndarray, times: list[float], segments: list[tuple]):
+    """The events of the segments whose program is still attached."""
+    keep = np.zeros(len(times), dtype=bool)
+    kept, n = [], 0
+    for (first, owner), end in zip(segments, _ends(segments, len(times))):
+        if owner.shim.has(owner.hook):
+            keep[first:end] = True
+            kept.append((n, owner))
+            n += end - first
+    return ctxs[keep], [t for t, k in zip(times, keep) if k], kept
 
 
 @dataclass(frozen=True)
