@@ -8,7 +8,7 @@ from test_dispatch import POLICIES, _timeless
 from fabric_ext.runtime.machine.errors import InputError
 from fabric_ext.runtime.machine.jit import JitBackend
 from fabric_ext.runtime.machine.program import VMFault
-from fabric_ext.runtime.simulation import observers
+from fabric_ext.runtime.simulation import observers, shims
 from policy_helpers import compiled
 from test_runtime import compile_text, run_engine
 
@@ -87,7 +87,7 @@ def test_a_watched_chunk_is_seen_as_it_is_at_its_event(tmp_path):
 
 def test_a_bounded_batch_changes_nothing(tmp_path, monkeypatch):
     """An observer's events run once PENDING_ROWS of them wait (memory stays bounded)."""
-    monkeypatch.setattr(observers, "PENDING_ROWS", 7)
+    monkeypatch.setattr(shims, "PENDING_ROWS", 7)
     kept = []
     flush = observers.Batch.flush
 

@@ -24,7 +24,6 @@ from ..machine.program import Program, VMFault
 # when the program runs: an observer calls only these
 ORDER_FREE = frozenset({H.MAP_LOOKUP_ELEM, H.MAP_UPDATE_ELEM, H.MAP_DELETE_ELEM, H.GET_SMP_PROCESSOR_ID,
                         H.RINGBUF_OUTPUT, H.RINGBUF_RESERVE, H.RINGBUF_SUBMIT, H.RINGBUF_DISCARD})
-PENDING_ROWS = 4096     # events a `Batch` keeps before it runs them: a bound on memory
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -40,7 +39,8 @@ class Owner:
 
 class Batch:
     """The events of a group of observers that share maps with each other and with no other
-    program (one observer, mostly), kept in the order they happened and run in that order."""
+    program (one observer, mostly), kept in the order they happened (`Shim.keep` adds them)
+    and run in that order, at the latest once `shims.PENDING_ROWS` wait."""
     __slots__ = ("rows", "times", "segments", "owner")
 
     def __init__(self):
@@ -48,16 +48,6 @@ class Batch:
         self.times: list[float] = []    # when each happened
         self.segments: list[tuple] = []     # (its first event, `Owner`) of each run of one program's events
         self.owner = None               # the last segment's
-
-    def add(self, owner: Owner, ctx, now: float) -> None:
-        """Keep an event of ``owner``'s, as its context; run them all once `PENDING_ROWS` wait."""
-        if self.owner is not owner:
-            self.owner = owner
-            self.segments.append((len(self.times), owner))
-        self.rows += ctx
-        self.times.append(now)
-        if len(self.times) >= PENDING_ROWS:
-            self.flush()
 
     def flush(self) -> None:
         """Run every event kept, in order: the events of consecutive segments of kin programs

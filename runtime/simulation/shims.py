@@ -25,6 +25,7 @@ from ..machine.program import Program, VMFault
 from .dispatch import Acting, Known, acting
 
 OBSERVED = Known({}, kept=False)    # what an observer decides for any event: nothing
+PENDING_ROWS = 4096     # events a batch keeps before it runs them: a bound on memory
 
 
 class Shim:
@@ -174,7 +175,14 @@ class Shim:
             return
         if self.tracer is not None:
             self.tracer(self.island, hook, bytes(ctx))
-        batch.add(self._owners[hook], ctx, now)
+        owner = self._owners[hook]      # (the batch's bookkeeping, here: once a watched event)
+        if batch.owner is not owner:
+            batch.owner = owner
+            batch.segments.append((len(batch.times), owner))
+        batch.rows += ctx
+        batch.times.append(now)
+        if len(batch.times) >= PENDING_ROWS:
+            batch.flush()
 
     def count(self, hook: str, runs: int, ns: int) -> None:
         """Count ``runs`` of the program on ``hook`` made elsewhere (a batch), taking ``ns``."""
