@@ -31,19 +31,7 @@ from . import helpers as Hl
 from . import irtext as L
 from . import isa as I
 from .flow import local_calls
-from .maps import (
-    ARRAY,
-    BPF_ANY,
-    BPF_EXIST,
-    EMPTY,
-    HASH,
-    HASH_MULTIPLIER,
-    LRU_HASH,
-    PERCPU_ARRAY,
-    PERCPU_HASH,
-    RINGBUF,
-    USED,
-)
+from .maps import ARRAY, EMPTY, HASH, HASH_MULTIPLIER, LRU_HASH, PERCPU_ARRAY, PERCPU_HASH, RINGBUF, USED
 from .program import Program
 from .semantics import ctx_write_mask
 
@@ -508,15 +496,11 @@ class Lifter:
         return b.call(fn, [I64(hid) if isinstance(hid, int) else hid] + [self.reg(i) for i in range(1, 6)])
 
     def _helper(self, pc, hid):
+        b = self.b
         if isinstance(hid, int) and hid in (Hl.MAP_LOOKUP_ELEM, Hl.MAP_UPDATE_ELEM):
             out = self._native_map_op(pc, hid)
             if out is not None:
                 return out
-        return self._checked_callback(pc, hid)
-
-    def _checked_callback(self, pc, hid):
-        """Call helper ``hid`` in Python; return at once where it faulted."""
-        b = self.b
         r0 = self._callback(hid)
         with b.if_then(b.icmp_unsigned("!=", self.env_get("fault"), I64(0)), likely=False):
             b.store(I64(pc), self.env_ptr("fault_pc"))
@@ -524,9 +508,8 @@ class Lifter:
         return r0
 
     def _native_map_op(self, pc, hid):
-        """Array lookup/update as address arithmetic, hash/LRU lookup as a native probe, and
-        a hash/LRU update of a key the map holds in place (`_hash_update`); the rest goes to
-        the callback.  Dispatches on the map index in r1."""
+        """Array lookup/update as address arithmetic, hash/LRU lookup as a native probe;
+        hash updates go to the callback.  Dispatches on the map index in r1."""
         b = self.b
         maps = self.p.maps
         if not maps:
@@ -540,8 +523,8 @@ class Lifter:
         # where the verifier proved which map r1 references, only that map's code
         only = self.p.call_maps.get(pc) if self.proof is not None else None
         for i, m in enumerate(maps):
-            native = m.type in (ARRAY, PERCPU_ARRAY, HASH, LRU_HASH) or \
-                (hid == Hl.MAP_LOOKUP_ELEM and m.type == PERCPU_HASH)
+            native = m.type in (ARRAY, PERCPU_ARRAY) or \
+                (hid == Hl.MAP_LOOKUP_ELEM and m.type in (HASH, PERCPU_HASH, LRU_HASH))
             if not native or only is not None and i != only:
                 continue
             bb = self.fn.append_basic_block(f"map{pc}_{i}")
@@ -556,14 +539,15 @@ class Lifter:
                     v = b.select(inb, addr, I64(0))
                 else:
                     v = self._array_update(pc, m, inb, addr)
-            elif hid == Hl.MAP_LOOKUP_ELEM:
-                v = self._hash_lookup(i, m, key_ptr)
             else:
-                v = self._hash_update(pc, i, m, key_ptr)
+                v = self._hash_lookup(i, m, key_ptr)
             incoming.append((v, b.block))
             b.branch(done)
         b.position_at_end(dflt)
-        cb = self._checked_callback(pc, hid)
+        cb = self._callback(hid)
+        with b.if_then(b.icmp_unsigned("!=", self.env_get("fault"), I64(0)), likely=False):
+            b.store(I64(pc), self.env_ptr("fault_pc"))
+            b.ret(I64(0))
         incoming.append((cb, b.block))
         b.branch(done)
         b.position_at_end(done)
@@ -578,44 +562,13 @@ class Lifter:
         flags = self.reg(4)
         ok = b.and_(inb, b.icmp_unsigned("!=", flags, I64(1)))   # BPF_NOEXIST fails on arrays
         with b.if_then(ok):
-            self._copy(b.inttoptr(addr, PTR), val, m.value_size)
+            dst = b.inttoptr(addr, PTR)
+            for k in range(0, m.value_size):
+                byte = b.load(b.gep(val, [I64(k)], source_etype=I8), typ=I8)
+                b.store(byte, b.gep(dst, [I64(k)], source_etype=I8))
         e2big = I64((-7) & I.MASK64)
         eexist = I64((-17) & I.MASK64)
         return b.select(inb, b.select(ok, I64(0), eexist), e2big)
-
-    def _copy(self, dst, src, size: int) -> None:
-        b = self.b
-        for k in range(size):
-            b.store(b.load(b.gep(src, [I64(k)], source_etype=I8), typ=I8), b.gep(dst, [I64(k)], source_etype=I8))
-
-    def _hash_update(self, pc, index, m, key_ptr):
-        """An update with BPF_ANY or BPF_EXIST of a key the map holds: the value copied into
-        its slot (an LRU entry touched), as maps.py's update does.  A new key (an insert, maybe
-        an eviction) and other flags go to the callback, which is maps.py's update itself."""
-        b, fn = self.b, self.fn
-        val = self.checked(pc, self.reg(3), m.value_size, False)
-        flags = self.reg(4)
-        probe = fn.append_basic_block(f"upd{pc}_probe")
-        in_place = fn.append_basic_block(f"upd{pc}_in_place")
-        slow = fn.append_basic_block(f"upd{pc}_cb")
-        out = fn.append_basic_block(f"upd{pc}_out")
-        plain = b.or_(b.icmp_unsigned("==", flags, I64(BPF_ANY)), b.icmp_unsigned("==", flags, I64(BPF_EXIST)))
-        b.cbranch(plain, probe, slow)
-        b.position_at_end(probe)
-        addr = self._hash_lookup(index, m, key_ptr)
-        b.cbranch(b.icmp_unsigned("!=", addr, I64(0)), in_place, slow)
-        b.position_at_end(in_place)
-        self._copy(b.inttoptr(addr, PTR), val, m.value_size)
-        b.branch(out)
-        b.position_at_end(slow)
-        cb = self._checked_callback(pc, Hl.MAP_UPDATE_ELEM)
-        slow_end = b.block
-        b.branch(out)
-        b.position_at_end(out)
-        phi = b.phi(I64)
-        phi.add_incoming(I64(0), in_place)
-        phi.add_incoming(cb, slow_end)
-        return phi
 
     def _hash_lookup(self, index, m, key_ptr):
         """Linear probe of the map's open-addressing table, hashing the key as maps.py does
