@@ -85,9 +85,9 @@ def test_a_watched_chunk_is_seen_as_it_is_at_its_event(tmp_path):
     assert not any(s.watched for t in eng.fabric.transfers for s in t.standing.values())
 
 
-def test_a_bounded_batch_changes_nothing(tmp_path, monkeypatch):
-    """An observer's events run once PENDING_ROWS of them wait (memory stays bounded)."""
-    monkeypatch.setattr(shims, "PENDING_ROWS", 7)
+@pytest.fixture
+def flushed(monkeypatch):
+    """The number of events each batch's flush runs, in order."""
     kept = []
     flush = observers.Batch.flush
 
@@ -95,9 +95,15 @@ def test_a_bounded_batch_changes_nothing(tmp_path, monkeypatch):
         kept.append(len(self.times))
         flush(self)
     monkeypatch.setattr(observers.Batch, "flush", counting)
+    return kept
+
+
+def test_a_bounded_batch_changes_nothing(tmp_path, monkeypatch, flushed):
+    """An observer's events run once PENDING_ROWS of them wait (memory stays bounded)."""
+    monkeypatch.setattr(shims, "PENDING_ROWS", 7)
     (batched, _), (each, _) = _batched_and_each(compile_text(tmp_path, WATCHER))
     assert {**_timeless(batched), "events": 0} == {**_timeless(each), "events": 0}
-    assert max(kept) == 7
+    assert max(flushed) == 7
 
 
 # watchers on every GPU's issue hook and at the switch, sharing one map: one batch, in order
@@ -204,17 +210,10 @@ policy p {
 """
 
 
-def test_a_program_watches_in_batches_the_movements_it_decides_nothing_for(tmp_path, monkeypatch):
+def test_a_program_watches_in_batches_the_movements_it_decides_nothing_for(tmp_path, flushed):
     """The GPUs' issue programs decide for the weights at their events and keep the KV chunks
     they only watch for one batch (the eight share maps), since no run of them can fault: the
     report, the maps and the order in the trail included, is the one of every run at its event."""
-    kept = []
-    flush = observers.Batch.flush
-
-    def counting(self):
-        kept.append(len(self.times))
-        flush(self)
-    monkeypatch.setattr(observers.Batch, "flush", counting)
     (batched, eng), (each, _) = _batched_and_each(compile_text(tmp_path, DECIDE_AND_WATCH))
     _same_runs(batched, each)
     kv = next(m["id"] for m in eng.man["movements"] if m["name"] == "kv_out")
@@ -222,7 +221,7 @@ def test_a_program_watches_in_batches_the_movements_it_decides_nothing_for(tmp_p
     assert all(s.watched == {"issue": frozenset({kv})} and s.watches("issue", kv) and not s.watches("issue")
                for s in gpus) and len(gpus) == 8
     assert len({id(b) for s in gpus for b in s.pending.values()}) == 1
-    assert sum(kept) == batched["maps"]["n"]["0"] > 100        # every KV run, in batches
+    assert sum(flushed) == batched["maps"]["n"]["0"] > 100        # every KV run, in batches
     assert all(i["decisions"].get("issue.prefetch") for i in batched["islands"] if i["name"].startswith("gpu"))
 
 
