@@ -55,7 +55,7 @@ def test_observers_in_batches_change_nothing(name):
     each, _ = run_engine(compiled(name), backend=JitBackend(), lazy_observers=False)
     assert _timeless(batched) == _timeless(each)
     if name == "telemetry":
-        assert set(eng.shims["sw0"].pending) == {"forward"}
+        assert set(eng.shims["sw0"].watching) == {"forward"}
 
 
 def _batched_and_each(folder):
@@ -140,8 +140,8 @@ def test_watchers_that_share_a_map_run_in_the_order_of_their_events(tmp_path):
     still stream in trains, and the report is the one of every run at its event."""
     (batched, eng), (each, _) = _batched_and_each(compile_text(tmp_path, GPU_WATCHERS))
     _same_runs(batched, each)
-    batches = {id(b) for s in eng.shims.values() for b in s.pending.values()}
-    assert len(batches) == 1 and sum(len(s.pending) for s in eng.shims.values()) == 9
+    batches = {id(w.batch) for s in eng.shims.values() for w in s.watching.values()}
+    assert len(batches) == 1 and sum(len(s.watching) for s in eng.shims.values()) == 9
     assert eng.fabric.trains.steps > batched["events"] / 3
     assert batched["maps"]["issued"] and batched["maps"]["when"]["0"]
 
@@ -191,7 +191,7 @@ def test_a_program_that_decides_or_shares_a_map_is_run_at_its_event(tmp_path):
     batched, eng = run_engine(folder, backend=JitBackend(), **SMALL)
     each, _ = run_engine(folder, backend=JitBackend(), lazy_observers=False, **SMALL)
     assert _timeless(batched) == _timeless(each)
-    assert not any(s.pending for s in eng.shims.values())
+    assert not any(s.watching for s in eng.shims.values())
 
 
 # each GPU's issue program decides the weights' prefetch and only watches the KV it writes back
@@ -218,9 +218,9 @@ def test_a_program_watches_in_batches_the_movements_it_decides_nothing_for(tmp_p
     _same_runs(batched, each)
     kv = next(m["id"] for m in eng.man["movements"] if m["name"] == "kv_out")
     gpus = [s for name, s in eng.shims.items() if name.startswith("gpu")]
-    assert all(s.watched == {"issue": frozenset({kv})} and s.watches("issue", kv) and not s.watches("issue")
+    assert all({h: w.movements for h, w in s.watching.items()} == {"issue": frozenset({kv})} and s.watches("issue", kv) and not s.watches("issue")
                for s in gpus) and len(gpus) == 8
-    assert len({id(b) for s in gpus for b in s.pending.values()}) == 1
+    assert len({id(w.batch) for s in gpus for w in s.watching.values()}) == 1
     assert sum(flushed) == batched["maps"]["n"]["0"] > 100        # every KV run, in batches
     assert all(i["decisions"].get("issue.prefetch") for i in batched["islands"] if i["name"].startswith("gpu"))
 
@@ -232,7 +232,7 @@ def test_a_program_that_may_fault_decides_and_watches_at_its_events(tmp_path):
     batched, eng = run_engine(folder, backend=JitBackend(), **SMALL)
     each, _ = run_engine(folder, backend=JitBackend(), lazy_observers=False, **SMALL)
     assert _timeless(batched) == _timeless(each)
-    assert not any(s.pending for s in eng.shims.values()) and batched["maps"]["n"]["0"] > 6400
+    assert not any(s.watching for s in eng.shims.values()) and batched["maps"]["n"]["0"] > 6400
 
 
 class FaultAt(JitBackend):
@@ -303,9 +303,9 @@ def test_each_at_its_event_keeps_nothing_back():
     """`RunOptions(lazy_observers=False)`, the reference every test here compares with, runs
     each watcher at its event: no batch is kept, and the switch's program runs once per event."""
     _, eng = run_engine(compiled("telemetry"), backend=JitBackend(), lazy_observers=False)
-    assert not any(s.pending for s in eng.shims.values())
+    assert not any(s.watching for s in eng.shims.values())
     batched, beng = run_engine(compiled("telemetry"), backend=JitBackend())
-    assert beng.shims["sw0"].pending and not any(b.times for s in beng.shims.values() for b in s.pending.values())
+    assert beng.shims["sw0"].watching and not any(w.batch.times for s in beng.shims.values() for w in s.watching.values())
 
 
 def test_a_program_with_a_helper_that_tells_time_or_order_is_no_observer():
@@ -318,7 +318,7 @@ def test_a_program_with_a_helper_that_tells_time_or_order_is_no_observer():
         if helper is not None:
             prog.insns.append(Insn(JMP | CALL, imm=helper))      # (never reached: the rule reads code)
         observers.mark_observers(eng.shims)
-        assert ("forward" in eng.shims["sw0"].pending) is batched, helper
+        assert ("forward" in eng.shims["sw0"].watching) is batched, helper
 
 
 def test_a_watcher_detached_mid_run_runs_what_it_was_given_first():

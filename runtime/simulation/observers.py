@@ -27,14 +27,17 @@ ORDER_FREE = frozenset({H.MAP_LOOKUP_ELEM, H.MAP_UPDATE_ELEM, H.MAP_DELETE_ELEM,
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class Owner:
-    """Whose an event in a batch is: a shim's program on a hook (one each, told apart by
+class Watch:
+    """What a shim's program on a hook watches (``movements``; None: every event) and the batch
+    it keeps those events for; a batch's events name theirs (one per program, told apart by
     identity).  Programs of one ``kin`` are the same code on the same maps for the same hook,
     so either gives an event what the other would, and their events run in one call
     (`Batch.flush`)."""
     shim: object
     hook: str
     kin: object
+    batch: Batch
+    movements: frozenset | None
 
 
 class Batch:
@@ -46,7 +49,7 @@ class Batch:
     def __init__(self):
         self.rows = bytearray()         # the events' contexts, one after another
         self.times: list[float] = []    # when each happened
-        self.segments: list[tuple] = []     # (its first event, `Owner`) of each run of one program's events
+        self.segments: list[tuple] = []     # (its first event, `Watch`) of each run of one program's events
         self.owner = None               # the last segment's
 
     def flush(self) -> None:
@@ -114,7 +117,7 @@ def _ends(segments: list[tuple], n: int) -> list[int]:
     return [first for first, _ in segments[1:]] + [n]
 
 
-def _owner_at(segments: list[tuple], event: int) -> Owner:
+def _owner_at(segments: list[tuple], event: int) -> Watch:
     return segments[bisect_right([first for first, _ in segments], event) - 1][1]
 
 
@@ -162,7 +165,7 @@ def mark_observers(shims: dict) -> None:
         return i
     first: dict = {}
     for i, u in enumerate(units):
-        for name in u.maps | ({(id(u.shim), u.hook)} if u.watches else set()):
+        for name in u.maps | ({(u.shim, u.hook)} if u.watches else set()):
             group[root(i)] = root(first.setdefault(name, i))
     groups: dict[int, list[_Unit]] = {}
     for i, u in enumerate(units):
@@ -183,7 +186,7 @@ def mark_observers(shims: dict) -> None:
             prog = shim.programs[hook]
             kin = kins.setdefault((prog.code, tuple(map(id, prog.maps)), id(prog.hook)), object())
             movements = None if whole[shim, hook] else frozenset().union(*(u.movements for u in mine))
-            shim.watch(hook, movements, batch, Owner(shim, hook, kin))
+            shim.watch(Watch(shim, hook, kin, batch, movements))
 
 
 def _units(shim, hook: str, prog: Program) -> list[_Unit]:

@@ -49,9 +49,7 @@ class Shim:
         # called with (island, hook, context bytes) for every event a program acts on, before a
         # remembered decision may serve it (a benchmark records what the programs see)
         self.tracer = None
-        self.pending: dict[str, object] = {}    # hook -> where an observer's events wait (`observers.Batch`)
-        self.watched: dict[str, frozenset | None] = {}  # hook -> the movements it keeps there (None: all)
-        self._owners: dict[str, object] = {}    # hook -> whose its events in a batch are (`observers.Owner`)
+        self.watching: dict[str, object] = {}   # hook -> what it watches and where it keeps it (`observers.Watch`)
 
     # -- loading ------------------------------------------------------------------------
     def load(self, artifacts, manifest: dict, maps: dict) -> None:
@@ -73,8 +71,7 @@ class Shim:
 
     def detach(self, hook: str) -> None:
         self.flush(hook)        # what it was given to watch before it went
-        self.pending.pop(hook, None)
-        self.watched.pop(hook, None)
+        self.watching.pop(hook, None)
         self.programs.pop(hook, None)
         self.handles.pop(hook, None)
         if self.on_detach is not None:      # decisions callers remember from before no longer hold
@@ -83,26 +80,23 @@ class Shim:
     def flush(self, hook: str | None = None) -> None:
         """Run what the observer on ``hook`` (every observer here, with no ``hook``) was given
         and has not run yet, with the rest of its batch."""
-        for batch in {id(b): b for h, b in self.pending.items() if hook in (None, h)}.values():
+        for batch in {id(w.batch): w.batch for h, w in self.watching.items() if hook in (None, h)}.values():
             batch.flush()
 
     def has(self, hook: str) -> bool:
         return hook in self.handles
 
-    def watch(self, hook: str, movements: frozenset | None, batch, owner) -> None:
-        """Keep the events of ``movements`` (None: every event) on ``hook`` for ``batch``, as
-        ``owner``'s, instead of running them as they come (`observers.mark_observers`)."""
-        self.watched[hook] = movements
-        self.pending[hook], self._owners[hook] = batch, owner
+    def watch(self, watch) -> None:
+        """Keep the events of ``watch.movements`` on ``watch.hook`` for its batch instead of
+        running them as they come (`observers.mark_observers`)."""
+        self.watching[watch.hook] = watch
         self._acting.clear()
 
     def watches(self, hook: str, movement: int | None = None) -> bool:
         """Whether the events of ``movement`` on ``hook`` wait for a batch (None: whether all of
         its events do)."""
-        if hook not in self.pending:
-            return False
-        movements = self.watched[hook]
-        return movements is None or movement in movements
+        w = self.watching.get(hook)
+        return w is not None and (w.movements is None or movement in w.movements)
 
     def acting(self, hook: str, movement: int | None) -> Acting | None:
         """What the program on ``hook`` does for events of ``movement`` (None: nothing;
@@ -170,15 +164,15 @@ class Shim:
 
     def keep(self, hook: str, ctx, now: float) -> None:
         """An event of the observer on ``hook``, as its context: it runs with its batch."""
-        batch = self.pending.get(hook)
-        if batch is None:             # detached since
+        w = self.watching.get(hook)
+        if w is None:             # detached since
             return
         if self.tracer is not None:
             self.tracer(self.island, hook, bytes(ctx))
-        owner = self._owners[hook]      # (the batch's bookkeeping, here: once a watched event)
-        if batch.owner is not owner:
-            batch.owner = owner
-            batch.segments.append((len(batch.times), owner))
+        batch = w.batch                 # (the batch's bookkeeping, here: once a watched event)
+        if batch.owner is not w:
+            batch.owner = w
+            batch.segments.append((len(batch.times), w))
         batch.rows += ctx
         batch.times.append(now)
         if len(batch.times) >= PENDING_ROWS:
