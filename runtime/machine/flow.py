@@ -81,6 +81,5 @@ def may_fault(prog: Program, budget: int = I.RUN_BUDGET) -> str | None:
         return "it reads memory whose length is known only at run time"
     failing = helpers_called(prog) - CANNOT_FAIL
     if failing:
-        return f"it calls helper {', '.join(H.HELPERS[h].name if h in H.HELPERS else str(h) for h in sorted(failing))}, " \
-               "which may fail"
+        return f"it calls helper {', '.join(H.HELPERS[h].name for h in sorted(failing))}, which may fail"
     return None
