@@ -235,6 +235,38 @@ def test_a_program_that_may_fault_decides_and_watches_at_its_events(tmp_path):
     assert not any(s.watching for s in eng.shims.values()) and batched["maps"]["n"]["0"] > 6400
 
 
+class MapsElsewhere(JitBackend):
+    """The JIT, standing for a backend whose maps live outside this process (the kernel's),
+    where a run may fail for reasons outside the program."""
+    host_maps = False
+
+
+def _unlisted_kv_maps(folder):
+    """The manifest's handler list, with the KV handlers' maps left out (their code still names them)."""
+    man = json.loads((folder / "manifest.json").read_text())
+    for p in man["programs"]:
+        for h in p["handlers"]:
+            if h.get("decides") == {}:
+                h["maps"] = []
+    (folder / "manifest.json").write_text(json.dumps(man))
+
+
+@pytest.mark.parametrize("case", ["maps elsewhere", "maps unlisted"])
+def test_a_program_is_taken_apart_only_where_its_watching_runs_cannot_tell(tmp_path, case):
+    """A deciding program watches some movements in a batch only on a backend that keeps its
+    maps here (where `may_fault`'s word holds), and only with each map its code names listed
+    by a handler (one no handler lists goes with every movement, so watching and deciding share
+    it): otherwise every run stays at its event, and the report is the same."""
+    folder = compile_text(tmp_path, DECIDE_AND_WATCH)
+    if case == "maps unlisted":
+        _unlisted_kv_maps(folder)
+    backend = MapsElsewhere if case == "maps elsewhere" else JitBackend
+    batched, eng = run_engine(folder, backend=backend(), **SMALL)
+    each, _ = run_engine(folder, backend=backend(), lazy_observers=False, **SMALL)
+    assert _timeless(batched) == _timeless(each)
+    assert not any(s.watching for s in eng.shims.values()) and batched["maps"]["n"]["0"] > 100
+
+
 class FaultAt(JitBackend):
     """The JIT, but the nth run of any program faults, in a batch or alone."""
 
