@@ -15,13 +15,14 @@ from fabric_ext.diagnostics import Diagnostics, Span
 from fabric_ext.frontend import analyze
 from fabric_ext.loader import display_path
 from fabric_ext.runtime.machine import isa
-from fabric_ext.runtime.machine.elf import load_object
+from fabric_ext.runtime.machine.elf import ObjectError, load_object
 from fabric_ext.runtime.machine.verifier import VerifierError, verify
 
 from . import artifacts
 from .c_listing import render_fabric_h, render_listing
 from .llvm_emit import build_module, compile_module
 from .lower import lower
+from .twins import renamed, same_object, twin_of
 
 
 class CompileResult:
@@ -75,10 +76,13 @@ def _build(path, opt, mcpu, emit, kernel_verify, diags, text=None, include=(), d
     compiled = []
     bpftime_fds = rj.BpftimeFds()
     source = str(path)
+    objects: dict[str, tuple] = {}      # island -> (object, read back), compiled on its own
     for island, progs in by_island.items():
-        module = build_module(island, progs, a.symbols.maps, source)
-        obj, llvm_text = compile_module(module, opt, mcpu)
-        loaded = load_object(obj, f"{island}.bpf.o")
+        twin = _twin_object(progs, objects, by_island) if "llvm" not in emit else None
+        if twin is None:
+            obj, llvm_text = compile_module(build_module(island, progs, a.symbols.maps, source), opt, mcpu)
+            twin = objects[island] = obj, load_object(obj, f"{island}.bpf.o")
+        obj, loaded = twin
         specs = {s.name: s for s in loaded.programs}
         pairs = [(p, specs[p.name]) for p in progs]
         hooks = {p.name: p.hook for p in progs}
@@ -119,6 +123,23 @@ def _build(path, opt, mcpu, emit, kernel_verify, diags, text=None, include=(), d
     res.manifest = artifacts.manifest(a, ids, compiled, opt, mcpu, res.files)
     res.files["manifest.json"] = (json.dumps(res.manifest, indent=1) + "\n").encode()
     return res
+
+
+def _twin_object(progs, objects: dict[str, tuple], by_island: dict) -> tuple | None:
+    """(object, read back) for an island whose programs an island compiled before has, but
+    for the island's name (`twins`): that island's, renamed; None where there is none."""
+    twin = twin_of(progs, {island: by_island[island] for island in objects})
+    if twin is None:
+        return None
+    names = {theirs.name: mine.name for theirs, mine in zip(by_island[twin], progs)}
+    obj = renamed(objects[twin][0], names)
+    if obj is None:
+        return None
+    try:
+        loaded = load_object(obj, f"{progs[0].island}.bpf.o")
+    except ObjectError:         # a string the rename should not have touched (`same_object`)
+        return None
+    return (obj, loaded) if same_object(objects[twin][1], loaded, names) else None
 
 
 def _kernel_verify(loaded, hooks, progs, specs, island, diags) -> str | None:
