@@ -4,6 +4,7 @@ invisible: the program really does nothing for the skipped events, and a run tha
 nothing gives the same report."""
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -246,6 +247,16 @@ def test_the_context_tracer_sees_what_the_programs_are_given():
         <= sum(per_hook["sw0"].values())
     size = eng.shims["sw0"].codecs["forward"].size
     assert all(len(c) == size for c in forward) and len(set(forward)) > 1
+    # each context names its movement's class, operator, ends and criticality: the hook site
+    # keeps a transfer's fields as a tuple (`Transfer.ctx`) and names them by position
+    ids, movements = man["ids"], {m["id"]: m for m in man["movements"]}
+    for ctx in forward:
+        f = np.frombuffer(ctx, dtype=eng.shims["sw0"].codecs["forward"].dtype())[0]
+        m = movements[int(f["movement"])]
+        assert (int(f["class"]), int(f["operator"]), int(f["critical"])) == \
+            (ids["classes"][m["class"]], ids["operators"].get(m["operator"] or "", 0), int(m["critical"]))
+        assert (int(f["src"]), int(f["dst"])) in \
+            {(ids["devices"][fl["src"]], ids["devices"][fl["dst"]]) for fl in m["flows"]}
 
 
 @pytest.mark.parametrize("name", POLICIES)
