@@ -4,8 +4,9 @@ Handlers `at gpu*` give each of eight GPU islands the same programs, named after
 (`gpu0_issue`, `gpu1_issue`, ...).  LLVM's objects for two such islands differ only in those
 names, held in the object's string tables (the symbols', DWARF's and BTF's): so the second
 island's object is the first's with the names rewritten there, where the names are of one
-length (every string table offset stays as it was).  Where anything else differs, or an old
-name is left anywhere in the object after the rewrite, the island compiles on its own.
+length (every string table offset stays as it was).  Where anything else differs, an old
+name is left anywhere in the object after the rewrite, or the object read back is not the
+first's but for the names (`same_object`), the island compiles on its own.
 `tests/test_twins.py` compiles each twin directly too and compares the bytes.
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ BTF_HEADER = struct.Struct("<HBBIIIII")     # magic, version, flags, hdr_len, ty
 
 
 def twin_of(progs: list[ir.ProgramIR], compiled: dict[str, list[ir.ProgramIR]]) -> str | None:
-    """An island of ``compiled`` whose programs are ``progs`` but for the island they are for."""
+    """An island of ``compiled``, its name as long as theirs (`renamed`), whose programs are
+    ``progs`` but for the island they are for."""
     island = progs[0].island
     for other, theirs in compiled.items():
         if len(theirs) == len(progs) and len(other) == len(island) and all(
@@ -50,7 +52,7 @@ def renamed(obj: bytes, names: dict[str, str]) -> bytes | None:
                     if is_symtab:
                         found.add(name)
                 at = obj.find(name + b"\0", at + 1, end)
-    if found != set(old) or any(bytes(out).find(name) >= 0 for name in old):
+    if found != set(old) or any(name in out for name in old):
         return None
     return bytes(out)
 
