@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from fabric_ext.runtime.machine import codecache, jit
 from fabric_ext.runtime.machine import isa as I
-from fabric_ext.runtime.machine import jit
 from fabric_ext.runtime.machine.codecache import CodeCache, default_dir
 from fabric_ext.runtime.machine.maps import ARRAY, HASH, LRU_HASH, Map
 from fabric_ext.runtime.machine.program import Program
@@ -160,6 +160,20 @@ def test_code_read_from_the_cache_runs_as_the_code_compiled(fresh_process, tmp_p
     assert (r0, values, stats["compiled"]) == (77, [77, 77, 77], 1)
     fresh_process()
     assert _run(77)[2]["from_cache"] == 1
+
+
+def test_code_made_for_one_cpu_is_not_read_on_another(fresh_process, monkeypatch):
+    """The JIT compiles for the host CPU and its features (`codecache.host_target`): a cache
+    folder shared by two machines (a home on NFS) must not hand one's code to the other."""
+    assert _run(5)[2]["compiled"] == 1
+    host = codecache.host_target()
+    for other in ((host[0], host[1] + ",-sse4.2"), ("x86-64" if host[0] != "x86-64" else "znver4", host[1])):
+        monkeypatch.setattr(codecache, "host_target", lambda other=other: other)
+        fresh_process()
+        assert _run(5)[2]["compiled"] == 1
+    monkeypatch.setattr(codecache, "host_target", lambda: host)
+    fresh_process()
+    assert _run(5)[2]["from_cache"] == 1
 
 
 def test_loads_share_native_code_and_keep_their_own_maps(fresh_process):

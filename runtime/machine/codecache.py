@@ -3,8 +3,8 @@
 An entry is the object code of one lifted program, named by a digest of
 everything that code depends on: the program's bytes, its maps' shapes, the
 context's writable bytes, the verifier's proof, the compiler's own source
-(`lift`, `jit`, `maps`, `isa`), llvmlite's and LLVM's versions and the target
-triple.  The code holds no address of the process that made it (see `lift`),
+(`lift`, `jit`, `maps`, `isa`), llvmlite's and LLVM's versions, the target
+triple and the host CPU with its features (`host_target`).  The code holds no address of the process that made it (see `lift`),
 so an entry serves any later process.
 
 The cache lives in ``$FABRIC_EXT_JIT_CACHE``, else ``$XDG_CACHE_HOME/fabric_ext/jit``,
@@ -59,8 +59,22 @@ def _compiler_salt() -> bytes:
             h.update(name.encode() + b"\0" + (here / name).read_bytes())
     except OSError:             # no source to tell versions apart: share nothing with other runs
         h.update(os.urandom(16))
-    h.update(f"{llvmlite.__version__} {llvm.llvm_version_info} {llvm.get_default_triple()}".encode())
+    cpu, features = host_target()
+    h.update(f"{llvmlite.__version__} {llvm.llvm_version_info} {llvm.get_default_triple()} {cpu} {features}".encode())
     return h.digest()
+
+
+def host_target() -> tuple[str, str]:
+    """The CPU this process runs on and its features, as LLVM names them (no features where
+    LLVM cannot tell them: it then assumes the CPU's baseline): the JIT compiles for them,
+    and they are part of every entry's name, so code made on one CPU is never read on
+    another that may lack an instruction it uses (a cache folder on a shared home)."""
+    llvm.initialize_native_target()
+    try:
+        features = llvm.get_host_cpu_features().flatten()
+    except RuntimeError:
+        features = ""
+    return llvm.get_host_cpu_name(), features
 
 
 def _unsafe(st: os.stat_result, what: str, private: bool) -> str | None:
