@@ -4,8 +4,9 @@ An entry is the object code of one lifted program, named by a digest of
 everything that code depends on: the program's bytes, its maps' shapes, the
 context's writable bytes, the verifier's proof, the compiler's own source
 (`lift`, `jit`, `maps`, `isa`), llvmlite's and LLVM's versions, the target
-triple and the host CPU with its features (`host_target`).  The code holds no address of the process that made it (see `lift`),
-so an entry serves any later process.
+triple and the host CPU with its features (`host_target`).  The code holds no
+address of the process that made it (see `lift`), so an entry serves any later
+process on the same kind of CPU.
 
 The cache lives in ``$FABRIC_EXT_JIT_CACHE``, else ``$XDG_CACHE_HOME/fabric_ext/jit``,
 else ``~/.cache/fabric_ext/jit``; ``FABRIC_EXT_JIT_CACHE=off`` turns it off.  Entries
@@ -66,7 +67,7 @@ def _compiler_salt() -> bytes:
 
 def host_target() -> tuple[str, str]:
     """The CPU this process runs on and its features, as LLVM names them (no features where
-    LLVM cannot tell them: it then assumes the CPU's baseline): the JIT compiles for them,
+    LLVM cannot tell them: it then goes by the CPU's name alone): the JIT compiles for them,
     and they are part of every entry's name, so code made on one CPU is never read on
     another that may lack an instruction it uses (a cache folder on a shared home)."""
     llvm.initialize_native_target()
