@@ -176,6 +176,21 @@ def test_code_made_for_one_cpu_is_not_read_on_another(fresh_process, monkeypatch
     assert _run(5)[2]["from_cache"] == 1
 
 
+def test_a_cpu_whose_features_llvm_cannot_tell_is_named_alone(monkeypatch):
+    """Where LLVM cannot read the host's features, the JIT targets the CPU by its name (LLVM's
+    default features for it) instead of failing to start."""
+    import llvmlite.binding as llvm
+
+    def unknown():
+        raise RuntimeError("failed to get host cpu features")
+    monkeypatch.setattr(llvm, "get_host_cpu_features", unknown)
+    codecache.host_target.cache_clear()
+    try:
+        assert codecache.host_target() == (llvm.get_host_cpu_name(), "")
+    finally:
+        codecache.host_target.cache_clear()
+
+
 def test_loads_share_native_code_and_keep_their_own_maps(fresh_process):
     """Two loads of one program on different maps: compiled once, each run writes its own maps."""
     backend = jit.JitBackend()

@@ -23,6 +23,7 @@ Nothing in the cache is needed: deleting the folder only costs a compile.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
@@ -65,11 +66,13 @@ def _compiler_salt() -> bytes:
     return h.digest()
 
 
+@functools.cache
 def host_target() -> tuple[str, str]:
     """The CPU this process runs on and its features, as LLVM names them (no features where
     LLVM cannot tell them: it then goes by the CPU's name alone): the JIT compiles for them,
     and they are part of every entry's name, so code made on one CPU is never read on
-    another that may lack an instruction it uses (a cache folder on a shared home)."""
+    another that may lack an instruction it uses (a cache folder on a shared home).  Asked
+    once per process: the cache's salt and each JIT tier read it."""
     llvm.initialize_native_target()
     try:
         features = llvm.get_host_cpu_features().flatten()
