@@ -16,14 +16,13 @@ import numpy as np
 
 from ..machine import helpers as H
 from ..machine.errors import InputError
-from ..machine.flow import helpers_called, may_fault
+from ..machine.flow import CANNOT_FAIL, helpers_called, may_fault
 from ..machine.isa import PSEUDO_MAP_FD, PSEUDO_MAP_VALUE, RUN_BUDGET
 from ..machine.program import Program, VMFault
 
 # helpers whose effect reaches no further than the program's own maps and does not depend on
-# when the program runs: an observer calls only these
-ORDER_FREE = frozenset({H.MAP_LOOKUP_ELEM, H.MAP_UPDATE_ELEM, H.MAP_DELETE_ELEM, H.GET_SMP_PROCESSOR_ID,
-                        H.RINGBUF_OUTPUT, H.RINGBUF_RESERVE, H.RINGBUF_SUBMIT, H.RINGBUF_DISCARD})
+# when the program runs (the clock and the random numbers do): an observer calls only these
+ORDER_FREE = CANNOT_FAIL - {H.KTIME_GET_NS, H.GET_PRANDOM_U32}
 
 
 @dataclass(frozen=True, slots=True, eq=False)
