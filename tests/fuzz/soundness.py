@@ -298,11 +298,18 @@ def accepts(case: Case) -> Program | bool | str:
         return f"verifier crashed: {type(e).__name__}: {e}"
 
 
-def check(case: Case, prog: Program, rng: random.Random, n_inputs: int) -> str | None:
+def faultless(case: Case, prog: Program) -> bool:
+    """Whether `may_fault` finds no way for a run of ``prog`` (the verified program of
+    ``case``) to fault: it is then held to that."""
+    return bool(case.ctx) and may_fault(prog, BUDGET) is None
+
+
+def check(case: Case, prog: Program, rng: random.Random, n_inputs: int, cannot_fault: bool | None = None) -> str | None:
     """Run ``prog``, the verified program of ``case``, under proof checking; the violation, if
-    any, or a fault of a program `may_fault` says cannot fault."""
+    any, or a fault of a program that cannot fault (``cannot_fault``; None: `faultless` says)."""
     vm = Interpreter(budget=BUDGET, check_proofs=True)
-    faultless = case.ctx and may_fault(prog, BUDGET) is None
+    if cannot_fault is None:
+        cannot_fault = faultless(case, prog)
     for data in [bytes.fromhex(h) for h in case.inputs] + inputs(rng, n_inputs):   # a saved case's own first
         fill_maps(prog, rng)
         buf = bytearray(data)
@@ -315,7 +322,7 @@ def check(case: Case, prog: Program, rng: random.Random, n_inputs: int) -> str |
             case.inputs = [data.hex()]
             return str(e)
         except VMFault as e:
-            if faultless:
+            if cannot_fault:
                 case.inputs = [data.hex()]
                 return f"may_fault found no way for it to fault, but it did: {e}"
     return None
@@ -363,10 +370,11 @@ def fuzz(seed: int, seconds: float, max_programs: int | None = None, n_inputs: i
                 rep.failures.append(case)
             continue
         rep.accepted += 1
-        rep.faultless += case.ctx and may_fault(prog, BUDGET) is None
+        cannot_fault = faultless(case, prog)
+        rep.faultless += cannot_fault
         more = use_kernel and kernel_rejects(case)
         rep.kernel_rejected += more
-        why = check(case, prog, rng, n_inputs * (8 if more else 1))
+        why = check(case, prog, rng, n_inputs * (8 if more else 1), cannot_fault)
         if why:
             case.why = why
             rep.failures.append(case)
