@@ -71,6 +71,15 @@ def _same_runs(batched, each):
     assert [i["invocations"] for i in batched["islands"]] == [i["invocations"] for i in each["islands"]]
 
 
+def _batched_as_at_events(folder, make=JitBackend):
+    """(report, engine) of a small run with watchers in batches, held to be the report of the
+    same run with every program run at its event (a fresh backend from ``make`` for each)."""
+    batched, eng = run_engine(folder, backend=make(), **SMALL)
+    each, _ = run_engine(folder, backend=make(), lazy_observers=False, **SMALL)
+    assert _timeless(batched) == _timeless(each)
+    return batched, eng
+
+
 def test_a_watched_chunk_is_seen_as_it_is_at_its_event(tmp_path):
     """A watcher reads each chunk's time, index, port, what is queued at the switch and what
     of it is above its class: the sums, counts and records are the same when trains step the
@@ -188,9 +197,7 @@ def test_a_program_that_decides_or_shares_a_map_is_run_at_its_event(tmp_path):
     """A tick that writes the watcher's map, or a handler that decides, keeps the program
     at its events (the order among programs, and the decisions, matter there)."""
     folder = compile_text(tmp_path, WATCH_AND_DECIDE)
-    batched, eng = run_engine(folder, backend=JitBackend(), **SMALL)
-    each, _ = run_engine(folder, backend=JitBackend(), lazy_observers=False, **SMALL)
-    assert _timeless(batched) == _timeless(each)
+    batched, eng = _batched_as_at_events(folder)
     assert not any(s.watching for s in eng.shims.values())
 
 
@@ -229,9 +236,7 @@ def test_a_program_that_may_fault_decides_and_watches_at_its_events(tmp_path):
     """With a loop, a run could exhaust its budget and detach the program, deciding handlers
     and all, at an event a batch would reach only later: its watching runs stay at their events."""
     folder = compile_text(tmp_path, DECIDE_AND_WATCH.replace("n[0] += 1\n", "for i in 0..64 { n[0] += 1 }\n"))
-    batched, eng = run_engine(folder, backend=JitBackend(), **SMALL)
-    each, _ = run_engine(folder, backend=JitBackend(), lazy_observers=False, **SMALL)
-    assert _timeless(batched) == _timeless(each)
+    batched, eng = _batched_as_at_events(folder)
     assert not any(s.watching for s in eng.shims.values()) and batched["maps"]["n"]["0"] > 6400
 
 
@@ -261,9 +266,7 @@ def test_a_program_is_taken_apart_only_where_its_watching_runs_cannot_tell(tmp_p
     if case == "maps unlisted":
         _unlisted_kv_maps(folder)
     backend = MapsElsewhere if case == "maps elsewhere" else JitBackend
-    batched, eng = run_engine(folder, backend=backend(), **SMALL)
-    each, _ = run_engine(folder, backend=backend(), lazy_observers=False, **SMALL)
-    assert _timeless(batched) == _timeless(each)
+    batched, eng = _batched_as_at_events(folder, backend)
     assert not any(s.watching for s in eng.shims.values()) and batched["maps"]["n"]["0"] > 100
 
 
@@ -296,9 +299,7 @@ def test_a_watcher_that_faults_in_a_batch_stops_where_it_would_have(tmp_path):
     """The 300th run faults: run in a batch, the fault is reported at that event's time, the
     events after it are not run, and the maps hold what the 299 runs before it left."""
     folder = compile_text(tmp_path, WATCHER)
-    batched, eng = run_engine(folder, backend=FaultAt(300), **SMALL)
-    each, _ = run_engine(folder, backend=FaultAt(300), lazy_observers=False, **SMALL)
-    assert _timeless(batched) == _timeless(each)
+    batched, eng = _batched_as_at_events(folder, lambda: FaultAt(300))
     assert batched["faults"] and batched["faults"][0]["time_ns"] > 0
     assert sum(batched["maps"]["seen"].values()) <= 299
 
@@ -309,9 +310,7 @@ def test_one_of_kin_watchers_that_faults_in_a_shared_call_stops_alone(tmp_path, 
     call; the one whose run faults is reported at its event and detached, and the others' events
     after it still run: the same report as every run at its event."""
     folder = compile_text(tmp_path, GPU_WATCHERS)
-    batched, eng = run_engine(folder, backend=FaultAt(nth), **SMALL)
-    each, _ = run_engine(folder, backend=FaultAt(nth), lazy_observers=False, **SMALL)
-    assert _timeless(batched) == _timeless(each)
+    batched, eng = _batched_as_at_events(folder, lambda: FaultAt(nth))
     assert len(batched["faults"]) == 1 and batched["maps"]["n"]["0"] > nth
     fault = batched["faults"][0]
     assert fault["program"] == f"{fault['island']}_{fault['hook']}"      # its own, not its kin's
