@@ -1,4 +1,6 @@
 """The fabric model against analytic answers."""
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -530,12 +532,13 @@ class Decided:
         self.decisions = decisions
 
 
-def _pool(n_gpus=3):
+def _pool(n_gpus=3, setup=0.0):
     """A pool behind a switch (one island, as switch-local memory is) and GPUs on it, each
-    its own island with one copy engine; the sink hangs off the switch too."""
+    its own island with one copy engine; the sink hangs off the switch too.  ``setup``: the
+    ns each chunk costs on the links between pool and switch (where not a memory channel)."""
     g = DiGraph()
-    g.add_edge("pool", "sw", bw=24 * GBps, latency=40.0, kind="internal", setup=0.0)
-    g.add_edge("sw", "pool", bw=24 * GBps, latency=40.0, kind="internal", setup=0.0)
+    g.add_edge("pool", "sw", bw=24 * GBps, latency=40.0, kind="internal", setup=setup)
+    g.add_edge("sw", "pool", bw=24 * GBps, latency=40.0, kind="internal", setup=setup)
     for dev in [f"gpu{i}" for i in range(n_gpus)] + ["sink"]:
         g.add_edge("sw", dev, bw=48 * GBps, latency=300.0, kind="pcie", setup=500.0)
         g.add_edge(dev, "sw", bw=20 * GBps, latency=300.0, kind="pcie", setup=500.0)
@@ -547,25 +550,41 @@ def _pool(n_gpus=3):
 CHUNK = 3 << 17     # whole nanoseconds on the pool's channel (16,384) and a GPU's link: times can meet
 
 
-def _streamed(flows, trains, site=None, engines=1):
+def _streamed(flows, trains, site=None, engines=1, max_events=None, channel=True):
     """Weights streamed from the pool to GPUs and other traffic through the switch (flows of
     random sizes, start times, priorities and ends); what every transfer, link and the hook
-    site saw."""
-    sim = Sim()
-    g, islands, kinds = _pool()
+    site saw, where the run ended (at ``max_events``, if it passed them).  ``channel``: the
+    pool is a memory channel both directions share; else its links are two, each with a
+    cost per chunk.  Every link tells what it enqueues, as to a tick source (`Server.watch`)."""
+    from fabric_ext.runtime.simulation.sim import EventLimit
+    sim = Sim(max_events)
+    g, islands, kinds = _pool(setup=0.0 if channel else 700.0)
     hooks = (site or Standing)({name: prio for name, *_, prio in flows})
-    f = Fabric(sim, g, islands, kinds, {}, {"pool": 24 * GBps}, hooks,
+    f = Fabric(sim, g, islands, kinds, {}, {"pool": 24 * GBps} if channel else {}, hooks,
                copy_engines={d: engines for d in kinds if d != "sw"}, trains=trains)
+    enqueued = {name: [] for name in {s.name for s in f.servers.values()}}
+    for s in f.servers.values():
+        s.watch(enqueued[s.name])
     transfers = []
     for name, cls, src, dst, start, nbytes, _ in flows:
         t = Transfer(name, 1, cls, "", src, dst, nbytes, chunk_bytes=CHUNK)
         transfers.append(t)
         sim.at(start, f.start, t)
-    sim.run()
-    links = {s.name: (s.bytes, s.intervals, s.queued_bytes) for s in f.servers.values()}
-    engines = {e.name: (e.chunks, e.bytes) for es in f.engines.values() for e in es}
+    try:
+        sim.run()
+    except EventLimit:
+        pass
+    def held(chunks):       # what a queue or stream holds where a limit stopped the run
+        return [(c.transfer.name, c.index, c.priority, c.island, c.enqueued, c.waited) for c in chunks]
+    links = {s.name: (s.bytes, s.intervals, s.queued_bytes, enqueued[s.name], s.free_at, s.free_place,
+                      {p: held(c for d in q.values() for c, _, _ in d) for p, q in s.queues.items()})
+             for s in f.servers.values()}
+    engines = {e.name: (e.chunks, e.bytes, {k: held(q) for k, q in e.streams.items()},
+                        {k: t.name for k, t in e.current.items()}) for es in f.engines.values() for e in es}
     ends = [(t.end, t.landing, t.chunks_done, t.queue_waits) for t in transfers]
-    return ends, links, engines, hooks.asked, sim.events, f.trains.steps if f.trains else 0, hooks
+    trains = f.trains or SimpleNamespace(steps=0, ringed=0)
+    run = (sim.events, sim.now, sim.place())     # (the places taken: the order of events at one time)
+    return ends, links, engines, hooks.asked, run, trains.steps, hooks, trains.ringed
 
 
 _GPUS = ["gpu0", "gpu1", "gpu2"]
@@ -639,6 +658,61 @@ def test_a_train_leaves_the_latest_word_at_each_gpu_as_the_loop_does(spec):
         return
     on, off = _streamed(named, True, Words, engines=2), _streamed(named, False, Words, engines=2)
     assert on[:5] == off[:5] and on[6].words == off[6].words
+
+
+_ring = st.lists(st.tuples(st.sampled_from(_GPUS), st.integers(0, 40_000), st.integers(CHUNK, 6 * MiB)),
+                 min_size=2, max_size=5)
+
+
+class Reranking(Words):
+    """As `Words`, but a chunk is ranked one class higher at issue than on entering the
+    switch's island, where its rank changes back."""
+
+    def standing(self, transfer, island, moment, role=""):
+        return Decided({"priority": self._rank(transfer, moment)})
+
+    def on_issue(self, chunk, island, role):
+        super().on_issue(chunk, island, role)
+        return {"priority": self._rank(chunk.transfer, "issue")}
+
+    def _rank(self, transfer, moment):
+        return (self.priorities[transfer.name] + (moment == "issue")) % 8
+
+
+@settings(max_examples=200, deadline=None)
+@given(_ring, st.lists(_other, max_size=2), st.sampled_from([0, 3, 7]), st.sampled_from([1, 2]),
+       st.sampled_from([None, 30, 90]), st.sampled_from([Standing, Words, Reranking]), st.booleans())
+@example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB), ("gpu0", 0, 3 * MiB)], [], 7, 1, None, Words, True)
+# traffic starting as the channel ends a chunk in a ring: the loop's event, scheduled first, goes first
+@example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB), ("gpu2", 0, 6 * MiB)],
+         [("kv", "pool", "gpu1", 5 * 16_384, MiB, 7)], 3, 2, None, Standing, True)
+# KV read from the pool on a second engine of a GPU the weights stream to: both go round the ring
+@example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB)], [("kv", "pool", "gpu0", 0, 6 * MiB, 7)], 7, 2, None, Words, True)
+# chunks ranked at issue above the ring's class, and traffic of that rank to the same GPU
+@example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB)], [("kv", "sink", "gpu0", 60_000, 6 * MiB, 1)], 0, 1, None,
+         Reranking, True)
+def test_a_ring_changes_nothing_but_the_time_a_run_takes(weights, other, prio, engines, limit, site, channel):
+    """GPUs streaming weights of one class from the pool at about one time, one after another
+    on one GPU (a stream with transfers waiting), among other traffic, run to the end or to an
+    event limit: where trains go round the class as a ring (`Trains._ring`), every transfer,
+    link, engine and question is as the loop leaves it, the latest word at each GPU is, and
+    the run stops at the same event."""
+    named = [(f"w{i}", "weights", "pool", gpu, start, nbytes, prio) for i, (gpu, start, nbytes) in enumerate(weights)]
+    named += [(f"o{i}", cls, src, dst, start, nbytes, p)
+              for i, (cls, src, dst, start, nbytes, p) in enumerate(other) if src != dst]
+    on, off = (_streamed(named, trains, site, engines, limit, channel) for trains in (True, False))
+    assert on[:5] == off[:5] and getattr(on[6], "words", None) == getattr(off[6], "words", None)
+
+
+def test_rings_take_most_steps_of_a_pool_streaming_to_gpus():
+    """Three GPUs streaming weights of one class from the pool, and a second transfer waiting
+    on one's stream: after the first chunks, the round robin is a ring, and rings take most
+    of the steps, as the loop would."""
+    flows = [(f"w{i}", "weights", "pool", f"gpu{i}", 0, 8 * MiB, 7) for i in range(3)]
+    flows.append(("next", "weights", "pool", "gpu0", 0, 4 * MiB, 7))
+    on, off = _streamed(flows, True), _streamed(flows, False)
+    assert on[:5] == off[:5]
+    assert on[7] > on[5] * 0.7
 
 
 class Asking(Standing):

@@ -53,6 +53,16 @@ class Sim:
         self.events += 1
         return True
 
+    def room(self) -> float:
+        """How many more events `take` may count before the limit (inf: no limit)."""
+        return max(0, self._left - self.events)
+
+    def took(self, n: int, t: float) -> None:
+        """Count ``n`` events that ran outside the loop, the last at time t (`trains`), within
+        `room`."""
+        self.events += n
+        self.now = t
+
     def next_time(self) -> float | None:
         """When the next scheduled event is (None: none is)."""
         return self._heap[0][0] if self._heap else None
