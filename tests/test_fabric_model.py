@@ -560,6 +560,7 @@ def _streamed(flows, trains, site=None, engines=1, max_events=None, channel=True
     sim = Sim(max_events)
     g, islands, kinds = _pool(setup=0.0 if channel else 700.0)
     hooks = (site or Standing)({name: prio for name, *_, prio in flows})
+    hooks.sim = sim
     f = Fabric(sim, g, islands, kinds, {}, {"pool": 24 * GBps} if channel else {}, hooks,
                copy_engines={d: engines for d in kinds if d != "sw"}, trains=trains)
     enqueued = {name: [] for name in {s.name for s in f.servers.values()}}
@@ -679,15 +680,58 @@ class Reranking(Words):
         return (self.priorities[transfer.name] + (moment == "issue")) % 8
 
 
+class Shown:
+    decisions, watched, split = {}, True, False
+
+
+class Watching(Standing):
+    """As `Standing`, but on entering the switch's island nothing is decided: programs there
+    watch each chunk, which is shown to the site (`on_enter`), and it keeps what it was shown.
+    After ``forget_after`` chunks shown (as where a batch of the watchers' runs changed a map
+    a decision reads), nothing stands from then on, and asking ranks every chunk 0."""
+    forget_after = None
+
+    def __init__(self, priorities):
+        super().__init__(priorities)
+        self.shown, self.token = [], None
+
+    def stands_for(self, transfer):
+        return self.token
+
+    def standing(self, transfer, island, moment, role=""):
+        if self.token is not None:
+            return None
+        return Shown() if moment == "enter" else super().standing(transfer, island, moment, role)
+
+    def on_enter(self, chunk, island):
+        stood = self.token is None      # (a chunk shown takes what stood, as `ShimHookSite` gives it)
+        self.shown.append((self.sim.now, chunk.transfer.name, chunk.index, chunk.waited, chunk.priority))
+        if len(self.shown) == self.forget_after:
+            self.token = object()
+        return None if stood else {"priority": 0}
+
+
+class Forgetting12(Watching):
+    forget_after = 12
+
+
+def _seen(site) -> tuple:
+    """What a test site was asked and shown, and the latest word at each GPU, where it keeps them."""
+    return site.asked, getattr(site, "words", None), getattr(site, "shown", None)
+
+
 @settings(max_examples=200, deadline=None)
 @given(_ring, st.lists(_other, max_size=2), st.sampled_from([0, 3, 7]), st.sampled_from([1, 2]),
-       st.sampled_from([None, 30, 90]), st.sampled_from([Standing, Words, Reranking]), st.booleans())
+       st.sampled_from([None, 30, 90]), st.sampled_from([Standing, Words, Reranking, Watching, Forgetting12]),
+       st.booleans())
 @example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB), ("gpu0", 0, 3 * MiB)], [], 7, 1, None, Words, True)
 # traffic starting as the channel ends a chunk in a ring: the loop's event, scheduled first, goes first
 @example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB), ("gpu2", 0, 6 * MiB)],
          [("kv", "pool", "gpu1", 5 * 16_384, MiB, 7)], 3, 2, None, Standing, True)
 # KV read from the pool on a second engine of a GPU the weights stream to: both go round the ring
 @example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB)], [("kv", "pool", "gpu0", 0, 6 * MiB, 7)], 7, 2, None, Words, True)
+# watchers shown each chunk in the ring, until what stands changes in the middle of it
+@example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB), ("gpu2", 0, 6 * MiB)], [], 3, 1, None, Forgetting12, True)
 # chunks ranked at issue above the ring's class, and traffic of that rank to the same GPU
 @example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB)], [("kv", "sink", "gpu0", 60_000, 6 * MiB, 1)], 0, 1, None,
          Reranking, True)
@@ -696,12 +740,13 @@ def test_a_ring_changes_nothing_but_the_time_a_run_takes(weights, other, prio, e
     on one GPU (a stream with transfers waiting), among other traffic, run to the end or to an
     event limit: where trains go round the class as a ring (`Trains._ring`), every transfer,
     link, engine and question is as the loop leaves it, the latest word at each GPU is, and
-    the run stops at the same event."""
+    the run stops at the same event; chunks shown to programs that watch are shown as the loop
+    shows them, and where showing one changes what stands, rings stop there as trains do."""
     named = [(f"w{i}", "weights", "pool", gpu, start, nbytes, prio) for i, (gpu, start, nbytes) in enumerate(weights)]
     named += [(f"o{i}", cls, src, dst, start, nbytes, p)
               for i, (cls, src, dst, start, nbytes, p) in enumerate(other) if src != dst]
     on, off = (_streamed(named, trains, site, engines, limit, channel) for trains in (True, False))
-    assert on[:5] == off[:5] and getattr(on[6], "words", None) == getattr(off[6], "words", None)
+    assert on[:5] == off[:5] and _seen(on[6]) == _seen(off[6])
 
 
 def test_rings_take_most_steps_of_a_pool_streaming_to_gpus():

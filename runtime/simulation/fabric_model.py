@@ -57,7 +57,9 @@ class HookSite:
         the island's role there, or "enter") with no program run: an object with the
         ``decisions`` (None, or a read-only dict) that asking gives, and ``watched``: True where
         programs there watch each chunk, so each must still be shown to the site (`on_enter`,
-        `on_issue`), which takes what stands.  None: the site must be asked."""
+        `on_issue`), which takes what stands, and then ``split``: True where what a chunk is
+        shown with reads the queue by class (`Server.queued_above`).  None: the site must be
+        asked."""
         return None
 
     def stands_for(self, transfer: Transfer) -> object:

@@ -20,8 +20,9 @@ program to ask, a busy link, a chunk that completes its transfer, an event due f
 those after it go to the loop as ordinary events.
 
 Where the class the server sends is a ring (each of its flows has one chunk queued and its
-copy engine one issued, nothing watches them or the links on: `Trains._ring_of`), every step
-is the same few sums on the same kinds of chunk: `Trains._ring` takes them in one loop of its
+copy engine one issued, nothing is asked of them on the way but to show them to programs
+that watch as they enter: `Trains._ring_of`), every step is the same few sums on the same
+kinds of chunk: `Trains._ring` takes them in one loop of its
 own, with the server's queue and the engines' streams kept in locals and written back when
 the ring stops.  The 70B reference run takes nine in ten of its steps there.
 
@@ -51,6 +52,7 @@ class _Flow:
     enter: str | None           # the island its chunks enter as its engine takes them (None: none)
     enter_priority: int | None  # what stands there: the chunk's priority (None: none)
     watched: bool               # ... nothing, but programs watch: each chunk is given to them there
+    split: bool                 # ... and what it is given with reads the queue by class (`HookSite.standing`)
     ends: list                  # (island, role) asked as a chunk is issued, where answers stand
     issue_priority: int | None  # ... the priority they give (None: none)
     shown: list                 # ... those where nothing stands but programs that watch (`HookSite.on_issue`)
@@ -177,10 +179,11 @@ class Trains:
         if island != fabric.device_island.get(path[1]) or not fabric._nothing_asked(t, path[2], island) \
                 or _asks(link):
             return None
-        entering, watched = {}, False    # where the site asks nothing about its chunks, nothing is decided
+        entering, watched, split = {}, False, False   # where the site asks nothing of its chunks, nothing is decided
         if island is not None and self.hooks.asks(island, "enter", t):
             standing = self.hooks.standing(t, island, "enter")
             entering, watched = self._answer(standing), standing is not None and standing.watched
+            split = watched and standing.split
         if entering is None:
             return None
         ends, shown, issue_priority = [], [], None
@@ -199,7 +202,7 @@ class Trains:
             return None
         stream = CLASS_STREAM.get(t.cls, 1)
         return _Flow(t, fabric.servers[path[0], path[1]], link, t.engine(stream), island,
-                     entering.get("priority"), watched, ends, issue_priority, shown, stream,
+                     entering.get("priority"), watched, split, ends, issue_priority, shown, stream,
                      fabric.latency[path[0], path[1]], fabric.latency[path[1], path[2]])
 
     @staticmethod
@@ -280,7 +283,7 @@ class Trains:
         """The steps from ``sending``'s end of transmission on (due before ``head``, the loop's
         next event), where the server's class being sent is a ring: each of its flows has one
         chunk queued and its copy engine one issued, and nothing is asked of their chunks on the
-        way (`_ring_of`).  Then every step is the same few sums on the same chunks, and they are
+        way but to show them to programs that watch (`_ring_of`).  Then every step is the same few sums on the same chunks, and they are
         taken here in the loop's order, with the server's queue and the engines' streams kept in
         locals and written back at the end (`_unring`).  Returns (sending, arriving) as the loop
         goes on with them; None where the class is no ring or no step was taken."""
@@ -288,7 +291,12 @@ class Trains:
         if found is None:
             return None
         cur, ring, q = found
-        sim, place, told = self.sim, self.sim.place, self._told
+        sim, place, told, hooks = self.sim, self.sim.place, self._told, self.hooks
+        # where programs watch, a batch of theirs may run as a chunk is shown and change what
+        # stands: each end of transmission then checks what its flow was worked out from, as
+        # `_takes` does (an arrival that `_lands` would refuse for it lands as the ring lands it)
+        watching = cur.watched or any(flow.watched for flow, _ in ring)
+        stands_for = hooks.stands_for
         head_t = head[0] if head is not None else float("inf")
         room = sim.room()
         bw, overhead, enqueues, lane = server.bw, server.overhead, server.enqueues, server.lane
@@ -300,7 +308,7 @@ class Trains:
             # x (of flow cur) ends its transmission at T: its engine takes the flow's next chunk,
             # which queues here, and issues the one after it (`_finish`)
             y = cur.next
-            if y is None or T >= head_t or taken >= room:
+            if y is None or T >= head_t or taken >= room or watching and cur.t.train[0] is not stands_for(cur.t):
                 break
             taken, now = taken + 1, T
             told[cur] = stepped[cur] = None
@@ -312,7 +320,11 @@ class Trains:
             y.engine, y.enqueued = engine, T
             if cur.enter is not None:
                 y.island = cur.enter
-                cur.entered += 1
+                if cur.watched:
+                    sim.now = T
+                    hooks.on_enter(y, cur.enter)
+                else:
+                    cur.entered += 1
                 if cur.enter_priority is not None:
                     y.priority = cur.enter_priority
             server.queued_bytes += nb
@@ -376,8 +388,10 @@ class Trains:
     def _ring_of(self, server, sending) -> tuple | None:
         """The flow of the chunk ``sending`` ends, the server's queued flows of the class it
         sends in round-robin order, each with its queue entry, and that class's queue, where
-        they are a ring (`_ring`): each flow's chunks fit trains, no program watches them or
-        the links, and their engines take each flow's next chunk into that same class."""
+        they are a ring (`_ring`): each flow's chunks fit trains, no program watches the links
+        (programs may watch its chunks as they enter, where what they are shown with
+        does not read the queue), and their engines take each flow's next chunk into that same
+        class."""
         if not server.classes or server.on_dequeue is not None:
             return None
         p = -server.classes[0]
@@ -401,7 +415,7 @@ class Trains:
         ``next`` set to the chunk its engine holds), else None."""
         t = chunk.transfer
         flow = self._flow(t)
-        if flow is None or flow.server is not server or chunk.engine is not flow.engine or flow.watched \
+        if flow is None or flow.server is not server or chunk.engine is not flow.engine or flow.split \
                 or flow.shown or chunk.path is not t.path or chunk.hop or chunk.queue is not None:
             return None
         priority = flow.enter_priority
