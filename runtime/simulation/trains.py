@@ -228,29 +228,13 @@ class Trains:
         t = taken.transfer
         flow = t.train[1]           # (`_takes` worked it out)
         self._told[flow] = None
-        if flow.enter is not None:      # asking there takes what stands (`HookSite.stood`)
-            taken.island = flow.enter
-            if flow.watched:            # ... and gives the chunk to the programs that watch
-                self.hooks.on_enter(taken, flow.enter)
-            else:
-                flow.entered += 1
-            if flow.enter_priority is not None:
-                taken.priority = flow.enter_priority
+        if flow.enter is not None:
+            self._enter(flow, taken)
         server._admit(taken)
         server._queue(taken, self.sent, self.handed_on)
         # and the transfer's next chunk is issued (`Fabric._issue`, `CopyEngine.submit`)
         if t.issued < t.chunks_total:
-            issued = t.next_chunk()
-            if flow.ends:
-                flow.issued += 1
-                flow.last_issue = self._issues
-                self._issues += 1
-            if flow.shown:
-                for island, role in flow.shown:     # (the watchers are given it: `Fabric._issue`)
-                    self.hooks.on_issue(issued, island, role)
-            if flow.issue_priority is not None:
-                issued.priority = flow.issue_priority
-            engine.submit(issued, CLASS_STREAM.get(t.cls, 1))     # (`flow.engine`: `_takes`)
+            engine.submit(self._issue(flow), flow.stream)     # (`flow.engine`: `_takes`)
         # the chunk leaves for the next device (`Fabric._sent`)
         arrival = fabric._leave(chunk, now)
         if fabric._lands_quietly(chunk, chunk.hop):
@@ -267,6 +251,32 @@ class Trains:
             server._hand_off(end)
             return None
         return end, sim.place(), nxt, done
+
+    def _enter(self, flow, chunk) -> None:
+        """The chunk enters the island its flow's chunks enter as its engine takes it: asking
+        there takes what stands (`HookSite.stood`), or shows it to the programs that watch."""
+        chunk.island = flow.enter
+        if flow.watched:
+            self.hooks.on_enter(chunk, flow.enter)
+        else:
+            flow.entered += 1
+        if flow.enter_priority is not None:
+            chunk.priority = flow.enter_priority
+
+    def _issue(self, flow):
+        """The flow's transfer's next chunk, issued (`Fabric._issue`): what stands at its ends
+        taken, in the order of issues (`_Flow.last_issue`), shown to the programs that watch
+        there, and its priority given."""
+        chunk = flow.t.next_chunk()
+        if flow.ends:
+            flow.issued += 1
+            flow.last_issue = self._issues
+            self._issues += 1
+        for island, role in flow.shown:
+            self.hooks.on_issue(chunk, island, role)
+        if flow.issue_priority is not None:
+            chunk.priority = flow.issue_priority
+        return chunk
 
     def _arrive(self, chunk, now) -> None:
         """Its arrival at the next device, where `_lands` (`Fabric._arrive`, `Server.enqueue`,
@@ -291,12 +301,12 @@ class Trains:
         if found is None:
             return None
         cur, ring, q = found
-        sim, place, told, hooks = self.sim, self.sim.place, self._told, self.hooks
+        sim, place, told = self.sim, self.sim.place, self._told
         # where programs watch, a batch of theirs may run as a chunk is shown and change what
         # stands: each end of transmission then checks what its flow was worked out from, as
         # `_takes` does (an arrival that `_lands` would refuse for it lands as the ring lands it)
         watching = cur.watched or any(flow.watched for flow, _ in ring)
-        stands_for = hooks.stands_for
+        stands_for = self.hooks.stands_for
         head_t = head[0] if head is not None else float("inf")
         room = sim.room()
         bw, overhead, enqueues, lane = server.bw, server.overhead, server.enqueues, server.lane
@@ -319,28 +329,15 @@ class Trains:
             y.waited += T - y.enqueued
             y.engine, y.enqueued = engine, T
             if cur.enter is not None:
-                y.island = cur.enter
-                if cur.watched:
-                    sim.now = T
-                    hooks.on_enter(y, cur.enter)
-                else:
-                    cur.entered += 1
-                if cur.enter_priority is not None:
-                    y.priority = cur.enter_priority
+                sim.now = T             # (a chunk shown is shown at its time)
+                self._enter(cur, y)
             server.queued_bytes += nb
             if enqueues is not None:
                 enqueues.extend((T, lane, nb))
             ring.append((cur, (y, *entry)))
             if t.issued < t.chunks_total:
-                z = t.next_chunk()
-                if cur.ends:
-                    cur.issued += 1
-                    cur.last_issue = self._issues
-                    self._issues += 1
-                if cur.issue_priority is not None:
-                    z.priority = cur.issue_priority
+                z = cur.next = self._issue(cur)
                 z.enqueued = T
-                cur.next = z
             else:
                 cur.next = None
             # x leaves for the next device, and the server sends the next flow's chunk (`Server._send`)
