@@ -711,7 +711,7 @@ class Watching(Standing):
         return None if stood else {"priority": 0}
 
 
-class Forgetting12(Watching):
+class WatchingThenAsking(Watching):
     forget_after = 12
 
 
@@ -722,7 +722,7 @@ def _seen(site) -> tuple:
 
 @settings(max_examples=200, deadline=None)
 @given(_ring, st.lists(_other, max_size=2), st.sampled_from([0, 3, 7]), st.sampled_from([1, 2]),
-       st.sampled_from([None, 30, 90]), st.sampled_from([Standing, Words, Reranking, Watching, Forgetting12]),
+       st.sampled_from([None, 30, 90]), st.sampled_from([Standing, Words, Reranking, Watching, WatchingThenAsking]),
        st.booleans())
 @example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB), ("gpu0", 0, 3 * MiB)], [], 7, 1, None, Words, True)
 # traffic starting as the channel ends a chunk in a ring: the loop's event, scheduled first, goes first
@@ -731,7 +731,7 @@ def _seen(site) -> tuple:
 # KV read from the pool on a second engine of a GPU the weights stream to: both go round the ring
 @example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB)], [("kv", "pool", "gpu0", 0, 6 * MiB, 7)], 7, 2, None, Words, True)
 # watchers shown each chunk in the ring, until what stands changes in the middle of it
-@example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB), ("gpu2", 0, 6 * MiB)], [], 3, 1, None, Forgetting12, True)
+@example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB), ("gpu2", 0, 6 * MiB)], [], 3, 1, None, WatchingThenAsking, True)
 # chunks ranked at issue above the ring's class, and traffic of that rank to the same GPU
 @example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB)], [("kv", "sink", "gpu0", 60_000, 6 * MiB, 1)], 0, 1, None,
          Reranking, True)

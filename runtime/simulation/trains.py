@@ -20,11 +20,11 @@ program to ask, a busy link, a chunk that completes its transfer, an event due f
 those after it go to the loop as ordinary events.
 
 Where the class the server sends is a ring (each of its flows has one chunk queued and its
-copy engine one issued, nothing is asked of them on the way but to show them to programs
-that watch as they enter: `Trains._ring_of`), every step is the same few sums on the same
-kinds of chunk: `Trains._ring` takes them in one loop of its
-own, with the server's queue and the engines' streams kept in locals and written back when
-the ring stops.  The 70B reference run takes nine in ten of its steps there.
+copy engine one issued, and nothing is asked of them on the way but to show them to programs
+that watch them enter: `Trains._ring_of`), every step is the same few sums on the same kinds
+of chunk: `Trains._ring` takes them in one loop of its own, with the server's queue and the
+engines' streams kept in locals and written back when the ring stops.  The 70B reference run
+takes nine in ten of its steps there.
 
 Only the time a run takes changes: `Fabric(trains=False)` takes every step in the loop, and
 the tests compare the two.
@@ -293,10 +293,12 @@ class Trains:
         """The steps from ``sending``'s end of transmission on (due before ``head``, the loop's
         next event), where the server's class being sent is a ring: each of its flows has one
         chunk queued and its copy engine one issued, and nothing is asked of their chunks on the
-        way but to show them to programs that watch (`_ring_of`).  Then every step is the same few sums on the same chunks, and they are
-        taken here in the loop's order, with the server's queue and the engines' streams kept in
-        locals and written back at the end (`_unring`).  Returns (sending, arriving) as the loop
-        goes on with them; None where the class is no ring or no step was taken."""
+        way but to show them to programs that watch (`_ring_of`).  Then every step is the same
+        few sums on the same kinds of chunk, taken here in the loop's order, with the server's
+        queue and the engines' streams kept in locals and written back at the end (`_unring`):
+        one loop, without the calls between a step's parts that `_finish` makes, since those
+        calls are what a step costs.  Returns (sending, arriving) as the loop goes on with
+        them; None where the class is no ring or no step was taken."""
         found = self._ring_of(server, sending[2])
         if found is None:
             return None
@@ -386,9 +388,8 @@ class Trains:
         """The flow of the chunk ``sending`` ends, the server's queued flows of the class it
         sends in round-robin order, each with its queue entry, and that class's queue, where
         they are a ring (`_ring`): each flow's chunks fit trains, no program watches the links
-        (programs may watch its chunks as they enter, where what they are shown with
-        does not read the queue), and their engines take each flow's next chunk into that same
-        class."""
+        (programs may watch the chunks enter, where what they are shown with does not read the
+        queue), and their engines take each flow's next chunk into that same class."""
         if not server.classes or server.on_dequeue is not None:
             return None
         p = -server.classes[0]
