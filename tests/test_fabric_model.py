@@ -573,9 +573,9 @@ def _streamed(flows, trains, site=None, engines=1, max_events=None, channel=True
     sim = Sim(max_events)
     g, islands, kinds = _pool(setup=0.0 if channel else 700.0)
     hooks = (site or Standing)({name: prio for name, *_, prio in flows})
-    hooks.sim = sim
     f = Fabric(sim, g, islands, kinds, {}, {"pool": 24 * GBps} if channel else {}, hooks,
                copy_engines={d: engines for d in kinds if d != "sw"}, trains=trains)
+    hooks.sim, hooks.fabric = sim, f
     enqueued = {name: [] for name in {s.name for s in f.servers.values()}}
     for s in f.servers.values():
         s.watch(enqueued[s.name])
@@ -728,6 +728,65 @@ class WatchingThenAsking(Watching):
     forget_after = 12
 
 
+class Restreaming(Standing):
+    """Each transfer's first chunk is asked at issue, ranked and put on stream 2; then its
+    answers stand (the class's stream).  A copy engine then takes its next chunk from another
+    stream than the one it took from last: the engine's current transfer there is another's."""
+
+    def __init__(self, priorities):
+        super().__init__(priorities)
+        self.first, self.token = set(), None
+
+    def stands_for(self, transfer):
+        return self.token
+
+    def standing(self, transfer, island, moment, role=""):
+        return super().standing(transfer, island, moment, role) if transfer.name in self.first else None
+
+    def on_issue(self, chunk, island, role):
+        name = chunk.transfer.name
+        decided = super().on_issue(chunk, island, role)
+        if name in self.first:
+            return decided
+        self.first.add(name)
+        self.token = object()
+        return {**decided, "stream": 2}
+
+
+class WatchingByClass(Watching):
+    """As `Watching`, but ranked a class lower at issue, and what a chunk is shown with as it
+    enters reads the pool's queue by class (`split`): the chunks queued above its rank then."""
+
+    class Shown(Shown):
+        split = True
+
+    def standing(self, transfer, island, moment, role=""):
+        if moment == "enter":
+            return self.Shown()
+        return Decided({"priority": self.priorities[transfer.name] - 1})
+
+    def on_issue(self, chunk, island, role):
+        self.asked += 1
+        return {"priority": self.priorities[chunk.transfer.name] - 1}
+
+    def on_enter(self, chunk, island):
+        pool = self.fabric.servers["pool", "sw"]
+        above = [(c.transfer.name, c.index) for p, q in sorted(pool.queues.items()) if p > chunk.priority
+                 for d in q.values() for c, _, _ in d]
+        self.shown.append((self.sim.now, chunk.transfer.name, chunk.index, above))
+        return None
+
+
+def test_no_ring_where_a_watched_chunk_is_shown_what_its_queue_holds_by_class():
+    """Where what a watched chunk is shown with reads its queue by class, the queue must be
+    the loop's at each step, which a ring keeps in locals: trains step those flows without
+    rings, and every chunk is shown what the loop shows it."""
+    flows = [(f"w{i}", "weights", "pool", f"gpu{i}", 0, 6 * MiB, 3) for i in range(3)]
+    on, off = _streamed(flows, True, WatchingByClass), _streamed(flows, False, WatchingByClass)
+    assert on[:5] == off[:5] and on.site.shown == off.site.shown
+    assert on.steps > 0 and on.ringed == 0 < _streamed(flows, True, Watching).ringed
+
+
 def _seen(site) -> tuple:
     """What a test site was asked and shown, and the latest word at each GPU, where it keeps them."""
     return site.asked, getattr(site, "words", None), getattr(site, "shown", None)
@@ -735,8 +794,8 @@ def _seen(site) -> tuple:
 
 @settings(max_examples=200, deadline=None)
 @given(_ring, st.lists(_other, max_size=2), st.sampled_from([0, 3, 7]), st.sampled_from([1, 2]),
-       st.sampled_from([None, 30, 90]), st.sampled_from([Standing, Words, Reranking, Watching, WatchingThenAsking]),
-       st.booleans())
+       st.sampled_from([None, 30, 90]),
+       st.sampled_from([Standing, Words, Reranking, Watching, WatchingThenAsking, Restreaming]), st.booleans())
 @example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB), ("gpu0", 0, 3 * MiB)], [], 7, 1, None, Words, True)
 # traffic starting as the channel ends a chunk in a ring: the loop's event, scheduled first, goes first
 @example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB), ("gpu2", 0, 6 * MiB)],
@@ -745,6 +804,8 @@ def _seen(site) -> tuple:
 @example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB)], [("kv", "pool", "gpu0", 0, 6 * MiB, 7)], 7, 2, None, Words, True)
 # watchers shown each chunk in the ring, until what stands changes in the middle of it
 @example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB), ("gpu2", 0, 6 * MiB)], [], 3, 1, None, WatchingThenAsking, True)
+# a first chunk put on another stream: the engine's next is from a stream it last took another's from
+@example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB), ("gpu2", 0, 6 * MiB)], [], 3, 1, 30, Restreaming, True)
 # chunks ranked at issue above the ring's class, and traffic of that rank to the same GPU
 @example([("gpu0", 0, 6 * MiB), ("gpu1", 0, 6 * MiB)], [("kv", "sink", "gpu0", 60_000, 6 * MiB, 1)], 0, 1, None,
          Reranking, True)

@@ -23,8 +23,7 @@ Where the class the server sends is a ring (each of its flows has one chunk queu
 copy engine one issued, and nothing is asked of them on the way but to show them to programs
 that watch them enter: `Trains._ring_of`), every step is the same few sums on the same kinds
 of chunk: `Trains._ring` takes them in one loop of its own, with the server's queue and the
-engines' streams kept in locals and written back when the ring stops.  The 70B reference run
-takes nine in ten of its steps there.
+engines' streams kept in locals and written back when the ring stops.
 
 Only the time a run takes changes: `Fabric(trains=False)` takes every step in the loop, and
 the tests compare the two.
@@ -303,7 +302,7 @@ class Trains:
         if found is None:
             return None
         cur, ring, q = found
-        sim, place, told = self.sim, self.sim.place, self._told
+        sim, place, landed = self.sim, self.sim.place, self.fabric._landed
         # where programs watch, a batch of theirs may run as a chunk is shown and change what
         # stands: each end of transmission then checks what its flow was worked out from, as
         # `_takes` does (an arrival that `_lands` would refuse for it lands as the ring lands it)
@@ -315,7 +314,7 @@ class Trains:
         sent_on = server.intervals.flat.extend
         entry = (self.sent, self.handed_on)
         T, _, x, _ = sending
-        taken, stepped, arriving = 0, {}, []
+        taken, arriving = 0, []
         while True:
             # x (of flow cur) ends its transmission at T: its engine takes the flow's next chunk,
             # which queues here, and issues the one after it (`_finish`)
@@ -323,7 +322,6 @@ class Trains:
             if y is None or T >= head_t or taken >= room or watching and cur.t.train[0] is not stands_for(cur.t):
                 break
             taken, now = taken + 1, T
-            told[cur] = stepped[cur] = None
             engine, t, nb = cur.engine, cur.t, y.bytes
             x.engine = None
             engine.chunks += 1
@@ -356,7 +354,7 @@ class Trains:
             pe = place()
             # x arrives before w's end, and lands (`_lands`, `_arrive`: not its transfer's last
             # chunk, since y came after it)
-            link, t = cur.link, x.transfer
+            link = cur.link
             if A > end or A >= head_t or taken >= room or A < link.free_at:
                 arriving.append((A, pa, x, None))
                 cur, x, T = nxt, w, end
@@ -369,11 +367,7 @@ class Trains:
             link.bytes += nx
             link.intervals.flat.extend((A, e2, nx))
             x.hop = 2
-            landing = e2 + cur.lat2
-            t.queue_waits.append(x.waited)
-            t.chunks_done += 1
-            if landing > t.landing:
-                t.landing = landing
+            landed(x, e2 + cur.lat2)
             link.free_at, link.free_place = e2, place()
             cur, x, T = nxt, w, end
         if not taken:
@@ -381,7 +375,7 @@ class Trains:
         sim.took(taken, now)
         self.steps += taken
         self.ringed += taken
-        self._unring(q, ring, stepped)
+        self._unring(q, ring, cur)
         return (T, pe, x, self.sent), arriving
 
     def _ring_of(self, server, sending) -> tuple | None:
@@ -419,8 +413,10 @@ class Trains:
         priority = flow.enter_priority
         if priority is None:
             priority = flow.issue_priority if flow.issue_priority is not None else DEFAULT_PRIORITY
-        link, streams = flow.link, flow.engine.streams
-        if priority != p or link.on_dequeue is not None or link.busy or link.classes or len(streams) > 1:
+        link, engine = flow.link, flow.engine
+        streams = engine.streams
+        if priority != p or link.on_dequeue is not None or link.busy or link.classes or len(streams) > 1 \
+                or engine.current.get(flow.stream) is not t:     # (what `_unring` leaves as it was)
             return None
         flow.next = None
         if streams:         # (chunks of the transfers after it on the stream wait behind it)
@@ -433,21 +429,25 @@ class Trains:
             flow.next = nxt
         return flow
 
-    @staticmethod
-    def _unring(q, ring, stepped) -> None:
+    def _unring(self, q, ring, cur) -> None:
         """Write back what `_ring` kept in locals: the class's queue in round-robin order, and
-        each stepped flow's engine: the chunk it issued last heads its stream, in place of the
-        one there when the ring began."""
+        each flow's engine: the chunk its engine takes next heads its stream, in place of the
+        one there when the ring began (the same where the flow did not step).  The flows are
+        told to the hook site with the train's (`_Flow.tell`: one that did not step has nothing
+        to tell).  ``cur``: the flow whose chunk the server sends.  Each engine took its last
+        chunk from the stream it now takes from, and took it for the same transfer
+        (`_ring_flow`), so `CopyEngine.current` stays as it was."""
         q.clear()
         for flow, entry in ring:
             q[flow.t.flow] = deque((entry,))
-        for flow in stepped:
-            engine, stream = flow.engine, flow.stream
-            engine.current[stream] = flow.t
-            chunks = engine.streams[stream]
-            chunks.popleft()
-            if flow.next is not None:
-                chunks.appendleft(flow.next)
-            elif not chunks:
-                del engine.streams[stream]
+        for flow in [cur, *(flow for flow, _ in ring)]:
+            self._told[flow] = None
+            streams = flow.engine.streams
+            chunks = streams.get(flow.stream)
+            if chunks is not None:
+                chunks.popleft()
+                if flow.next is not None:
+                    chunks.appendleft(flow.next)
+                elif not chunks:
+                    del streams[flow.stream]
             flow.next = None
