@@ -370,12 +370,12 @@ class Trains:
             landed(x, e2 + cur.lat2)
             link.free_at, link.free_place = e2, place()
             cur, x, T = nxt, w, end
-        if not taken:
+        self._unring(q, ring, cur)
+        if not taken:       # (at the event limit)
             return None
         sim.took(taken, now)
         self.steps += taken
         self.ringed += taken
-        self._unring(q, ring, cur)
         return (T, pe, x, self.sent), arriving
 
     def _ring_of(self, server, sending) -> tuple | None:
@@ -389,9 +389,9 @@ class Trains:
         p = -server.classes[0]
         q = server.queues[p]
         cur = self._ring_flow(sending, server, p)
-        if cur is None or cur.t.flow in q:
+        if cur is None or cur[0].t.flow in q:
             return None
-        ring = deque()
+        ring, heads = deque(), [cur]
         for chunks in q.values():
             if len(chunks) != 1:
                 return None
@@ -399,12 +399,15 @@ class Trains:
             flow = self._ring_flow(entry[0], server, p)
             if flow is None or entry[1] != self.sent or entry[2] != self.handed_on:
                 return None
-            ring.append((flow, entry))
-        return cur, ring, q
+            ring.append((flow[0], entry))
+            heads.append(flow)
+        for flow, head in heads:        # (set only for the ring: `_unring` clears them)
+            flow.next = head
+        return cur[0], ring, q
 
-    def _ring_flow(self, chunk, server, p) -> _Flow | None:
-        """``chunk``'s flow where it may go round a ring at ``server``'s class ``p`` (its
-        ``next`` set to the chunk its engine holds), else None."""
+    def _ring_flow(self, chunk, server, p) -> tuple | None:
+        """``chunk``'s flow where it may go round a ring at ``server``'s class ``p``, with the
+        chunk its engine takes next (None: none), else None."""
         t = chunk.transfer
         flow = self._flow(t)
         if flow is None or flow.server is not server or chunk.engine is not flow.engine or flow.split \
@@ -418,16 +421,15 @@ class Trains:
         if priority != p or link.on_dequeue is not None or link.busy or link.classes or len(streams) > 1 \
                 or engine.current.get(flow.stream) is not t:     # (what `_unring` leaves as it was)
             return None
-        flow.next = None
-        if streams:         # (chunks of the transfers after it on the stream wait behind it)
-            stream, chunks = next(iter(streams.items()))
-            nxt = chunks[0]
-            if stream != flow.stream or nxt.transfer is not t or nxt.hop \
-                    or nxt.island is not None or nxt.path is not t.path or nxt.queue is not None \
-                    or flow.enter_priority is None and nxt.priority != p:
-                return None
-            flow.next = nxt
-        return flow
+        if not streams:
+            return flow, None
+        stream, chunks = next(iter(streams.items()))    # (chunks of the transfers after it wait behind it)
+        nxt = chunks[0]
+        if stream != flow.stream or nxt.transfer is not t or nxt.hop or nxt.island is not None \
+                or nxt.path is not t.path or nxt.queue is not None \
+                or flow.enter_priority is None and nxt.priority != p:
+            return None
+        return flow, nxt
 
     def _unring(self, q, ring, cur) -> None:
         """Write back what `_ring` kept in locals: the class's queue in round-robin order, and
