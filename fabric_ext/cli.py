@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from fabric_ext.exits import EXIT_INPUT, EXIT_OK, EXIT_USAGE, internal_error, stdout_closed
-from fabric_ext.runtime.machine.errors import UsageError
+from fabric_ext.runtime.machine.errors import OutputError, UsageError
 
 from . import __version__
 from .params import parse_defines
@@ -79,7 +79,6 @@ def cmd_graph(args) -> int:
 
 def cmd_compile(args) -> int:
     from . import api
-    from .runtime.machine.fsutil import OutputError
     if not args.output.strip():
         raise UsageError("fabricc: -o needs a folder name")
     path, out = _existing(args.file), Path(args.output)
@@ -224,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(e if str(e).startswith("fabricc") else f"fabricc: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except OutputError as e:        # graph -o, fmt -w: where it cannot write, it says why
+        print(f"fabricc: {e}", file=sys.stderr)
+        return EXIT_INPUT
     except BrokenPipeError:
         return stdout_closed()
     except KeyboardInterrupt:

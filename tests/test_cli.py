@@ -103,6 +103,8 @@ def test_compile_replaces_only_empty_folders_and_its_own_output(tmp_path):
 def test_unwritable_output_is_an_input_error(out):
     r = fabricc("compile", REFERENCE, "-o", out)
     assert r.returncode == 1 and "cannot write" in r.stderr and "Traceback" not in r.stderr
+    if out.startswith("/dev/null/"):
+        assert "/dev/null is a file, not a folder" in r.stderr
 
 
 def test_a_closed_stdout_loses_no_file_and_is_no_internal_error(tmp_path):
@@ -120,6 +122,56 @@ def test_a_closed_stdout_loses_no_file_and_is_no_internal_error(tmp_path):
     assert run.wait(timeout=120) == 0, err
     assert "internal error" not in err and "Traceback" not in err, err
     assert json.loads(out.read_text())["ttft_ms"] > 0 and json.loads(trace.read_text())["traceEvents"]
+
+
+@pytest.mark.parametrize("flag,path,says", [
+    ("--json", "{file}/r.json", "{file} is a file, not a folder"),
+    ("--trace", "{file}/t.json", "{file} is a file, not a folder"),
+    ("--html", "{dir}", "it is a folder; name a file"),
+    ("--plot", "{file}", "it is not a folder; name a folder"),
+])
+def test_an_output_fabric_run_cannot_write_is_refused_before_the_run(tmp_path, flag, path, says):
+    """A path under a file, or a folder where a file is asked for: exit 1 with the path and
+    why, before anything runs (the policy named does not even exist), nothing written."""
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    path, says = (x.format(file=file, dir=tmp_path) for x in (path, says))
+    r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.cli", "--policy", tmp_path / "gone",
+                        flag, path], capture_output=True, text=True)
+    assert r.returncode == 1 and f"cannot write {path}: {says}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and file.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_fabricc_graph_says_why_it_cannot_write():
+    r = fabricc("graph", REFERENCE, "-o", "/dev/null/g.json")
+    assert r.returncode == 1 and "/dev/null is a file, not a folder" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_an_output_through_a_link_replaces_the_file_it_names_and_a_stream_is_written_as_one(tmp_path):
+    """An output path that is a link keeps it (the file it names replaced whole); a pipe or a
+    device (`--json /dev/stdout`) is written as a stream, never replaced by a file."""
+    import os
+    import stat
+    import threading
+
+    from fabric_ext.runtime.machine.fsutil import atomic_write_text
+    (tmp_path / "report.json").write_text("old")
+    (tmp_path / "link.json").symlink_to("report.json")
+    atomic_write_text(tmp_path / "link.json", "new\n")
+    assert (tmp_path / "link.json").is_symlink() and (tmp_path / "report.json").read_text() == "new\n"
+    pipe, got = tmp_path / "pipe", []
+    os.mkfifo(pipe)
+    reader = threading.Thread(target=lambda: got.append(pipe.read_text()), daemon=True)
+    reader.start()
+    atomic_write_text(pipe, "streamed\n")
+    reader.join(10)
+    assert got == ["streamed\n"] and stat.S_ISFIFO(pipe.lstat().st_mode)
+    before = os.lstat("/dev/stdout")
+    r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.cli", "--prompt", "256", "-q",
+                        "--json", "/dev/stdout"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ttft_ms"] > 0 and os.lstat("/dev/stdout").st_mode == before.st_mode
 
 
 # ---- fabricc hooks ----------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 
 - `InputError` (exit 1): something given to a tool is wrong: a policy, an object, a program,
   a compiled folder (`ArtifactError`), a workload;
+- `OutputError` (exit 1): a path a tool was asked to write that it must not or cannot;
 - `UsageError` (exit 2): the command line itself;
 - `VMFault`-style run-time faults and `KernelError`s are `FabricError`s of their own kinds.
 
@@ -24,6 +25,10 @@ class InputError(FabricError, ValueError):
 class ArtifactError(InputError):
     """A compiled artifact (an object, a manifest, a policy folder) that is malformed,
     missing or changed."""
+
+
+class OutputError(FabricError, OSError):
+    """An output we must not (or cannot) write; the message says why and what to do."""
 
 
 class UsageError(FabricError):

@@ -8,7 +8,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from .errors import FabricError, InputError
+from .errors import InputError, OutputError
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -17,7 +17,45 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write the file whole or not at all (a temporary file renamed over it), with the mode it
-    had, or for a new file the one the umask gives (a temporary file's own is 0600)."""
+    had, or for a new file the one the umask gives (a temporary file's own is 0600).  Through
+    a symbolic link, the file it names is replaced and the link kept; a device or a pipe
+    (``/dev/stdout``) is written as a stream, never replaced.  Raises `OutputError`, naming
+    the path and why, where it cannot write."""
+    path = Path(path)
+    kind = check_output(path)
+    try:
+        if kind == "stream":
+            with open(path, "wb") as f:
+                f.write(data)
+            return
+        _replace_file(Path(os.path.realpath(path)), data)
+    except BrokenPipeError:     # a reader of the stream gone: the tools' own way out (`stdout_closed`)
+        raise
+    except OSError as e:
+        raise OutputError(f"cannot write {path}: {e.strerror or e}; choose another path") from None
+
+
+def check_output(path: Path, folder: bool = False) -> str:
+    """Whether ``path`` may be written as an output file (``folder``: as an output folder)
+    before any work is done for it: "new", "file" (one there, to be replaced) or "stream" (a
+    device or a pipe); raises `OutputError` where a file above it stands where a folder must,
+    or it is a folder where a file is asked for (or the other way round)."""
+    above = next((p for p in Path(path).parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise OutputError(f"cannot write {path}: {above} is a file, not a folder; choose an output path elsewhere")
+    try:
+        mode = os.stat(path).st_mode        # (through a link)
+    except FileNotFoundError:
+        return "new"
+    except OSError as e:
+        raise OutputError(f"cannot write {path}: {e.strerror or e}; choose another path") from None
+    if folder != stat.S_ISDIR(mode):
+        raise OutputError(f"cannot write {path}: it is {'not ' * folder}a folder; "
+                          f"name {'a folder' if folder else 'a file'} for this output")
+    return "file" if folder or stat.S_ISREG(mode) else "stream"
+
+
+def _replace_file(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
@@ -61,18 +99,14 @@ def _size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n} bytes"
 
 
-class OutputError(FabricError, OSError):
-    """An output folder we must not (or cannot) replace; the message says why and what to do."""
-
-
 def check_replaceable(target: Path, manifest: str = "manifest.json") -> None:
     """``target`` may be replaced only if it does not exist, is empty, or is an earlier output of
     ours: a folder whose ``manifest`` lists (under ``files``) every other entry in it.  Anything
     else would lose what the user put there."""
-    if not target.exists() and not target.is_symlink():
-        return
-    if target.is_symlink() or not target.is_dir():
+    if target.is_symlink():
         raise OutputError(f"{target} exists and is not a folder; choose a folder for the output")
+    if check_output(target, folder=True) == "new":
+        return
     entries = {p.name for p in target.iterdir()}
     if not entries:
         return

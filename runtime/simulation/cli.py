@@ -14,7 +14,8 @@ from pathlib import Path
 from fabric_ext import __version__
 from fabric_ext.exits import EXIT_INPUT, EXIT_OK, EXIT_USAGE, internal_error, stdout_closed
 
-from ..machine.errors import InputError, UsageError
+from ..machine.errors import InputError, OutputError, UsageError
+from ..machine.fsutil import check_output
 from ..machine.program import JIT_CHECKS
 from .stats import LINKS_SHOWN
 
@@ -193,6 +194,7 @@ def _run_one(policy: Path, args, trace: bool = False):
 def run(args) -> int:
     from . import stats
     policies = [Path(p) for p in args.policy] if args.policy else [reference_policy()]
+    _check_outputs(args)
     if len(policies) > 1:
         return _compare(policies, args)
     try:
@@ -212,11 +214,22 @@ def run(args) -> int:
         except ImportError:
             print("fabric-run: --plot needs matplotlib: pip install 'fabric-ext[plot]'", file=sys.stderr)
             return EXIT_INPUT
+        except OSError as e:
+            raise OutputError(f"cannot write the plots to {args.plot}: {e.strerror or e}; choose another folder") from None
     if not args.quiet:
         print(stats.render(data, data.get("baseline"), args.links))
         if args.explain:
             _print_explain(data)
     return EXIT_OK
+
+
+def _check_outputs(args) -> None:
+    """Refuse, before the run, an output path that cannot be written (`fsutil.check_output`)."""
+    for path in (args.json, args.trace, args.html):
+        if path:
+            check_output(Path(path))
+    if args.plot:
+        check_output(Path(args.plot), folder=True)
 
 
 def _print_explain(data: dict) -> None:
@@ -288,7 +301,7 @@ def main(argv=None) -> int:
     except KernelError as e:
         print(f"fabric-run: --backend kernel: {e.strerror or e}", file=sys.stderr)
         return EXIT_INPUT
-    except InputError as e:           # a folder, an object, a workload, a path: its message says what to do
+    except (InputError, OutputError) as e:     # a folder, an object, a workload, a path: its message says what to do
         print(f"fabric-run: {e}", file=sys.stderr)
         return EXIT_INPUT
     except BrokenPipeError:
