@@ -23,6 +23,7 @@ from .machine.program import JIT_CHECKS, Program
 from .machine.verifier import verify
 
 BACKENDS = ("interp", "jit", "kernel")
+MAX_CTX = 1 << 16       # bytes of a context read from a file: far more than any hook's
 
 
 
@@ -43,6 +44,16 @@ def _hex(text: str, what: str, hint: str = "") -> bytes:
 def _fail(msg: str, code: int = 1) -> int:
     print(msg, file=sys.stderr)
     return code
+
+
+def _ctx_file(path: str) -> bytes:
+    """A context's bytes from a file (``--ctx @FILE``): a regular file of at most `MAX_CTX`."""
+    try:
+        return read_bounded(Path(path), MAX_CTX)
+    except UnreadableFile as e:
+        raise SystemExit(_fail(f"fabric-vm: --ctx @{path}: {e}", 1)) from None
+    except OSError as e:
+        raise SystemExit(_fail(f"fabric-vm: --ctx @{path}: {e.strerror or e}", 1)) from None
 
 
 def _load(path: str, program: str | None) -> Program:
@@ -81,7 +92,7 @@ def cmd_run(args) -> int:
         except ValueError as e:
             raise SystemExit(_fail(f"fabric-vm: --ctx: {e}", 2)) from None
     elif args.ctx:
-        raw = Path(args.ctx[1:]).read_bytes() if args.ctx.startswith("@") else _hex(args.ctx, "--ctx", " (or FIELD=VALUE,... with --hook)")
+        raw = _ctx_file(args.ctx[1:]) if args.ctx.startswith("@") else _hex(args.ctx, "--ctx", " (or FIELD=VALUE,... with --hook)")
         ctx = bytearray(raw)
         if prog.hook is not None and len(ctx) != prog.hook.ctx_size:
             raise SystemExit(_fail(f"fabric-vm: --ctx has {len(ctx)} bytes; {args.hook} needs {prog.hook.ctx_size}", 2))

@@ -152,11 +152,29 @@ def test_fabric_vm_run_packs_the_context_by_field_names(tmp_path):
     ("bytes=big", "dpu.tx", "'bytes' takes a number"),
     ("movement=kv_exp", "dpu.tx", "no such name (the policy has: kv_export)"),
     ("src=gpu99", "dpu.tx", "src=gpu99: no such name"),
+    ("bytes=4KiB,bytes=1", "dpu.tx", "'bytes' is given twice"),
 ])
 def test_fabric_vm_run_ctx_by_names_errors(ctx, hook, says):
     from policy_helpers import compiled
     r = vm("run", compiled("nic_pacing") / "nic0.bpf.o", *(["--hook", hook] if hook else []), "--ctx", ctx)
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_context_file_is_read_bounded(tmp_path):
+    """`--ctx @FILE` reads a regular file of at most 64 KiB: a device that never ends, a file
+    too large or one that cannot be opened is an input error naming it, not a read without
+    end."""
+    obj = tmp_path / "one.s"
+    obj.write_text("mov %r0, 1\nexit\n")
+    big, small = tmp_path / "big.bin", tmp_path / "ctx.bin"
+    big.write_bytes(bytes(70_000))
+    small.write_bytes(bytes(range(8)))
+    for path, says in [("/dev/zero", "it is not a regular file"), (big, "it is 70000 bytes, more than the 65536 bytes allowed"),
+                       (tmp_path / "gone.bin", "No such file")]:
+        r = vm("run", obj, "--ctx", f"@{path}")
+        assert r.returncode == 1 and f"--ctx @{path}: {says}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = vm("run", obj, "--ctx", f"@{small}")
+    assert r.returncode == 0 and "ctx = 0001020304050607" in r.stdout, r.stderr
 
 
 def test_a_disassembled_program_runs_as_its_object_does(tmp_path):

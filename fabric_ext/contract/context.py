@@ -252,6 +252,8 @@ def fields_from_text(hook, text: str, ids=None) -> dict[str, int]:
         if field is None:
             raise ValueError(f"{hook.island_kind}.{hook.name} has no field '{name}' "
                              f"(it has: {', '.join(hook.layout)})")
+        if name in values:
+            raise ValueError(f"'{name}' is given twice; give each field once")
         if raw[0].isalpha() or raw[0] == "_":
             values[name] = _named(hook, field, raw, ids)
             continue
