@@ -221,6 +221,57 @@ def test_calibrate_gives_its_usage_and_refuses_unknown_options():
     assert bad.returncode == 2 and "unexpected arguments: --chek" in bad.stderr
 
 
+def _calibrate(data):
+    from fabric_ext.runtime.simulation.compute import PROFILES
+    from fabric_ext.runtime.simulation.figures import PATH
+    before = PATH.read_bytes(), PROFILES.read_bytes()
+    r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.calibrate", str(data)],
+                       capture_output=True, text=True, timeout=600)
+    assert (PATH.read_bytes(), PROFILES.read_bytes()) == before, "a failed calibration changed the stored figures"
+    assert "Traceback" not in r.stderr, r.stderr
+    return r
+
+
+@pytest.mark.parametrize("text,says", [
+    ("a,b\n1,2\n", "h100_x_mlp.csv, line 2: no column 'n_embd'"),
+    ("n_embd,n_head\n", "h100_x_mlp.csv: no rows"),
+    ("n_embd,n_head,n_kv_head,n_expanded_embd,use_gated_mlp,num_tokens\n4096,32,8,big,True,1\n",
+     "h100_x_mlp.csv, line 2: column 'n_expanded_embd': 'big' is not a number"),
+])
+def test_calibrate_names_the_file_line_and_column_it_cannot_read(tmp_path, text, says):
+    (tmp_path / "vidur").mkdir()
+    (tmp_path / "vidur" / "h100_x_mlp.csv").write_text(text)
+    r = _calibrate(tmp_path)
+    assert r.returncode == 1 and says in r.stderr, r.stderr
+
+
+@needs_data
+def test_a_bad_measured_row_leaves_the_stored_figures_as_they_were(tmp_path):
+    """The stack is fitted after the hardware figures are written for its runs: a measured row
+    that is no number then stops the calibration with the row named, and every stored figure
+    is back as it was (the NCCL profile changed here too, so that the refit written for the
+    stack's runs differs from what is stored)."""
+    import shutil
+    data = tmp_path / "data"
+    shutil.copytree(DATA, data)
+    nccl = data / "vidur" / "h100_dgx_all_reduce.csv"
+    nccl.chmod(0o644)
+    header, *rows = nccl.read_text().splitlines()
+    median = header.split(",").index("time_stats.all_reduce.median")
+    nccl.write_text("\n".join([header] + [",".join(f"{float(v) * 2}" if i == median else v
+                                                    for i, v in enumerate(r.split(","))) for r in rows]) + "\n")
+    measured = data / "splitwise" / "prefill_measured.csv"
+    measured.chmod(0o644)
+    lines = measured.read_text().splitlines(keepends=True)
+    row = lines[3].split(",")
+    row[lines[0].split(",").index("prompt_time")] = "fast"
+    lines[3] = ",".join(row)
+    measured.write_text("".join(lines))
+    r = _calibrate(data)
+    assert r.returncode == 1 and "prefill_measured.csv, line 4: column 'prompt_time': 'fast' is not a number" \
+        in r.stderr, r.stderr
+
+
 def test_the_stacks_per_prompt_cost_and_large_allreduce_share_take_effect(tmp_path, monkeypatch):
     """A stack's CPU cost per prompt adds that much per prompt of the batch, and its share of
     the bus bandwidth for all-reduces beyond the profiled sizes stretches exactly their

@@ -14,7 +14,9 @@ table of the model against every measured configuration.
 from __future__ import annotations
 
 import csv
+import io
 import json
+import math
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -22,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..machine.errors import InputError
+from ..machine.fsutil import read_bounded
 from .compute import PROFILES, gemm_time, profile_tables
 from .figures import PATH, figures
 
@@ -32,13 +36,76 @@ LINEAR_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
 MEMORY_OPS = ("input_layernorm", "attn_rope", "post_attention_layernorm", "mlp_act", "add", "emb")
 
 
-def _rows(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+MAX_DATA_FILE = 64 << 20    # bytes of one shared CSV file (the largest is under 1 MiB)
+
+
+class DataError(InputError):
+    """A shared data file that is not what the fit reads; the message names the file, the
+    line and the column."""
+
+
+class Row(dict):
+    """One row of a shared CSV file, read as text; a column it lacks, or a value that is not
+    the number asked for, is a `DataError` naming the file, line and column."""
+
+    def __init__(self, values: dict, where: str):
+        super().__init__(values)
+        self.where = where
+
+    def __missing__(self, key):
+        raise DataError(f"{self.where}: no column '{key}'; is this the file the data's README describes?")
+
+    def number(self, key: str) -> float:
+        try:
+            value = float(self[key])
+        except (TypeError, ValueError):
+            value = float("nan")
+        if not math.isfinite(value):
+            raise DataError(f"{self.where}: column '{key}': {self[key]!r} is not a number")
+        return value
+
+    def positive(self, key: str) -> float:
+        value = self.number(key)
+        if value <= 0:
+            raise DataError(f"{self.where}: column '{key}': {self[key]!r} is not more than 0")
+        return value
+
+    def whole(self, key: str) -> int:
+        value = self.number(key)
+        if value != int(value) or value < 0:
+            raise DataError(f"{self.where}: column '{key}': {self[key]!r} is not a whole number")
+        return int(value)
+
+
+def read_rows(path: Path) -> list[Row]:
+    """The rows of a shared CSV file (a regular file of at most `MAX_DATA_FILE`), each naming
+    its line; a file with none is a `DataError`."""
+    try:
+        text = read_bounded(path, MAX_DATA_FILE).decode()
+    except (OSError, UnicodeDecodeError, InputError) as e:
+        raise DataError(f"{path}: cannot read it: {getattr(e, 'strerror', None) or e}") from None
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    rows = [Row(r, f"{path}, line {reader.line_num}") for r in reader]
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return rows
+
+
+def _within(path: Path, keep, what: str) -> list[Row]:
+    """The rows of ``path`` that ``keep`` keeps: ``what`` a fit needs, at least two of them."""
+    rows = [r for r in read_rows(path) if keep(r)]
+    if len(rows) < 2:
+        raise DataError(f"{path}: {len(rows)} rows of {what}; a fit needs two or more")
+    return rows
+
+
+def _enough(n: int, files, what: str) -> None:
+    if n < 2:
+        raise DataError(f"{', '.join(str(f) for f in files)}: {n} {what}; a fit needs two or more")
 
 
 def _shape(row) -> tuple:
-    return (int(row["n_embd"]), int(row["n_head"]), int(row["n_kv_head"]), int(row["n_expanded_embd"]),
+    return (row.whole("n_embd"), row.whole("n_head"), row.whole("n_kv_head"), row.whole("n_expanded_embd"),
             row["use_gated_mlp"] == "True")
 
 
@@ -66,7 +133,7 @@ class LayerShape:
 def profiled_operators(row):
     """The operators of one profile row (its token count, TP degree, layer shape), by name."""
     from .operators import attention_block, embedding, ffn_block
-    m, n, tp = LayerShape(*_shape(row)), int(row["num_tokens"]), int(row["num_tensor_parallel_workers"])
+    m, n, tp = LayerShape(*_shape(row)), row.whole("num_tokens"), row.whole("num_tensor_parallel_workers")
     ops = attention_block(m, 1, 0, n, tp) + ffn_block(m, 1, n, tp) + [embedding(m, 1, n)]
     return {op.name: op for op in ops}
 
@@ -76,24 +143,24 @@ def tables(files: list[Path]) -> list[dict]:
     out = []
     for path in files:
         groups = defaultdict(dict)
-        for row in _rows(path):
-            groups[(_shape(row), int(row["num_tensor_parallel_workers"]))][int(row["num_tokens"])] = row
+        for row in read_rows(path):
+            groups[(_shape(row), row.whole("num_tensor_parallel_workers"))][row.whole("num_tokens")] = row
         for (shape, tp), by_tokens in sorted(groups.items()):
             tokens = sorted(by_tokens)
             ops = LINEAR_OPS + MEMORY_OPS
             out.append({"gpu": GPU_OF_PREFIX[path.name.split("_")[0]], "file": path.name, "shape": list(shape),
                         "tp": tp, "tokens": tokens,
-                        "ms": {op: [float(by_tokens[t][f"time_stats.{op}.median"]) for t in tokens] for op in ops}})
+                        "ms": {op: [by_tokens[t].number(f"time_stats.{op}.median") for t in tokens] for op in ops}})
     return out
 
 
 def _points(files, names):
     """(operator, measured seconds) for every row of ``files`` and operator in ``names``."""
     for path in files:
-        for row in _rows(path):
+        for row in read_rows(path):
             ops = profiled_operators(row)
             for name in names:
-                yield ops[name], float(row[f"time_stats.{name}.median"]) * 1e-3
+                yield ops[name], row.number(f"time_stats.{name}.median") * 1e-3
 
 
 def _fixed_plus_bytes(nbytes, t):
@@ -111,6 +178,8 @@ def fit_gemm(files, peak: float, hbm_bw: float) -> dict:
     nbytes = np.array([op.bytes for op, _ in pts])
     t = np.array([s for _, s in pts])
     bound = flops / peak >= nbytes / hbm_bw
+    _enough(int(bound.sum()), files, "compute-bound GEMMs")
+    _enough(int((~bound).sum()), files, "memory-bound GEMMs")
     t0, per_byte = _fixed_plus_bytes(nbytes[~bound], t[~bound])
     x, e = flops[bound], (flops / peak)[bound] / t[bound]
     best = None
@@ -134,6 +203,7 @@ def fit_memory(files, hbm_bw: float) -> dict:
     out = {}
     for name in MEMORY_OPS:
         pts = [(op.bytes, s) for op, s in _points(files, (name,)) if s > 0]
+        _enough(len(pts), files, f"timed {name} operators")
         b, t = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
         t0, per_byte = _fixed_plus_bytes(b, t)
         rel = np.abs(t0 + b * per_byte - t) / t
@@ -154,13 +224,15 @@ def fit_allreduce(path: Path) -> dict:
     """Per TP degree within one node: time = alpha + 2 (t-1)/t * size / busbw, least squares on
     the relative error over every profiled size."""
     out = {}
-    rows = [r for r in _rows(path) if r["num_workers"] == r["devices_per_node"]]
-    for t in sorted({int(r["num_workers"]) for r in rows}):
-        rr = [r for r in rows if int(r["num_workers"]) == t]
-        size = np.array([float(r["size"]) for r in rr])
-        sec = np.array([float(r["time_stats.all_reduce.median"]) for r in rr]) * 1e-3
+    rows = _within(path, lambda r: r["num_workers"] == r["devices_per_node"], "all-reduces within one node")
+    for t in sorted({r.whole("num_workers") for r in rows}):
+        rr = [r for r in rows if r.whole("num_workers") == t]
+        size = np.array([r.number("size") for r in rr])
+        sec = np.array([r.number("time_stats.all_reduce.median") for r in rr]) * 1e-3
         x = 2 * (t - 1) / t * size
         alpha, per_byte = np.linalg.lstsq(np.vstack([1 / sec, x / sec]).T, np.ones_like(sec), rcond=None)[0]
+        if not per_byte > 0:
+            raise DataError(f"{path}: the all-reduce times at TP {t} do not grow with the size; no bandwidth fits them")
         rel = np.abs(alpha + x * per_byte - sec) / sec
         out[str(t)] = {"alpha": round(float(alpha) * 1e9), "busbw": float(f"{1 / per_byte:.4g}"),
                        "fit_points": len(sec), "max_size": int(size.max()),
@@ -171,10 +243,12 @@ def fit_allreduce(path: Path) -> dict:
 def fit_message_cost(path: Path) -> dict:
     """time = setup + bytes / bw, least squares over the NCCL send/recv profile's rows within
     one node (NVLink, devices_per_node 2): what one message costs beyond its bytes."""
-    rows = [r for r in _rows(path) if r["devices_per_node"] == "2"]
-    size = np.array([float(r["size"]) for r in rows])
-    ns = np.array([float(r["time_stats.send_recv.median"]) for r in rows]) * 1e6
+    rows = _within(path, lambda r: r["devices_per_node"] == "2", "messages within one node (devices_per_node 2)")
+    size = np.array([r.number("size") for r in rows])
+    ns = np.array([r.number("time_stats.send_recv.median") for r in rows]) * 1e6
     setup, per_byte = np.linalg.lstsq(np.vstack([np.ones_like(size), size]).T, ns, rcond=None)[0]
+    if not per_byte > 0:
+        raise DataError(f"{path}: the message times do not grow with the size; no bandwidth fits them")
     return {"setup": round(float(setup)), "fit_bw": round(1e9 / float(per_byte), -6), "fit_points": len(rows),
             "setup_source": "fitted by 'fabric-calibrate' to Vidur's NCCL send/recv profile "
                             "within a DGX-H100 node (microsoft/vidur data/profiling/network/h100_dgx/send_recv.csv, "
@@ -239,14 +313,20 @@ def main(argv=None) -> int:
         return 2
     from . import validation
     splitwise = data / "splitwise" / "prefill_measured.csv"
-    doc, profiles = refit(data)
     stored = {PATH: PATH.read_text(), PROFILES: PROFILES.read_text() if PROFILES.is_file() else ""}
-    new = {PATH: _dump(doc), PROFILES: json.dumps(profiles) + "\n"}
-    if splitwise.is_file():
-        # the stack is fitted over the engine's runs, which read the hardware figures just fitted
-        _write({**new, PATH: _dump({**doc, "stacks": json.loads(stored[PATH])["stacks"]})})
-        doc["stacks"]["vllm"] = {"source": doc["stacks"]["vllm"].get("source", ""), **validation.fit_stack(splitwise)}
-        new[PATH] = _dump(doc)
+    try:
+        doc, profiles = refit(data)
+        new = {PATH: _dump(doc), PROFILES: json.dumps(profiles) + "\n"}
+        if splitwise.is_file():
+            # the stack is fitted over the engine's runs, which read the hardware figures just fitted
+            _write({**new, PATH: _dump({**doc, "stacks": json.loads(stored[PATH])["stacks"]})})
+            doc["stacks"]["vllm"] = {"source": doc["stacks"]["vllm"].get("source", ""),
+                                     **validation.fit_stack(splitwise)}
+            new[PATH] = _dump(doc)
+    except InputError as e:     # a data file, or a measured row the model cannot run: the figures stay
+        _write(stored)
+        print(f"calibrate: {e}", file=sys.stderr)
+        return 1
     changed = [p for p, text in new.items() if stored[p] != text]
     _write(stored if check else new)
     for p in changed if check else ():

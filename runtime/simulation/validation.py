@@ -8,7 +8,6 @@ The stack's coefficients come from a least-squares fit of the relative error of
 """
 from __future__ import annotations
 
-import csv
 import itertools
 import statistics
 from collections import defaultdict
@@ -67,11 +66,11 @@ def measured(path: Path) -> tuple[list[Point], list[str]]:
     """The configurations of the measured file that the model covers, and why the others are
     left out: a machine or model with no profile, or a median below that of the same prompt
     at half the batch (twice the work in less time is no complete prefill)."""
+    from .calibrate import read_rows
     runs = defaultdict(list)
-    with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            runs[(r["model"], r["hardware"], int(r["tensor_parallel"]), int(r["prompt_size"]),
-                  int(r["batch_size"]))].append(float(r["prompt_time"]))
+    for r in read_rows(path):
+        runs[(r["model"], r["hardware"], r.whole("tensor_parallel"), r.whole("prompt_size"),
+              r.whole("batch_size"))].append(r.positive("prompt_time"))
     points, skipped = [], []
     for (model, hw, tp, prompt, batch), times in sorted(runs.items()):
         median = statistics.median(times)
