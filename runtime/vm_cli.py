@@ -18,7 +18,7 @@ from .machine import isa
 from .machine.asm import assemble
 from .machine.backends import get_backend
 from .machine.elf import MAX_OBJECT, load_object
-from .machine.errors import FabricError
+from .machine.errors import FabricError, UsageError
 from .machine.program import JIT_CHECKS, Program
 from .machine.verifier import verify
 
@@ -187,6 +187,8 @@ def main(argv=None) -> int:
         return args.func(args)
     except BrokenPipeError:
         return stdout_closed()
+    except UsageError as e:
+        return _fail(f"fabric-vm: {e}", EXIT_USAGE)
     except (FabricError, KeyError, ValueError, OSError) as e:    # an input: the message says what
         return _fail(f"fabric-vm: {e}")
 

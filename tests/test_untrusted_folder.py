@@ -184,6 +184,16 @@ def test_the_event_limit_and_jit_checks_reach_the_run(tmp_path):
     assert "every access checked at run time" in stats.render(report)
 
 
+@pytest.mark.parametrize("backend,says", [("interp", "checks every access anyway"),
+                                           ("kernel", "runs what the kernel's verifier accepts")])
+def test_jit_checks_with_a_backend_it_does_not_reach_is_a_usage_error(capsys, backend, says):
+    """--jit-checks has an effect on the JIT only: with another backend it would be ignored,
+    so it is refused (exit 2) before anything runs."""
+    code = cli.main(["--policy", str(compiled("prefill_qos")), "-q", "--backend", backend, "--jit-checks", "all"])
+    assert code == 2 and f"--jit-checks all is for the JIT (--backend jit); the {backend} backend {says}" \
+        in capsys.readouterr().err
+
+
 def test_a_model_config_is_read_bounded(tmp_path, capsys):
     big = tmp_path / "config.json"
     big.write_bytes(b" " * (2 << 20))

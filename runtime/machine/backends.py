@@ -2,12 +2,17 @@
 import, names none of them)."""
 from __future__ import annotations
 
+from .errors import UsageError
 from .program import Backend
 
 
 def get_backend(name: str, jit_checks: str | None = None, **kw) -> Backend:
     """The backend called ``name``: ``interp``, ``jit``, ``kernel`` or ``auto`` (jit where it works).
-    ``jit_checks`` is the JIT's ``checks`` (the other backends check every access anyway)."""
+    ``jit_checks`` is the JIT's ``checks``; with another backend it has no effect (the
+    interpreter checks every access, the kernel's verifier decides), so it is a `UsageError`."""
+    if jit_checks is not None and name not in ("jit", "auto"):
+        raise UsageError(f"--jit-checks {jit_checks} is for the JIT (--backend jit); the {name} backend "
+                         + ("checks every access anyway" if name == "interp" else "runs what the kernel's verifier accepts"))
     if name in ("jit", "auto"):
         try:
             from .jit import JitBackend  # LLVM is loaded only for the JIT
