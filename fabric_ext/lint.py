@@ -48,6 +48,11 @@ class _Decisions(A.Visitor):
 def warn(analysis, diags: Diagnostics) -> None:
     """Add the warnings of ``analysis`` to ``diags``."""
     sym = analysis.symbols
+    modules = analysis.program.modules
+    if modules and not any(m.items for m in modules):
+        diags.warning(modules[0].span, "this file declares nothing (no import, fabric, workload, movement, map "
+                                       "or policy): its bundle has no programs and no fabric to run on",
+                      'start from a bundled policy, e.g. import "fabrics/dgx_cxl.fx"')
     _handlers_outside_the_tp_group(analysis, sym, diags)
     _movements_without_transfers(analysis, sym, diags)
     _decisions_without_effect(analysis, sym, diags)

@@ -78,6 +78,20 @@ def test_warnings_for_what_can_have_no_effect(tmp_path):
     assert (tmp_path / "out").is_dir()        # written by the plain compile only once
 
 
+@pytest.mark.parametrize("text", ["", "// notes only\n"])
+def test_a_file_that_declares_nothing_is_a_warning_but_a_fabric_alone_is_not(tmp_path, text):
+    """An empty source compiles to a bundle with no programs and no fabric: the compiler says
+    so. A file that only imports, or only declares a fabric (a library), says nothing."""
+    from conftest import POLICIES
+    path = tmp_path / "empty.fx"
+    path.write_text(text)
+    warnings = [(f"{d.span.line}:{d.span.col}", d.message) for d in analyze(path).diags.items]
+    assert len(warnings) == 1 and warnings[0][0] == "1:1" and "this file declares nothing" in warnings[0][1]
+    path.write_text(f'import "{POLICIES}/fabrics/dgx_cxl.fx"\n')
+    assert not analyze(path).diags.items
+    assert not analyze(POLICIES / "fabrics" / "dgx_cxl.fx").diags.items
+
+
 def test_werror_compile_writes_nothing_and_fabric_run_shows_the_warnings(tmp_path):
     import subprocess
     import sys
