@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fabric_ext.diagnostics import Diagnostics
-from fabric_ext.runtime.machine.errors import InputError
+from fabric_ext.runtime.machine.errors import InputError, UsageError
 
 
 class PolicyError(InputError):
@@ -182,6 +182,8 @@ def run(bundle: Bundle | str | Path, *, model: str | None = None, prompt: int | 
     from fabric_ext.runtime.simulation import stats
     from fabric_ext.runtime.simulation.engine import Engine, RunOptions
     from fabric_ext.runtime.simulation.sim import DEFAULT_MAX_EVENTS
+    if max_events is not None and max_events < 0:
+        raise UsageError(f"max_events must be 0 (no limit) or more, not {max_events}")
     if not isinstance(bundle, Bundle):
         bundle = Bundle.read_folder(bundle)
     vm = get_backend(backend, jit_checks=jit_checks)

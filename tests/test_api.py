@@ -30,6 +30,17 @@ def test_compile_text_in_memory_run_and_write(tmp_path):
     assert again.ttft_ms == report.ttft_ms
 
 
+@pytest.mark.parametrize("options,says", [
+    ({"jit_checks": "some"}, "JIT checks must be one of unproven, all, not 'some'"),   # not a fall back to interp
+    ({"backend": "interp", "jit_checks": "all"}, "the interp backend checks every access anyway"),
+    ({"max_events": -1}, "max_events must be 0 (no limit) or more, not -1"),
+])
+def test_run_options_that_would_be_ignored_or_mean_nothing_are_refused(options, says):
+    from fabric_ext.runtime.machine.errors import UsageError
+    with pytest.raises(UsageError, match=re.escape(says)):
+        fabric_ext.run(fabric_ext.compile(TEXT), **options)
+
+
 def test_a_policy_that_does_not_compile_raises_with_every_diagnostic():
     with pytest.raises(fabric_ext.PolicyError) as e:
         fabric_ext.compile(TEXT.replace("priority = 7", "priorty = 7"))
