@@ -26,7 +26,8 @@ class _Parser(argparse.ArgumentParser):
 def _existing(path: str) -> Path:
     p = Path(path)
     if not p.is_file():
-        raise UsageError(f"fabricc: no such file: {path}")
+        why = "a folder" if p.is_dir() else "not a regular file" if p.exists() else None
+        raise UsageError(f"fabricc: {path} is {why}; give a .fx policy file" if why else f"fabricc: no such file: {path}")
     return p
 
 

@@ -21,6 +21,13 @@ def test_check_examples_exit_0():
     assert r.stdout.count(": ok") == len(EXAMPLES)
 
 
+@pytest.mark.parametrize("path,says", [("/dev/zero", "/dev/zero is not a regular file"), ("/tmp", "/tmp is a folder"),
+                                       ("missing.fx", "no such file: missing.fx")])
+def test_a_source_that_is_no_file_is_named_for_what_it_is(path, says):
+    r = fabricc("check", path)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_errors_exit_1_with_position_caret_and_hint(tmp_path):
     f = tmp_path / "bad.fx"
     f.write_text(FABRIC + "policy p { on kv.forward { prio = 1 } }\n")

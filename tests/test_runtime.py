@@ -3,6 +3,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -49,6 +50,10 @@ def fabric_run(*args):
 def test_missing_folder(tmp_path):
     with pytest.raises(BundleError, match="no such folder"):
         load_manifest(tmp_path / "nope")
+    (tmp_path / "notes.txt").write_text("mine")
+    for path in (tmp_path / "notes.txt", Path("/dev/zero")):      # (not to be compiled into)
+        with pytest.raises(BundleError, match="not a folder; give a policy folder from fabricc compile"):
+            load_manifest(path)
 
 
 def test_corrupt_manifest(tmp_path):

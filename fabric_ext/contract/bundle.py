@@ -81,6 +81,8 @@ def write_folder(files: dict[str, bytes], out: Path) -> None:
 def load_manifest(folder: Path) -> dict:
     """The manifest of a policy folder, validated, every artifact's digest checked."""
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise BundleError(f"{folder}: not a folder; give a policy folder from fabricc compile, or a .fx policy")
     if not folder.is_dir():
         raise BundleError(f"{folder}: no such folder; compile a policy first: fabricc compile POLICY -o {folder}")
     path = folder / "manifest.json"
