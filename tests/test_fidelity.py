@@ -2,6 +2,7 @@
 fitted model, all-reduces on the fitted alpha-beta, the serving-stack profile, the models,
 and the calibration that refits all of it from ../shared/data."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -91,9 +92,19 @@ def test_bloom_and_llama_configs_from_hugging_face(tmp_path):
                                                       "vocab_size": 128256}))
     assert load_model(str(snapshot / "config.json")).name == "Llama-3.2-1B (llama)"     # not "config"
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"model_type": "bloom", "n_layer": 2}))
-    with pytest.raises(WorkloadError, match="not a usable Hugging Face config"):
-        load_model(str(bad))
+    llama = {"num_hidden_layers": 16, "hidden_size": 2048, "num_attention_heads": 32, "intermediate_size": 8192,
+             "vocab_size": 128256}
+    for config, says in [({"model_type": "bloom", "n_layer": 2}, "it has no 'hidden_size'"),
+                         ({**llama, "num_hidden_layers": 10 ** 8}, "'num_hidden_layers' must be a whole number from 1"),
+                         ({**llama, "num_attention_heads": 0}, "'num_attention_heads' must be a whole number"),
+                         ({**llama, "hidden_size": 2047}, "the hidden size 2047 is no whole number of its 32 heads"),
+                         ({**llama, "torch_dtype": "float8_e4m3fn"}, "'torch_dtype' 'float8_e4m3fn' is not one"),
+                         ([1, 2], "it is not a JSON object")]:
+        bad.write_text(json.dumps(config))
+        with pytest.raises(WorkloadError, match=re.escape(f"not a usable Hugging Face config: {says}")):
+            load_model(str(bad))
+    bad.write_text(json.dumps({**llama, "torch_dtype": "float32"}))
+    assert load_model(str(bad)).dtype_bytes == 4
 
 
 def test_batch_multiplies_the_work_and_the_report_names_every_operator(tmp_path):

@@ -75,13 +75,12 @@ def load_model(name_or_path: str) -> ModelConfig:
         close = difflib.get_close_matches(name_or_path, list(models), n=1, cutoff=0.6)
         raise UnknownModel(name_or_path, close[0] if close else None)
     try:
-        cfg = _from_hf_config(json.loads(read_bounded(p, MAX_CONFIG)), _file_name(p))
-        numbers = (cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn, cfg.vocab)
-        if not all(type(v) is int and 0 < v < 1 << 24 for v in numbers):
-            raise ValueError("its shape must be positive whole numbers")
-        return cfg
-    except (ValueError, KeyError, TypeError, ZeroDivisionError, OSError, RecursionError, AttributeError) as e:
-        raise WorkloadError(f"{p}: not a usable Hugging Face config ({type(e).__name__}: {e})") from None
+        config = json.loads(read_bounded(p, MAX_CONFIG))
+        if not isinstance(config, dict):
+            raise ValueError("it is not a JSON object")
+        return _from_hf_config(config, _file_name(p))
+    except (ValueError, OSError, RecursionError) as e:
+        raise WorkloadError(f"{p}: not a usable Hugging Face config: {e}") from None
 
 
 def _file_name(p: Path) -> str:
@@ -90,22 +89,48 @@ def _file_name(p: Path) -> str:
     return p.resolve().parent.name if p.stem == "config" and p.resolve().parent.name else p.stem
 
 
+#: bytes per weight of each ``torch_dtype`` the model times (a config without one: 2)
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+MAX_SHAPE = (1 << 24) - 1   # the largest layer count, width, head count or vocabulary a config may give
+
+
 def _from_hf_config(c: dict, stem: str) -> ModelConfig:
     """A Llama-style config (num_hidden_layers, num_attention_heads, num_key_value_heads,
     intermediate_size: gated FFN, RoPE) or a BLOOM one (model_type bloom; n_layer, n_head:
-    multi-head attention with ALiBi, a 4x FFN with GeLU)."""
-    dtype = {"float32": 4}.get(c.get("torch_dtype"), 2)
+    multi-head attention with ALiBi, a 4x FFN with GeLU).  ValueError names the key that is
+    missing or out of range."""
+    def whole(*keys):       # the first of ``keys`` the config has, a whole number in range
+        key = next((k for k in keys if k in c), None)
+        if key is None:
+            raise ValueError(f"it has no '{keys[0]}'")
+        v = c[key]
+        if type(v) is not int or not 0 < v <= MAX_SHAPE:
+            raise ValueError(f"'{key}' must be a whole number from 1 to {MAX_SHAPE}, not {v!r}")
+        return v
+
+    dtype = c.get("torch_dtype") or "bfloat16"
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"'torch_dtype' {dtype!r} is not one the model times ({', '.join(DTYPE_BYTES)})")
     # the config's own name for the model, else its file's, with the architecture it declares
     name = c.get("_name_or_path") or (f"{stem} ({c['model_type']})" if isinstance(c.get("model_type"), str) else stem)
+    if not isinstance(name, str):
+        raise ValueError(f"'_name_or_path' must be a string, not {name!r}")
     if c.get("model_type") == "bloom":
-        hidden = c.get("hidden_size", c.get("n_embed"))
-        heads = c.get("n_head", c.get("num_attention_heads"))
-        return ModelConfig(name, c.get("n_layer", c.get("num_hidden_layers")), hidden, heads, heads,
-                           hidden // heads, 4 * hidden, c["vocab_size"], dtype, gated=False, rope=False)
-    heads = c["num_attention_heads"]
-    return ModelConfig(name, c["num_hidden_layers"], c["hidden_size"], heads,
-                       c.get("num_key_value_heads", heads), c.get("head_dim", c["hidden_size"] // heads),
-                       c["intermediate_size"], c["vocab_size"], dtype)
+        hidden, heads = whole("hidden_size", "n_embed"), whole("n_head", "num_attention_heads")
+        return ModelConfig(name, whole("n_layer", "num_hidden_layers"), hidden, heads, heads,
+                           _divided(hidden, heads), 4 * hidden, whole("vocab_size"), DTYPE_BYTES[dtype],
+                           gated=False, rope=False)
+    hidden, heads = whole("hidden_size"), whole("num_attention_heads")
+    return ModelConfig(name, whole("num_hidden_layers"), hidden, heads,
+                       whole("num_key_value_heads") if "num_key_value_heads" in c else heads,
+                       whole("head_dim") if "head_dim" in c else _divided(hidden, heads),
+                       whole("intermediate_size"), whole("vocab_size"), DTYPE_BYTES[dtype])
+
+
+def _divided(hidden: int, heads: int) -> int:
+    if hidden % heads:
+        raise ValueError(f"the hidden size {hidden} is no whole number of its {heads} heads")
+    return hidden // heads
 
 
 def tp_problem(model: ModelConfig, tp: int, gpus: list[str]) -> str | None:
