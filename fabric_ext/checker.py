@@ -140,6 +140,10 @@ def _check_props(props, table, what, diags, devices=None):
             elif kind == DEVICE and devices is not None and v.id not in devices \
                     and v.id not in S.WORKLOAD_MEMORY_WORDS:
                 diags.error(v.span, f"unknown device '{v.id}'", did_you_mean(v.id, devices))
+            elif kind == DEVICE and devices is not None and v.id in devices:
+                why = S.placement_problem(name, v.id, devices[v.id].kind)
+                if why:
+                    diags.error(v.span, why)
         elif not isinstance(v, A.Num):
             diags.error(v.span, f"'{name}' must be {dim_name(kind)}")
         elif not compatible(v.dim, kind):

@@ -26,6 +26,8 @@ from .schema import (
     MAX_ENTRIES,
     PROP_RANGES,
     STRING,
+    WORKLOAD_MEMORY_WORDS,
+    placement_problem,
 )
 
 MAX_ITEMS = 100_000          # no list or object in a manifest is longer
@@ -276,8 +278,11 @@ def _references(man: dict) -> None:
     w = man.get("workload", {})
     for where in ("weights", "kv", "kv_export"):
         v = w.get(where)
-        if v is not None and v not in ("hbm", "none"):
+        if v is not None and v not in WORKLOAD_MEMORY_WORDS:
             _known(v, devices, f"workload.{where}", "device")
+            why = placement_problem(where, v, devices[v]["kind"])
+            if why:
+                raise SchemaError(f"workload.{where}", why)
 
 
 def _histogram_problem(m: dict) -> str | None:

@@ -26,6 +26,21 @@ WORKLOAD_PROPS = {"model": STRING, "prompt": COUNT, "batch": COUNT, "tp": COUNT,
                   "prefill_chunk": COUNT, "prefetch": COUNT, "stack": STRING}
 #: workload placements may also name a GPU's own memory
 WORKLOAD_MEMORY_WORDS = ("hbm", "none")
+#: the kinds of device each workload placement may name: where weights and KV are kept or
+#: come in from (a memory, a GPU's HBM, or a DPU or NIC they arrive through), and the DPU or
+#: NIC that exports KV to a decode node.  A switch keeps nothing.
+WORKLOAD_DEVICE_KINDS = {"weights": ("gpu", "cxl_mem", "host", "dpu", "nic"),
+                         "kv": ("gpu", "cxl_mem", "host", "dpu", "nic"),
+                         "kv_export": ("dpu", "nic")}
+
+
+def placement_problem(prop: str, device: str, kind: str) -> str | None:
+    """Why the workload's ``prop`` cannot name ``device`` of ``kind`` (None: it can)."""
+    kinds = WORKLOAD_DEVICE_KINDS.get(prop)
+    if kinds is None or kind in kinds:
+        return None
+    return f"'{prop}' cannot name {device}, a {kind}: it names a {', '.join(kinds[:-1])} or {kinds[-1]}" \
+        if len(kinds) > 1 else f"'{prop}' cannot name {device}, a {kind}: it names a {kinds[0]}"
 
 MOVEMENT_PROPS = {"critical": FLAG, "chunk": SIZE}
 #: properties the language no longer has, each with what to write instead: they were
