@@ -181,7 +181,7 @@ def run(bundle: Bundle | str | Path, *, model: str | None = None, prompt: int | 
     from fabric_ext.runtime.machine.backends import get_backend
     from fabric_ext.runtime.simulation import stats
     from fabric_ext.runtime.simulation.engine import Engine, RunOptions
-    from fabric_ext.runtime.simulation.sim import DEFAULT_MAX_EVENTS
+    from fabric_ext.runtime.simulation.sim import default_max_events
     if max_events is not None and max_events < 0:
         raise UsageError(f"max_events must be 0 (no limit) or more, not {max_events}")
     if not isinstance(bundle, Bundle):
@@ -192,7 +192,7 @@ def run(bundle: Bundle | str | Path, *, model: str | None = None, prompt: int | 
         for attach in [True, False] if baseline else [True]:
             opts = RunOptions(model, prompt, batch, tp, chunk, attach=attach, progress=progress if attach else None,
                               trace=trace, stack=stack, explain=explain,
-                              max_events=DEFAULT_MAX_EVENTS if max_events is None else (max_events or None))
+                              max_events=default_max_events(trace) if max_events is None else (max_events or None))
             eng = Engine(bundle, bundle.manifest, create_maps(bundle.manifest), vm, opts)
             eng.simulate()
             if hasattr(vm, "sync"):          # a backend whose maps live elsewhere: read them back

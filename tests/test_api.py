@@ -41,6 +41,18 @@ def test_run_options_that_would_be_ignored_or_mean_nothing_are_refused(options, 
         fabric_ext.run(fabric_ext.compile(TEXT), **options)
 
 
+def test_a_traced_run_has_a_lower_event_limit_unless_it_names_one(monkeypatch):
+    """A trace keeps about 2 KB per event: where a run records one and names no limit, it stops
+    at `sim.TRACE_MAX_EVENTS` (lowered here), not at the untraced default."""
+    from fabric_ext.runtime.simulation import sim
+    monkeypatch.setattr(sim, "TRACE_MAX_EVENTS", 500)
+    bundle = fabric_ext.compile(TEXT)
+    with pytest.raises(sim.EventLimit, match="passed 500 events"):
+        fabric_ext.run(bundle, trace=True)
+    assert fabric_ext.run(bundle).to_dict()["events"] > 500
+    assert fabric_ext.run(bundle, trace=True, max_events=0).trace()["traceEvents"]
+
+
 def test_a_policy_that_does_not_compile_raises_with_every_diagnostic():
     with pytest.raises(fabric_ext.PolicyError) as e:
         fabric_ext.compile(TEXT.replace("priority = 7", "priorty = 7"))

@@ -33,7 +33,7 @@ def reference_policy() -> Path:
 
 
 def build_parser():
-    from .sim import DEFAULT_MAX_EVENTS
+    from .sim import DEFAULT_MAX_EVENTS, TRACE_MAX_EVENTS
     p = _Parser(prog="fabric-run", description="Run compiled fabric policies on an LLM prefill and report "
                                                  "its dataflow statistics.")
     p.add_argument("--version", action="version", version=f"fabric-run {__version__}")
@@ -61,8 +61,8 @@ def build_parser():
                    help="serving-stack profile: what the software adds to the hardware's time (vllm: fitted to "
                         "measured vLLM prefills; none: the hardware alone; default: the workload's, else none)")
     p.add_argument("--max-events", type=int, default=None, metavar="N",
-                   help=f"stop a run that passes N simulated events and tick runs (default {DEFAULT_MAX_EVENTS:,}; "
-                        "0: no limit)")
+                   help=f"stop a run that passes N simulated events and tick runs (default {DEFAULT_MAX_EVENTS:,}, "
+                        f"with --trace {TRACE_MAX_EVENTS:,}; 0: no limit)")
     p.add_argument("--baseline", action="store_true", help="also run with no programs attached and compare")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace")
@@ -176,9 +176,9 @@ def _bundle(policy: Path, args):
 def _run_one(policy: Path, args, trace: bool = False):
     from fabric_ext import api
 
-    from .sim import DEFAULT_MAX_EVENTS
+    from .sim import default_max_events
     bundle = _bundle(policy, args)
-    progress = _Progress(args.quiet, DEFAULT_MAX_EVENTS if args.max_events is None else args.max_events)
+    progress = _Progress(args.quiet, default_max_events(trace) if args.max_events is None else args.max_events)
     try:
         report = api.run(bundle, model=args.model, prompt=args.prompt, batch=args.batch, tp=args.tp,
                          chunk=args.chunk, stack=args.stack, backend=args.backend or "auto",

@@ -8,6 +8,14 @@ from fabric_ext.runtime.machine.errors import InputError
 
 #: ~100x the events of the largest bundled run (Llama-3-70B, 32k tokens, TP 8: ~200,000); a few minutes of run
 DEFAULT_MAX_EVENTS = 20_000_000
+#: the default where the run is traced: a trace holds about two of its events and 2 KB of memory
+#: per simulated event (the 70B run's: 333,000 events, 64 MB of JSON), so 20 million would be 40 GB
+TRACE_MAX_EVENTS = 1_000_000
+
+
+def default_max_events(trace: bool) -> int:
+    """The event limit of a run that names none (``trace``: one that records a trace)."""
+    return TRACE_MAX_EVENTS if trace else DEFAULT_MAX_EVENTS
 
 
 class EventLimit(InputError):
