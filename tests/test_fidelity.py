@@ -248,6 +248,8 @@ def _calibrate(data):
     ("n_embd,n_head\n", "h100_x_mlp.csv: no rows"),
     ("n_embd,n_head,n_kv_head,n_expanded_embd,use_gated_mlp,num_tokens\n4096,32,8,big,True,1\n",
      "h100_x_mlp.csv, line 2: column 'n_expanded_embd': 'big' is not a number"),
+    ("n_embd,n_head,n_kv_head,n_expanded_embd,use_gated_mlp,num_tokens\n4096,0,8,14336,True,1\n",
+     "h100_x_mlp.csv, line 2: column 'n_head': '0' is not a whole number from 1"),
 ])
 def test_calibrate_names_the_file_line_and_column_it_cannot_read(tmp_path, text, says):
     (tmp_path / "vidur").mkdir()

@@ -71,9 +71,10 @@ class Row(dict):
         return value
 
     def whole(self, key: str) -> int:
+        """A count or a size: a whole number from 1."""
         value = self.number(key)
-        if value != int(value) or value < 0:
-            raise DataError(f"{self.where}: column '{key}': {self[key]!r} is not a whole number")
+        if value != int(value) or value < 1:
+            raise DataError(f"{self.where}: column '{key}': {self[key]!r} is not a whole number from 1")
         return int(value)
 
 
@@ -89,6 +90,11 @@ def read_rows(path: Path) -> list[Row]:
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows
+
+
+def profile_files(vidur: Path) -> list[Path]:
+    """The operator profiles in ``vidur`` of a GPU the fit knows (`GPU_OF_PREFIX`)."""
+    return [f for f in sorted(vidur.glob("*_mlp.csv")) if f.name.split("_")[0] in GPU_OF_PREFIX]
 
 
 def _within(path: Path, keep, what: str) -> list[Row]:
@@ -259,7 +265,7 @@ def refit(data: Path) -> tuple[dict, dict]:
     """The figures document and the operator tables as the shared files give them."""
     vidur = data / "vidur"
     doc = json.loads(PATH.read_text())
-    files = sorted(vidur.glob("*_mlp.csv"))
+    files = profile_files(vidur)
     for prefix, gpu_name in GPU_OF_PREFIX.items():
         mine = [f for f in files if f.name.startswith(prefix + "_")]
         if not mine:
@@ -308,8 +314,9 @@ def main(argv=None) -> int:
         print(f"calibrate: unexpected arguments: {' '.join(args)}\n{USAGE}", file=sys.stderr)
         return 2
     data = Path(args[0] if args else "../shared/data")
-    if not sorted((data / "vidur").glob("*_mlp.csv")):
-        print(f"calibrate: no Vidur operator profiles (*_mlp.csv) in {data / 'vidur'}", file=sys.stderr)
+    if not profile_files(data / "vidur"):
+        print(f"calibrate: no Vidur operator profiles ({'|'.join(GPU_OF_PREFIX)}_*_mlp.csv) in {data / 'vidur'}",
+              file=sys.stderr)
         return 2
     from . import validation
     splitwise = data / "splitwise" / "prefill_measured.csv"
