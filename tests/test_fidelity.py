@@ -99,6 +99,7 @@ def test_bloom_and_llama_configs_from_hugging_face(tmp_path):
                          ({**llama, "num_attention_heads": 0}, "'num_attention_heads' must be a whole number"),
                          ({**llama, "hidden_size": 2047}, "the hidden size 2047 is no whole number of its 32 heads"),
                          ({**llama, "torch_dtype": "float8_e4m3fn"}, "'torch_dtype' 'float8_e4m3fn' is not one"),
+                         ({**llama, "torch_dtype": ["bfloat16"]}, "'torch_dtype' ['bfloat16'] is not one"),
                          ([1, 2], "it is not a JSON object")]:
         bad.write_text(json.dumps(config))
         with pytest.raises(WorkloadError, match=re.escape(f"not a usable Hugging Face config: {says}")):

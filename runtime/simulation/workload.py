@@ -109,7 +109,7 @@ def _from_hf_config(c: dict, stem: str) -> ModelConfig:
         return v
 
     dtype = c.get("torch_dtype") or "bfloat16"
-    if dtype not in DTYPE_BYTES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         raise ValueError(f"'torch_dtype' {dtype!r} is not one the model times ({', '.join(DTYPE_BYTES)})")
     # the config's own name for the model, else its file's, with the architecture it declares
     name = c.get("_name_or_path") or (f"{stem} ({c['model_type']})" if isinstance(c.get("model_type"), str) else stem)
