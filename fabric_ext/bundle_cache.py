@@ -21,7 +21,9 @@ from functools import lru_cache
 from pathlib import Path
 
 from fabric_ext.contract.bundle import source_states
+from fabric_ext.loader import MAX_SOURCE
 from fabric_ext.runtime.machine.codecache import CodeCache, default_dir
+from fabric_ext.runtime.machine.fsutil import read_bounded
 
 from .api import Bundle, compile
 
@@ -47,14 +49,19 @@ def compile_cached(path: Path, cache: CodeCache | None = None, **options) -> tup
     """The bundle of the policy at ``path`` (raises `api.PolicyError` as `api.compile` does) and
     its warnings as the compiler renders them: from the cache where an entry is current."""
     path = Path(path).resolve()
+    try:
+        source = read_bounded(path, MAX_SOURCE)
+    except (OSError, ValueError):       # not a source the compiler reads (compiling says why): no entry
+        source = None
     cache = cache if cache is not None else open_cache()
-    key = cache.key(str(path).encode(), path.read_bytes(), json.dumps(options, sort_keys=True).encode())
-    hit = _unpack(cache.get(key), str(path))
+    key = cache.key(str(path).encode(), source, json.dumps(options, sort_keys=True).encode()) if source else None
+    hit = _unpack(cache.get(key), str(path)) if key else None
     if hit is not None and all(state == "same" for _, state in source_states(hit[0].manifest)):
         return hit
     bundle = compile(path, **options)
     warnings = bundle.diagnostics.rendered() if bundle.diagnostics else ""
-    cache.put(key, _pack(bundle, warnings))
+    if key:
+        cache.put(key, _pack(bundle, warnings))
     return bundle, warnings
 
 

@@ -69,6 +69,22 @@ def test_an_entry_that_fails_its_check_is_compiled_again_and_replaced(tmp_path, 
     assert len(compiles) == 2                          # the recompiled entry replaced it
 
 
+def test_a_source_too_large_to_compile_is_not_read_whole_for_its_key(tmp_path, monkeypatch):
+    """The cache's key reads the source as the compiler does (at most 1 MiB): a larger one is
+    refused by compiling it, with no entry and no read of all of it."""
+    from fabric_ext import api
+    from fabric_ext.runtime.machine import fsutil
+    monkeypatch.setenv(bundle_cache.ENV, str(tmp_path / "cache"))
+    big = tmp_path / "big.fx"
+    big.write_bytes(b" " * (8 << 20))
+    reads = []
+    real = fsutil.read_bounded
+    monkeypatch.setattr(bundle_cache, "read_bounded", lambda p, limit, **kw: reads.append(limit) or real(p, limit, **kw))
+    with pytest.raises(api.PolicyError, match="more than the 1 MiB allowed"):
+        bundle_cache.compile_cached(big)
+    assert reads == [1 << 20] and not list((tmp_path / "cache").glob("*.bundle"))
+
+
 def test_off_keeps_nothing(tmp_path, compiles, monkeypatch):
     monkeypatch.setenv(bundle_cache.ENV, "off")
     assert default_dir(bundle_cache.ENV, "bundles") is None

@@ -106,6 +106,16 @@ def test_compile_replaces_only_empty_folders_and_its_own_output(tmp_path):
     assert r.returncode == 1 and "not a folder" in r.stderr
 
 
+def test_an_output_folder_whose_manifest_is_a_pipe_is_refused_not_waited_on(tmp_path):
+    import os
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "manifest.json")
+    r = subprocess.run([sys.executable, "-m", "fabric_ext.cli", "compile", str(REFERENCE), "-o", str(out)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "not an earlier fabricc output" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("out", ["/proc/fabricc-out", "/dev/null/x"])
 def test_unwritable_output_is_an_input_error(out):
     r = fabricc("compile", REFERENCE, "-o", out)

@@ -74,6 +74,9 @@ def _replace_file(path: Path, data: bytes) -> None:
         raise
 
 
+MAX_OUTPUT_MANIFEST = 64 << 20     # bytes of the manifest of an output folder to be replaced
+
+
 class UnreadableFile(InputError):
     """A file an input may not be read from: not a regular file, or too large."""
 
@@ -110,8 +113,8 @@ def check_replaceable(target: Path, manifest: str = "manifest.json") -> None:
     entries = {p.name for p in target.iterdir()}
     if not entries:
         return
-    try:
-        man = json.loads((target / manifest).read_text())
+    try:     # (bounded, and a regular file: a pipe named so would never end)
+        man = json.loads(read_bounded(target / manifest, MAX_OUTPUT_MANIFEST, follow_links=False))
         ours = set(man["files"]) | {manifest}
     except (OSError, ValueError, KeyError, TypeError):
         raise OutputError(f"{target} is not empty and is not an earlier fabricc output (no readable "
