@@ -39,8 +39,7 @@ def placement_problem(prop: str, device: str, kind: str) -> str | None:
     kinds = WORKLOAD_DEVICE_KINDS.get(prop)
     if kinds is None or kind in kinds:
         return None
-    return f"'{prop}' cannot name {device}, a {kind}: it names a {', '.join(kinds[:-1])} or {kinds[-1]}" \
-        if len(kinds) > 1 else f"'{prop}' cannot name {device}, a {kind}: it names a {kinds[0]}"
+    return f"'{prop}' cannot name {device}, a {kind}: it names a {', '.join(kinds[:-1])} or {kinds[-1]}"
 
 MOVEMENT_PROPS = {"critical": FLAG, "chunk": SIZE}
 #: properties the language no longer has, each with what to write instead: they were
