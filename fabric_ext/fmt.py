@@ -6,7 +6,8 @@ What it changes, and only this:
 - spaces: at least one on each side of an assignment, update or comparison operator and of
   an arrow, one after a comma and none before it or before a semicolon (alignment with
   more spaces is kept);
-- lines: no trailing spaces, no blank lines at the end, one newline at the end.
+- lines: no trailing spaces, no blank lines at the end, one newline at the end; a file whose
+  every line ends in CRLF keeps CRLF.
 
 Lines are never joined, split or dropped, so every line keeps its number: a diagnostic, or
 an object's line info, points where it did.  The text it returns holds the same tokens
@@ -80,7 +81,10 @@ def _spaced(line: list[tuple[str, str]]) -> str:
 
 
 def format_source(text: str) -> str:
-    """The policy text laid out (see the module's docstring)."""
+    """The policy text laid out (see the module's docstring), with the line ends it had (CRLF
+    where every line has one)."""
+    if "\r\n" in text and text.count("\r\n") == text.count("\n"):
+        return format_source(text.replace("\r\n", "\n")).replace("\n", "\r\n")
     tokens = _tokens(text)
     out_lines: list[str] = []
     stack: list[str] = []

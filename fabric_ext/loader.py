@@ -66,7 +66,7 @@ def read_source(path: Path) -> str:
     except UnreadableFile as e:
         raise SourceError(str(e)) from None
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")     # (the byte-order mark some editors write)
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1

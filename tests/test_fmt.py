@@ -57,6 +57,23 @@ def test_a_messy_policy_is_laid_out():
     assert format_source(LAID_OUT) == LAID_OUT
 
 
+def test_a_policy_with_crlf_line_ends_keeps_them_on_every_line():
+    """An editor that writes CRLF gets CRLF back on every line, not CRLF where a comment
+    ends the line and LF elsewhere."""
+    crlf = MESSY.replace("\n", "\r\n")
+    assert format_source(crlf) == LAID_OUT.replace("\n", "\r\n")
+    assert format_source(format_source(crlf)) == format_source(crlf)
+
+
+def test_a_source_that_begins_with_a_byte_order_mark_reads_as_without_it(tmp_path):
+    from fabric_ext.frontend import analyze
+    path = tmp_path / "bom.fx"
+    path.write_bytes(b"\xef\xbb\xbf" + (POLICIES / "prefill_qos.fx").read_bytes().replace(
+        b'import "fabrics/', f'import "{POLICIES}/fabrics/'.encode()))
+    a = analyze(path)
+    assert a.ok and not a.diags.errors and len(a.placements) == 30
+
+
 @pytest.mark.parametrize("source", SOURCES, ids=[s.name for s in SOURCES])
 def test_every_bundled_source_is_laid_out_already_and_stays_so(source):
     text = source.read_text()
