@@ -394,7 +394,8 @@ def _syntax_error(e: lark.exceptions.UnexpectedInput, text: str, file: str, diag
         diags.error(span, "'=' assigns; a condition compares with '=='", "did you mean '=='?")
     elif isinstance(e, lark.exceptions.UnexpectedCharacters):
         ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else "end of file"
-        diags.error(span, f"unexpected character '{ch}'", hint)
+        shown = f"'{ch}'" if ch.isprintable() else f"U+{ord(ch):04X}, not printable"   # (a NUL, a control)
+        diags.error(span, f"unexpected character {shown}", hint)
     else:
         diags.error(span, f"unexpected {'end of file' if at_end else repr(str(tok))}", hint)
 

@@ -38,6 +38,7 @@ def fabricc(*args, cwd=None):
      "11:43", "'chunk' must be a whole size from 4 KiB"),
     ("import_device", 'import "/dev/zero"\n', f"{LINE}:1", "imports name .fx policy sources"),
     ("import_secret", 'import "/etc/passwd"\n', f"{LINE}:1", "imports name .fx policy sources"),
+    ("nul_byte", FABRIC.encode() + b"map m\x00 : array<u32, u64>[4]\n", f"{LINE}:6", "unexpected character U+0000"),
 ])
 def test_malformed_sources_are_errors_with_position(tmp_path, name, body, where, says):
     path = tmp_path / f"{name}.fx"
