@@ -187,3 +187,15 @@ def test_a_comparison_says_when_the_policies_workloads_differ():
     other = dict(run, policy="other.fx", workload=dict(run["workload"], prompt=256))
     assert "workloads differ" in stats.render_comparison([run, other])
     assert "workloads differ" not in stats.render_comparison([run, dict(run, policy="same.fx")])
+
+
+def test_a_comparisons_columns_tell_apart_policies_that_share_a_name():
+    """Two files of one name are named by their paths; one policy given twice by its place."""
+    from fabric_ext.runtime.simulation import stats
+    run = fabric_ext.run(fabric_ext.compile(POLICIES / "kv_tiering.fx"), prompt=128).to_dict()
+
+    def rows(runs):         # the first column of the TTFT table
+        return [re.split(r"\s{2,}", line)[0] for line in stats.render_comparison(runs).splitlines()[4:4 + len(runs)]]
+    assert rows([dict(run, policy="a/p.fx"), dict(run, policy="b/p.fx"), dict(run, policy="q.fx")]) == \
+        ["a/p.fx", "b/p.fx", "q"]
+    assert rows([dict(run, policy="p.fx"), dict(run, policy="p.fx")]) == ["p #1", "p #2"]

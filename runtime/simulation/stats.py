@@ -241,7 +241,7 @@ def _records_table(rows: list[dict]) -> str:
 def render_comparison(runs: list[dict]) -> str:
     """Policies side by side on one workload: time to first token (and its baseline's), then
     each movement's GB/s and GPU stall under each policy."""
-    names = [Path(r["policy"]).stem if r["policy"] else f"run {i}" for i, r in enumerate(runs, 1)]
+    names = _run_names(runs)
     w = runs[0]["workload"]
     out = [f"prefill of {w['model']}: {w['prompt']} tokens x {w['batch']}, TP {w['tp']}"]
     if any(r["workload"] != w for r in runs):
@@ -265,6 +265,15 @@ def render_comparison(runs: list[dict]) -> str:
         table.append([mv] + cells)
     out += ["", _table(table, ["movement"] + [f"{n} {what}" for n in names for what in ("GB/s", "stall ms")])]
     return "\n".join(out)
+
+
+def _run_names(runs: list[dict]) -> list[str]:
+    """Each run's column name: its policy's file name, its path where two share that, and its
+    place in the command line where two are the same policy."""
+    paths = [str(r["policy"] or f"run {i}") for i, r in enumerate(runs, 1)]
+    stems = [Path(p).stem for p in paths]
+    return [stem if stems.count(stem) == 1 else path if paths.count(path) == 1 else f"{stem} #{i}"
+            for i, (stem, path) in enumerate(zip(stems, paths), 1)]
 
 
 def _decision_shares(island: dict, width: int = 90) -> str:
