@@ -160,6 +160,21 @@ def test_an_output_fabric_run_cannot_write_is_refused_before_the_run(tmp_path, f
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
+def test_an_output_that_is_the_policy_the_run_reads_is_refused(tmp_path):
+    """`--json p.fx` (a slip for `--json p.json`) would replace the policy with its report."""
+    policy = tmp_path / "p.fx"
+    policy.write_text(REFERENCE.read_text().replace('import "fabrics/', f'import "{REFERENCE.parent}/fabrics/'))
+    folder = tmp_path / "out"
+    assert fabricc("compile", policy, "-o", folder).returncode == 0
+    for given, flag, path in [(policy, "--json", policy), (folder, "--trace", folder / "manifest.json"),
+                              (folder, "--plot", folder)]:
+        before = {p: p.read_bytes() for p in [policy, *folder.iterdir()]}
+        r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.cli", "--policy", given, flag, path],
+                           capture_output=True, text=True)
+        assert r.returncode == 1 and f"{flag} {path}: that is the policy this run reads" in r.stderr, r.stderr
+        assert {p: p.read_bytes() for p in before} == before
+
+
 def test_fabricc_graph_says_why_it_cannot_write():
     r = fabricc("graph", REFERENCE, "-o", "/dev/null/g.json")
     assert r.returncode == 1 and "/dev/null is a file, not a folder" in r.stderr and "Traceback" not in r.stderr

@@ -194,7 +194,7 @@ def _run_one(policy: Path, args, trace: bool = False):
 def run(args) -> int:
     from . import stats
     policies = [Path(p) for p in args.policy] if args.policy else [reference_policy()]
-    _check_outputs(args)
+    _check_outputs(args, policies)
     if len(policies) > 1:
         return _compare(policies, args)
     try:
@@ -223,13 +223,18 @@ def run(args) -> int:
     return EXIT_OK
 
 
-def _check_outputs(args) -> None:
-    """Refuse, before the run, an output path that cannot be written (`fsutil.check_output`)."""
-    for path in (args.json, args.trace, args.html):
-        if path:
-            check_output(Path(path))
-    if args.plot:
-        check_output(Path(args.plot), folder=True)
+def _check_outputs(args, policies: list[Path]) -> None:
+    """Refuse, before the run, an output path that cannot be written (`fsutil.check_output`),
+    or that is a policy the run reads (a source, or a file of a compiled folder): a slip of
+    `--json p.fx` would replace the policy with its report."""
+    inputs = [p.resolve() for p in policies]
+    for flag, path in (("--json", args.json), ("--trace", args.trace), ("--html", args.html), ("--plot", args.plot)):
+        if not path:
+            continue
+        check_output(Path(path), folder=flag == "--plot")
+        out = Path(path).resolve()
+        if any(out == p or p in out.parents for p in inputs):
+            raise OutputError(f"{flag} {path}: that is the policy this run reads; choose another path")
 
 
 def _print_explain(data: dict) -> None:
