@@ -72,6 +72,8 @@ def cmd_graph(args) -> int:
     text = json.dumps(to_json(a), indent=2) + "\n" if args.format == "json" else to_dot(a)
     if args.output:
         from fabric_ext.runtime.machine.fsutil import atomic_write_text
+        if Path(args.output).resolve() in [Path(f).resolve() for f in a.program.files]:
+            raise OutputError(f"-o {args.output}: that is a policy source this graph is read from; choose another path")
         atomic_write_text(Path(args.output), text)
     else:
         sys.stdout.write(text)

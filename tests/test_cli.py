@@ -175,9 +175,15 @@ def test_an_output_that_is_the_policy_the_run_reads_is_refused(tmp_path):
         assert {p: p.read_bytes() for p in before} == before
 
 
-def test_fabricc_graph_says_why_it_cannot_write():
+def test_fabricc_graph_says_why_it_cannot_write(tmp_path):
     r = fabricc("graph", REFERENCE, "-o", "/dev/null/g.json")
     assert r.returncode == 1 and "/dev/null is a file, not a folder" in r.stderr and "Traceback" not in r.stderr
+    policy = tmp_path / "p.fx"
+    policy.write_text(REFERENCE.read_text().replace('import "fabrics/', f'import "{REFERENCE.parent}/fabrics/'))
+    before = policy.read_text()
+    r = fabricc("graph", policy, "-o", policy)
+    assert r.returncode == 1 and "that is a policy source this graph is read from" in r.stderr
+    assert policy.read_text() == before
 
 
 def test_an_output_through_a_link_replaces_the_file_it_names_and_a_stream_is_written_as_one(tmp_path):
