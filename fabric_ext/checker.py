@@ -189,12 +189,20 @@ def _check_fabric(prog: Program, sym: Symbols, diags: Diagnostics) -> None:
                             "switch-local memory attaches to a cxl_switch")
         elif d.at is not None:
             diags.error(d.at.span, f"only cxl_mem devices take 'at'; '{d.name.name}' is a {d.kind}")
+    declared = {}          # (from, to) -> the link that declared that direction first
     for link in fab.links:
         for end in (link.a, link.b):
             if end.name not in sym.devices:
                 diags.error(end.span, f"link to unknown device '{end.name}'", did_you_mean(end.name, sym.devices))
         if link.a.name == link.b.name:
             diags.error(link.span, f"link from '{link.a.name}' to itself")
+        ways = [(link.a.name, link.b.name)] + ([(link.b.name, link.a.name)] if link.bidir else [])
+        first = next((declared[w] for w in ways if w in declared), None)
+        if first is not None:       # one link per direction: a second would silently replace the first
+            diags.error(link.span, f"a second link from '{link.a.name}' to '{link.b.name}'",
+                        f"the first is at {first.span}; give one link the bandwidth of both")
+        for w in ways:
+            declared.setdefault(w, link)
         props = _check_props(link.props, S.LINK_PROPS, "a link", diags)
         kind = props.get("kind")
         if kind is not None and isinstance(kind.value, A.Name) and kind.value.id not in S.LINK_KINDS:

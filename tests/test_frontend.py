@@ -179,6 +179,7 @@ DECL_BAD = [
     ("fabric f { gpu a }\nmap m : hash<u32, u64>[4]\nmap m : hash<u32, u64>[4]", "duplicate map 'm'"),
     ("fabric f { gpu a }\nworkload w { prompt: 1KiB }", "'prompt' must be a count"),
     ("fabric f { gpu a }\nworkload w { weights: pol0 }", "unknown device 'pol0'"),
+    ("fabric f { gpu a, b  link a <-> b { bw: 1GB/s }  link b -> a { bw: 2GB/s } }", "a second link from 'b' to 'a'"),
     ("fabric f { gpu a  cxl_switch s }\nworkload w { kv: s }", "'kv' cannot name s, a cxl_switch: it names a gpu,"),
     ("fabric f { gpu a  cxl_mem m }\nworkload w { kv_export: m }", "'kv_export' cannot name m, a cxl_mem: it names a dpu or nic"),
 ]
