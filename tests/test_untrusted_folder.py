@@ -96,6 +96,14 @@ def test_each_boundary_names_the_key(tmp_path, capsys, original, path, value, sa
     assert code == 1 and says in err, err
 
 
+def test_a_second_link_in_one_direction_is_refused(tmp_path, capsys, original):
+    """The engine keeps one link a direction: a manifest with two would run on whichever came last."""
+    man = json.loads(json.dumps(original))
+    man["fabric"]["links"].append(dict(man["fabric"]["links"][0], bw=1.0))
+    code, err = run_folder(tampered(tmp_path, man), capsys)
+    assert code == 1 and f"key fabric.links[{len(man['fabric']['links']) - 1}]: a second link from" in err, err
+
+
 def test_maps_each_small_enough_but_too_large_together_are_refused(tmp_path, capsys, original):
     """Each map is bounded (64 MiB); 17 of them were made, 1.1 GB, before this bound on all."""
     man = json.loads(json.dumps(original))

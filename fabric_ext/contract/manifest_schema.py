@@ -217,10 +217,13 @@ def _references(man: dict) -> None:
         for name, value in d.get("props", {}).items():       # the engine reads them as numbers
             if name in kinds:
                 (text() if kinds[name] == STRING else PROP_NUMBER)(value, f"fabric.devices[{i}].props.{name}")
+    linked = set()
     for i, link in enumerate(fabric["links"]):
         for end in ("src", "dst"):
             _known(link[end], devices, f"fabric.links[{i}].{end}", "device")
-    linked = {(link["src"], link["dst"]) for link in fabric["links"]}
+        if (link["src"], link["dst"]) in linked:    # (the engine keeps one link a direction)
+            raise SchemaError(f"fabric.links[{i}]", f"a second link from '{link['src']}' to '{link['dst']}'")
+        linked.add((link["src"], link["dst"]))
     for i, isl in enumerate(fabric["islands"]):
         if ISLAND_RUNTIME[isl["kind"]] != isl["runtime"]:
             raise SchemaError(f"fabric.islands[{i}].runtime", f"a {isl['kind']} island runs on "
