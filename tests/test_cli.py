@@ -141,6 +141,13 @@ def test_a_closed_stdout_loses_no_file_and_is_no_internal_error(tmp_path):
     assert json.loads(out.read_text())["ttft_ms"] > 0 and json.loads(trace.read_text())["traceEvents"]
 
 
+def reference_copy(tmp_path):
+    """The reference policy as tmp_path/p.fx, its imports still found."""
+    policy = tmp_path / "p.fx"
+    policy.write_text(REFERENCE.read_text().replace('import "fabrics/', f'import "{REFERENCE.parent}/fabrics/'))
+    return policy
+
+
 @pytest.mark.parametrize("flag,path,says", [
     ("--json", "{file}/r.json", "{file} is a file, not a folder"),
     ("--trace", "{file}/t.json", "{file} is a file, not a folder"),
@@ -162,8 +169,7 @@ def test_an_output_fabric_run_cannot_write_is_refused_before_the_run(tmp_path, f
 
 def test_an_output_that_is_the_policy_the_run_reads_is_refused(tmp_path):
     """`--json p.fx` (a slip for `--json p.json`) would replace the policy with its report."""
-    policy = tmp_path / "p.fx"
-    policy.write_text(REFERENCE.read_text().replace('import "fabrics/', f'import "{REFERENCE.parent}/fabrics/'))
+    policy = reference_copy(tmp_path)
     folder = tmp_path / "out"
     assert fabricc("compile", policy, "-o", folder).returncode == 0
     for given, flag, path in [(policy, "--json", policy), (folder, "--trace", folder / "manifest.json"),
@@ -178,8 +184,7 @@ def test_an_output_that_is_the_policy_the_run_reads_is_refused(tmp_path):
 def test_fabricc_graph_says_why_it_cannot_write(tmp_path):
     r = fabricc("graph", REFERENCE, "-o", "/dev/null/g.json")
     assert r.returncode == 1 and "/dev/null is a file, not a folder" in r.stderr and "Traceback" not in r.stderr
-    policy = tmp_path / "p.fx"
-    policy.write_text(REFERENCE.read_text().replace('import "fabrics/', f'import "{REFERENCE.parent}/fabrics/'))
+    policy = reference_copy(tmp_path)
     before = policy.read_text()
     r = fabricc("graph", policy, "-o", policy)
     assert r.returncode == 1 and "that is a policy source this graph is read from" in r.stderr
