@@ -7,7 +7,8 @@ What it changes, and only this:
   an arrow, one after a comma and none before it or before a semicolon (alignment with
   more spaces is kept);
 - lines: no trailing spaces, no blank lines at the end, one newline at the end; a file whose
-  every line ends in CRLF keeps CRLF.
+  every line ends in CRLF keeps CRLF (a byte-order mark at its start, which the loader
+  ignores, is not written back).
 
 Lines are never joined, split or dropped, so every line keeps its number: a diagnostic, or
 an object's line info, points where it did.  The text it returns holds the same tokens
