@@ -97,6 +97,7 @@ def test_fixtures_rebuild_with_clang(tmp_path, name):
 @settings(max_examples=500, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 7751), st.integers(0, 255)), min_size=1, max_size=8))
 @example(flips=[(6439, 128)])      # a section offset of 2^63: pyelftools overflowed reading it
+@example(flips=[(3072, 38), (7442, 212), (2242, 78)])   # line records of 0 bytes: 24 GB of them, read in place
 def test_corrupted_bytes_never_crash_the_loader(flips):
     data = bytearray((FIX / "counter.bpf.o").read_bytes())
     for pos, val in flips:
@@ -112,6 +113,18 @@ def test_corrupted_bytes_never_crash_the_loader(flips):
             verify(p)
         except VerifierError:
             pass
+
+
+def test_btf_types_that_name_themselves_are_errors_not_loops():
+    """A typedef of itself, or an array of itself, in a hostile object's BTF: `resolve` and
+    `size_of` say so instead of looping (or recursing) without end."""
+    from fabric_ext.runtime.machine.btf import ARRAY, BTF, TYPEDEF, BTFError, BType
+    looped = BTF([BType(0, "void", 0, 0), BType(TYPEDEF, "a", 2, 0), BType(TYPEDEF, "b", 1, 0)], b"\0")
+    with pytest.raises(BTFError, match="names itself"):
+        looped.resolve(1)
+    arrays = BTF([BType(0, "void", 0, 0), BType(ARRAY, "x", 0, 0, array=(1, 0, 4))], b"\0")
+    with pytest.raises(BTFError, match="has no size"):
+        arrays.size_of(1)
 
 
 def test_an_object_whose_maps_are_too_large_together_is_refused(tmp_path):

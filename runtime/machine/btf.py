@@ -37,20 +37,27 @@ class BTF:
         return self.strings[off:end].decode(errors="replace")
 
     def resolve(self, tid: int) -> BType:
+        """The type ``tid`` names through typedefs and qualifiers (a cycle of them is an error,
+        not a loop without end)."""
         t = self.types[tid]
-        while t.kind in (TYPEDEF, VOLATILE, CONST, RESTRICT, TYPE_TAG):
+        for _ in range(len(self.types)):
+            if t.kind not in (TYPEDEF, VOLATILE, CONST, RESTRICT, TYPE_TAG):
+                return t
             t = self.types[t.size_or_type]
-        return t
+        raise BTFError(f"type {tid} names itself through typedefs or qualifiers")
 
     def size_of(self, tid: int) -> int:
-        t = self.resolve(tid)
-        if t.kind in (INT, STRUCT, UNION, ENUM, FLOAT, ENUM64, DATASEC):
-            return t.size_or_type
-        if t.kind == PTR:
-            return 8
-        if t.kind == ARRAY:
-            return t.array[2] * self.size_of(t.array[0])
-        raise BTFError(f"type {tid} has no size")
+        size, seen = 1, set()
+        while True:             # arrays of arrays: a loop, with a cycle an error
+            t = self.resolve(tid)
+            if t.kind in (INT, STRUCT, UNION, ENUM, FLOAT, ENUM64, DATASEC):
+                return size * t.size_or_type
+            if t.kind == PTR:
+                return size * 8
+            if t.kind != ARRAY or tid in seen:
+                raise BTFError(f"type {tid} has no size")
+            seen.add(tid)
+            size, tid = size * t.array[2], t.array[0]
 
     def datasec(self, name: str) -> BType | None:
         return next((t for t in self.types[1:] if t.kind == DATASEC and t.name == name), None)
@@ -108,6 +115,9 @@ def map_def(btf: BTF, var_type: int) -> dict:
     return out
 
 
+LINE_INFO_SIZE = 16     # a line record: instruction offset, file, line text, line and column
+
+
 def parse_btf_ext_lines(data: bytes, btf: BTF) -> dict[str, list[tuple[int, str, str, int, int]]]:
     """section name -> [(insn byte offset, file, source text, line, col)] from .BTF.ext."""
     if len(data) < 24:
@@ -121,10 +131,14 @@ def parse_btf_ext_lines(data: bytes, btf: BTF) -> dict[str, list[tuple[int, str,
     if li_len == 0:
         return out
     rec_size = struct.unpack_from("<I", data, base)[0]
-    off, end = base + 4, base + li_len
+    off, end = base + 4, min(base + li_len, len(data))
+    if rec_size < LINE_INFO_SIZE:
+        raise BTFError(f"section .BTF.ext: line records of {rec_size} bytes; they are at least {LINE_INFO_SIZE}")
     while off < end:
         sec_off, num = struct.unpack_from("<II", data, off)
         off += 8
+        if off + num * rec_size > end:      # (checked before the records are read: num is the file's word)
+            raise BTFError(f"section .BTF.ext: {num} line records of {rec_size} bytes run past its end")
         recs = out.setdefault(btf.string(sec_off), [])
         for i in range(num):
             insn_off, file_off, line_off, line_col = struct.unpack_from("<IIII", data, off + i * rec_size)
