@@ -244,6 +244,9 @@ class _Loader:
             if sec.name in DATA_SECTIONS or any(sec.name.startswith(n + ".") for n in DATA_SECTIONS):
                 if sec["sh_size"] == 0:
                     continue
+                if sec["sh_size"] > I.MAX_MAP_BYTES:        # (a .bss's size is the file's word: nothing backs it)
+                    self.err(f"section {sec.name} is {sec['sh_size']:,} bytes; global data is a map's "
+                             f"value, at most {I.MAX_MAP_BYTES:,}")
                 data = bytes(sec["sh_size"]) if sec["sh_type"] == "SHT_NOBITS" else sec.data()
                 self.data_maps[idx] = len(out)
                 out.append(MapSpec(sec.name, ARRAY, 4, len(data), 1, data=data))
