@@ -309,6 +309,30 @@ def test_where_no_handler_acts_on_a_movement_nothing_stands_and_trains_step_it(t
     assert eng.fabric.trains.steps > bare_eng.fabric.trains.steps / 2
 
 
+WHOLE_TRANSFERS = """
+import "fabrics/dgx_cxl.fx"
+workload w {{ model: "llama3-8b"; prompt: 256; tp: {tp}; weights: pool0; kv: pool0 }}
+movement wt = weights{which} : pool0 -> gpu*
+policy p {{ on wt.issue at gpu* {{ coalesce = 1TiB }} }}
+"""
+
+
+@pytest.mark.parametrize("which", ["", "(ffn)", "(attention)"])
+@pytest.mark.parametrize("tp", [2, 8])
+def test_a_chunk_coalesced_from_a_whole_transfer_lands_as_its_parts_in_a_train(tmp_path, which, tp):
+    """Coalescing at issue larger than a transfer holds all its chunks at once: none is left to
+    issue, so what stands at issue no longer keeps the transfer out of trains, and a train once
+    landed the merged chunk as one of its 84 (the prefill never finished). A train takes no
+    coalesced chunk, and lands none (where one operator's weights coalesce, a merged chunk
+    ends its transmission as a train of the other's begins): the run completes, as the loop's."""
+    from fabric_ext.runtime.machine.jit import JitBackend
+    folder = compile_text(tmp_path, WHOLE_TRANSFERS.format(which=which, tp=tp))
+    stepped, eng = run_engine(folder, backend=JitBackend(), prompt=256, tp=tp)
+    looped, _ = run_engine(folder, backend=JitBackend(), trains=False, prompt=256, tp=tp)
+    assert _timeless(stepped) == _timeless(looped)
+    assert all(t.chunks_done == t.chunks_total for t in eng.fabric.transfers)
+
+
 def test_a_decision_read_from_a_map_entry_stands_at_its_hop_while_the_entry_holds(monkeypatch):
     """prefill_qos's KV write-back handler at the switch reads port_util[ev.out_port], which
     the switch's tick writes: its decision holds for a transfer's chunks at that hop while the

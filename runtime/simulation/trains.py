@@ -148,7 +148,10 @@ class Trains:
         """Whether the chunk arriving at the next device of its flow goes out at once on the
         idle link on, to land without an event (not the one that completes its transfer)."""
         flow = self._kept(chunk.transfer)
-        if flow is None or chunk.path is not flow.t.path or chunk.hop != 1:
+        if flow is None or chunk.path is not flow.t.path or chunk.hop != 1 or chunk.parts:
+            # a coalesced chunk lands as its parts (`Fabric._delivered`).  It can be a flow's
+            # only where coalescing took the transfer's last chunk, so none is left to issue: a
+            # ring stops before landing it (no next chunk), and a train's landing is this one
             return False
         link, t = flow.link, flow.t
         return not link.busy and not link.classes and now >= link.free_at and t.chunks_done + 1 < t.chunks_total
