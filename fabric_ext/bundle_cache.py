@@ -54,7 +54,8 @@ def compile_cached(path: Path, cache: CodeCache | None = None, **options) -> tup
     except (OSError, ValueError):       # not a source the compiler reads (compiling says why): no entry
         source = None
     cache = cache if cache is not None else open_cache()
-    key = cache.key(str(path).encode(), source, json.dumps(options, sort_keys=True).encode()) if source else None
+    key = cache.key(str(path).encode(), source, json.dumps(options, sort_keys=True).encode()) \
+        if source is not None else None
     hit = _unpack(cache.get(key), str(path)) if key else None
     if hit is not None and all(state == "same" for _, state in source_states(hit[0].manifest)):
         return hit

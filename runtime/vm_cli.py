@@ -46,24 +46,21 @@ def _fail(msg: str, code: int = 1) -> int:
     return code
 
 
-def _ctx_file(path: str) -> bytes:
-    """A context's bytes from a file (``--ctx @FILE``): a regular file of at most `MAX_CTX`."""
+def _read(path: str, limit: int, what: str) -> bytes:
+    """An input file's bytes: a regular file of at most ``limit`` (``what`` names it in errors)."""
     try:
-        return read_bounded(Path(path), MAX_CTX)
+        return read_bounded(Path(path), limit)
     except UnreadableFile as e:
-        raise SystemExit(_fail(f"fabric-vm: --ctx @{path}: {e}", 1)) from None
+        raise SystemExit(_fail(f"fabric-vm: {what}: {e}")) from None
     except OSError as e:
-        raise SystemExit(_fail(f"fabric-vm: --ctx @{path}: {e.strerror or e}", 1)) from None
+        raise SystemExit(_fail(f"fabric-vm: {what}: {e.strerror or e}")) from None
 
 
 def _load(path: str, program: str | None) -> Program:
     p = Path(path)
     if not p.exists():
         raise SystemExit(_fail(f"fabric-vm: no such file: {path}", 2))
-    try:
-        data = read_bounded(p, MAX_OBJECT)
-    except UnreadableFile as e:
-        raise SystemExit(_fail(f"fabric-vm: {path}: {e}", 1)) from None
+    data = _read(path, MAX_OBJECT, path)
     if data[:4] == b"\x7fELF":
         obj = load_object(data, path)
         if not obj.programs:
@@ -92,7 +89,7 @@ def cmd_run(args) -> int:
         except ValueError as e:
             raise SystemExit(_fail(f"fabric-vm: --ctx: {e}", 2)) from None
     elif args.ctx:
-        raw = _ctx_file(args.ctx[1:]) if args.ctx.startswith("@") else _hex(args.ctx, "--ctx", " (or FIELD=VALUE,... with --hook)")
+        raw = _read(args.ctx[1:], MAX_CTX, f"--ctx {args.ctx}") if args.ctx.startswith("@") else _hex(args.ctx, "--ctx", " (or FIELD=VALUE,... with --hook)")
         ctx = bytearray(raw)
         if prog.hook is not None and len(ctx) != prog.hook.ctx_size:
             raise SystemExit(_fail(f"fabric-vm: --ctx has {len(ctx)} bytes; {args.hook} needs {prog.hook.ctx_size}", 2))

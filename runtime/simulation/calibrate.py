@@ -100,12 +100,12 @@ def profile_files(vidur: Path) -> list[Path]:
 def _within(path: Path, keep, what: str) -> list[Row]:
     """The rows of ``path`` that ``keep`` keeps: ``what`` a fit needs, at least two of them."""
     rows = [r for r in read_rows(path) if keep(r)]
-    if len(rows) < 2:
-        raise DataError(f"{path}: {len(rows)} rows of {what}; a fit needs two or more")
+    _enough(len(rows), [path], f"rows of {what}")
     return rows
 
 
 def _enough(n: int, files, what: str) -> None:
+    """A fit's points: at least two (``what`` of ``files``)."""
     if n < 2:
         raise DataError(f"{', '.join(str(f) for f in files)}: {n} {what}; a fit needs two or more")
 
