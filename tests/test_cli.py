@@ -181,9 +181,19 @@ def test_an_output_that_is_the_policy_the_run_reads_is_refused(tmp_path):
         assert {p: p.read_bytes() for p in before} == before
 
 
+def test_plots_the_system_refuses_to_write_are_an_input_error():
+    pytest.importorskip("matplotlib")
+    r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.cli", "--prompt", "256", "-q",
+                        "--plot", "/proc/fabric-plots"], capture_output=True, text=True)
+    assert r.returncode == 1 and "cannot write the plots to /proc/fabric-plots: " in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_fabricc_graph_says_why_it_cannot_write(tmp_path):
     r = fabricc("graph", REFERENCE, "-o", "/dev/null/g.json")
     assert r.returncode == 1 and "/dev/null is a file, not a folder" in r.stderr and "Traceback" not in r.stderr
+    r = fabricc("graph", REFERENCE, "-o", "/proc/fabricc-graph.json")      # refused by the system as it writes
+    assert r.returncode == 1 and "cannot write /proc/fabricc-graph.json: " in r.stderr and "Traceback" not in r.stderr
     policy = reference_copy(tmp_path)
     before = policy.read_text()
     r = fabricc("graph", policy, "-o", policy)

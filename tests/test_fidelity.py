@@ -259,6 +259,29 @@ def test_calibrate_names_the_file_line_and_column_it_cannot_read(tmp_path, text,
     assert r.returncode == 1 and says in r.stderr, r.stderr
 
 
+def test_fits_refuse_data_too_thin_or_backwards_to_fit(tmp_path):
+    """Each fit needs two points or more, a bandwidth that comes out positive, and measured
+    prefills that took time; else the file is named and why."""
+    from fabric_ext.runtime.simulation import calibrate
+    nccl = tmp_path / "ar.csv"
+    head = "num_workers,devices_per_node,size,time_stats.all_reduce.median\n"
+    nccl.write_text(head + "2,2,1024,0.05\n2,8,2048,0.06\n")
+    with pytest.raises(calibrate.DataError, match="1 rows of all-reduces within one node; a fit needs two or more"):
+        calibrate.fit_allreduce(nccl)
+    nccl.write_text(head + "2,2,1024,0.09\n2,2,1048576,0.05\n2,2,4194304,0.01\n")      # faster as it grows
+    with pytest.raises(calibrate.DataError, match="at TP 2 do not grow with the size"):
+        calibrate.fit_allreduce(nccl)
+    sends = tmp_path / "sr.csv"
+    sends.write_text("devices_per_node,size,time_stats.send_recv.median\n2,1024,0.09\n2,1048576,0.01\n")
+    with pytest.raises(calibrate.DataError, match="do not grow with the size"):
+        calibrate.fit_message_cost(sends)
+    measured = tmp_path / "m.csv"
+    measured.write_text("model,hardware,tensor_parallel,prompt_size,batch_size,prompt_time\n"
+                        "llama2-70b,a100-80gb,2,512,1,0\n")
+    with pytest.raises(calibrate.DataError, match="m.csv, line 2: column 'prompt_time': '0' is not more than 0"):
+        validation.measured(measured)
+
+
 @needs_data
 def test_a_bad_measured_row_leaves_the_stored_figures_as_they_were(tmp_path):
     """The stack is fitted after the hardware figures are written for its runs: a measured row
