@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from fabric_ext.contract.bundle import source_states
-from fabric_ext.loader import MAX_SOURCE
+from fabric_ext.contract.schema import MAX_SOURCE
 from fabric_ext.runtime.machine.codecache import CodeCache, default_dir
 from fabric_ext.runtime.machine.fsutil import read_bounded
 

@@ -14,14 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fabric_ext.contract.schema import MAX_SOURCE
 from fabric_ext.runtime.machine.errors import InputError
 from fabric_ext.runtime.machine.fsutil import UnreadableFile, read_bounded
 
 from . import ast as A
 from .diagnostics import Diagnostics, Span
 from .parser import parse
-
-MAX_SOURCE = 1 << 20       # bytes in one .fx file
 
 
 def bundled() -> list[Path]:

@@ -85,6 +85,17 @@ def test_a_source_too_large_to_compile_is_not_read_whole_for_its_key(tmp_path, m
     assert reads == [1 << 20] and not list((tmp_path / "cache").glob("*.bundle"))
 
 
+def test_a_policy_from_the_cache_loads_no_parser(tmp_path):
+    """Start-up: a warm `fabric-run X.fx` reads its bundle from the cache without importing the
+    compiler's front end (lark), so keying the cache reads the source with what the runtime has."""
+    path, _ = policy(tmp_path)
+    probe = ("import sys; from pathlib import Path; from fabric_ext import bundle_cache; "
+             f"bundle_cache.compile_cached(Path({str(path)!r})); print('lark' in sys.modules)")
+    env = {**__import__("os").environ, bundle_cache.ENV: str(tmp_path / "cache")}
+    runs = [subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env) for _ in range(2)]
+    assert [r.stdout.strip() for r in runs] == ["True", "False"], [r.stderr for r in runs]
+
+
 def test_off_keeps_nothing(tmp_path, compiles, monkeypatch):
     monkeypatch.setenv(bundle_cache.ENV, "off")
     assert default_dir(bundle_cache.ENV, "bundles") is None

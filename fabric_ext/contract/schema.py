@@ -65,6 +65,8 @@ INT_TYPES = {"u8": 1, "u16": 2, "u32": 4, "u64": 8, "i32": 4, "i64": 8}
 DIM_TYPES = {"size": (SIZE, 8), "bandwidth": (BANDWIDTH, 8), "time": (TIME, 8),
              "percent": (PERCENT, 8), "count": (COUNT, 8), "flops": (FLOPS, 8),
              "device": (DEVICE, 4)}
+MAX_SOURCE = 1 << 20       # bytes in one .fx file (here, not in the loader: the compiled-policy cache
+                           # reads a source for its key without importing the parser)
 MAX_ENTRIES = 1 << 20
 MAX_LOOP_TRIPS = 1024          # bounded loops are unrolled up to this many trips
 BUILTINS = ("min", "max")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
-from fabric_ext.loader import MAX_SOURCE
+from fabric_ext.contract.schema import MAX_SOURCE
 
 from ..machine.fsutil import UnreadableFile, read_bounded
 from . import stats
