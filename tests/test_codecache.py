@@ -49,6 +49,28 @@ def test_entries_it_did_not_write_are_misses(tmp_path):
     assert (tmp_path / "key").stat().st_mode & 0o777 == 0o600
 
 
+def test_runs_that_start_together_on_an_empty_folder_share_one_key(tmp_path, monkeypatch):
+    """A sweep started in parallel opens the cache in several processes at once: a run that
+    looks while another is making the key finds a whole key or none, never a part of one."""
+    opened = []
+    real_urandom = os.urandom
+
+    def urandom_with_a_run_in_between(n):
+        if not opened:                      # another run opens the folder meanwhile
+            opened.append(None)
+            opened[0] = CodeCache(tmp_path)
+        return real_urandom(n)
+
+    monkeypatch.setattr(codecache.os, "urandom", urandom_with_a_run_in_between)
+    first = CodeCache(tmp_path)
+    other = opened[0]
+    assert first.refused == other.refused == ""
+    assert first._key == other._key == (tmp_path / "key").read_bytes()
+    other.put(other.key(b"program"), b"code")
+    assert first.get(first.key(b"program")) == b"code"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["key", f"{first.key(b'program')}.o"])
+
+
 @pytest.mark.parametrize("spoil", ["group-writable", "others' folder", "readable key", "short key"])
 def test_an_untrustworthy_folder_is_not_used_and_said_once(tmp_path, capsys, spoil):
     folder = tmp_path / "jit"

@@ -123,14 +123,24 @@ class CodeCache:
                 print(f"fabric_ext: {self.what} is not used: {why}; what it keeps is made again "
                       f"every run (set {self.env} to a folder of your own, or 'off')", file=sys.stderr)
 
-    def _read_key(self) -> tuple[bytes | None, str | None]:
-        path = self.dir / KEY_FILE
+    def _make_key(self, path: Path) -> None:
+        """Make the folder's key unless there is one.  It appears whole or not at all (written
+        aside, then linked into place, which fails if another run got there first): runs
+        started together on an empty folder would otherwise read each other's empty file."""
+        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".key-")
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(os.urandom(KEY_SIZE))
+            os.link(tmp, path)
         except FileExistsError:
             pass
+        finally:
+            os.unlink(tmp)
+
+    def _read_key(self) -> tuple[bytes | None, str | None]:
+        path = self.dir / KEY_FILE
+        if not os.path.lexists(path):
+            self._make_key(path)
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
