@@ -67,8 +67,8 @@ def compile_cached(path: Path, cache: CodeCache | None = None, **options) -> tup
 
 
 def open_cache() -> CodeCache:
-    return CodeCache(default_dir(ENV, "bundles"), _salt(), what="the compiled-policy cache", env=ENV,
-                     suffix=".bundle")
+    what = "the compiled-policy cache"
+    return CodeCache(default_dir(ENV, "bundles", what), _salt(), what=what, env=ENV, suffix=".bundle")
 
 
 def _pack(bundle: Bundle, warnings: str) -> bytes:

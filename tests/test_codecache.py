@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from conftest import ROOT
 from fabric_ext.runtime.machine import codecache, jit
 from fabric_ext.runtime.machine import isa as I
 from fabric_ext.runtime.machine.codecache import CodeCache, default_dir
@@ -123,6 +124,23 @@ def test_where_the_cache_lives(monkeypatch, tmp_path):
     monkeypatch.delenv("FABRIC_EXT_JIT_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_dir() == tmp_path / "fabric_ext" / "jit"
+
+
+def test_a_run_with_no_home_folder_keeps_no_cache_and_says_so(tmp_path):
+    """A container's bare uid has no $HOME and no passwd entry: the run goes on without the
+    caches, each said once, instead of failing as an internal error."""
+    script = ("import os, pwd, sys\n"
+              "def no_entry(uid): raise KeyError(uid)\n"
+              "pwd.getpwuid = no_entry\n"
+              "from fabric_ext.runtime.simulation.cli import main\n"
+              f"sys.exit(main(['--policy', {str(ROOT / 'policies' / 'prefill_qos.fx')!r}, '--quiet']))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("HOME", "XDG_CACHE_HOME", "FABRIC_EXT_JIT_CACHE",
+                                                           "FABRIC_EXT_BUNDLE_CACHE")}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    said = [line for line in run.stderr.splitlines() if "there is no home folder" in line]
+    assert len(said) == 2 and "the JIT code cache is not used" in said[0] + said[1], run.stderr
+    assert "the compiled-policy cache is not used" in said[0] + said[1]
 
 
 def _maps():

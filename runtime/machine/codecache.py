@@ -37,18 +37,35 @@ import llvmlite.binding as llvm
 
 MAGIC = b"FXJITOB2"          # 2: authenticated entries
 KEY_FILE, KEY_SIZE = "key", 32
-_warned: set[str] = set()    # folders already reported as unusable in this process
+_warned: set[tuple[str, str]] = set()    # (cache, reason) already said in this process
 _SOURCES = ("lift.py", "irtext.py", "jit.py", "maps.py", "isa.py")
 
 
-def default_dir(env: str = "FABRIC_EXT_JIT_CACHE", name: str = "jit") -> Path | None:
+def default_dir(env: str = "FABRIC_EXT_JIT_CACHE", name: str = "jit",
+                what: str = "the JIT code cache") -> Path | None:
     """Where a cache lives (``$env``, else ``$XDG_CACHE_HOME/fabric_ext/NAME``, else
-    ``~/.cache/fabric_ext/NAME``), or None when ``$env`` is off."""
+    ``~/.cache/fabric_ext/NAME``), or None when ``$env`` is off or there is no home to keep
+    it in (said once)."""
     where = os.environ.get(env)
     if where is not None:
         return None if where.strip().lower() in ("", "off", "0", "no") else Path(where)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = Path.home() / ".cache"
+        except (RuntimeError, KeyError):    # no $HOME and no passwd entry: a container's bare uid
+            _say_once(what, f"there is no home folder (no $HOME, and uid {os.getuid()} has no passwd "
+                            f"entry)", env)
+            return None
     return Path(base) / "fabric_ext" / name
+
+
+def _say_once(what: str, why: str, env: str) -> None:
+    """Tell, once per process and reason, that a cache is not used and why."""
+    if (what, why) not in _warned:
+        _warned.add((what, why))
+        print(f"fabric_ext: {what} is not used: {why}; what it keeps is made again every run "
+              f"(set {env} to a folder of your own, or 'off')", file=sys.stderr)
 
 
 def _compiler_salt() -> bytes:
@@ -118,10 +135,7 @@ class CodeCache:
             why = f"{self.dir}: {e.strerror or e}"
         if why is not None:
             self.refused, self.dir = why, None
-            if why not in _warned:
-                _warned.add(why)
-                print(f"fabric_ext: {self.what} is not used: {why}; what it keeps is made again "
-                      f"every run (set {self.env} to a folder of your own, or 'off')", file=sys.stderr)
+            _say_once(self.what, why, self.env)
 
     def _make_key(self, path: Path) -> None:
         """Make the folder's key unless there is one.  It appears whole or not at all (written
