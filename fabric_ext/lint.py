@@ -2,7 +2,8 @@
 
 A policy the checker accepts may still do nothing where its writer expects it to: a
 movement no transfer of the prefill matches (the workload, as declared, never moves that
-data there), a handler at an island none of its movement's transfers cross, a handler
+data there), a handler at an island none of its movement's transfers cross, one on an
+island's chunk hook that no transfer meets there, a handler
 placed only on GPUs the workload does not use, a map no handler touches, or a decision
 whose constant value can never take effect.  The compiler
 says so, at the declaration's or the handler's position; `fabricc check --Werror` (and
@@ -14,6 +15,7 @@ from . import ast as A
 from .checker import const_value
 from .contract.flows import MovementTable
 from .contract.hooks import TIER_KINDS
+from .contract.topology import island_roles, route
 from .diagnostics import Diagnostics
 from .graph import prop_value
 from .graph_export import to_json
@@ -55,6 +57,7 @@ def warn(analysis, diags: Diagnostics) -> None:
                       'start from a bundled policy, e.g. import "fabrics/dgx_cxl.fx"')
     _handlers_outside_the_tp_group(analysis, sym, diags)
     _movements_without_transfers(analysis, sym, diags)
+    _island_handlers_no_transfer_meets(analysis, sym, diags)
     _decisions_without_effect(analysis, sym, diags)
     uses = _MapUses()
     for policy in analysis.program.policies:
@@ -106,6 +109,43 @@ def _movements_without_transfers(analysis, sym, diags) -> None:
                 warned.add(id(pl.handler))
                 diags.warning(pl.handler.span, f"no transfer of movement '{pl.movement}' crosses {pl.island}: "
                               f"this handler never runs (its transfers cross {', '.join(sorted(islands))})")
+
+
+def _island_handlers_no_transfer_meets(analysis, sym, diags) -> None:
+    """A handler on an island's chunk hook (``nic0.rx``, ``cpu0.complete``) runs for every
+    chunk that meets the hook there, whatever its movement: where none of the declared
+    prefill's transfers does (each on its movement's path, or routed as the runtime routes
+    it), it never runs.  Not said where a handler routes or tiers: paths then change as the
+    run goes."""
+    from fabric_ext.runtime.simulation.workload import prefill_flows
+    if any(_sets_route_or_tier(pl.handler) for pl in analysis.placements):
+        return
+    mg, w = analysis.graph, _workload(sym)
+    gpus = [name for name, d in sym.devices.items() if d.kind == "gpu"]
+    table = MovementTable(to_json(analysis)["movements"])
+    met: set[tuple[str, str]] = set()       # (island, role) some transfer meets
+    for cls, operator, src, dst in prefill_flows(gpus[:w["tp"]], w["weights"], w["kv"], w["kv_export"]):
+        hit = table.match(cls, operator, src, dst)
+        path = hit.path if hit is not None else route(mg.g, src, dst)
+        met.update(island_roles(path or [], mg.device_island))
+    by_handler: dict[int, tuple[A.Handler, list]] = {}
+    for pl in analysis.placements:
+        if pl.movement is None and pl.hook.scope == "chunk" and pl.island not in gpus[w["tp"]:]:
+            by_handler.setdefault(id(pl.handler), (pl.handler, []))[1].append(pl)
+    for handler, placements in by_handler.values():
+        if not any((pl.island, role) in met for pl in placements for role in pl.hook.roles):
+            where = ", ".join(sorted({f"{pl.island}.{pl.hook.name}" for pl in placements}))
+            diags.warning(handler.span, f"no transfer of the prefill meets {where}: this handler never runs "
+                          f"(with this workload: weights: {w['weights']}, kv: {w['kv']}, "
+                          f"kv_export: {w['kv_export'] or 'none'}, tp {w['tp']})",
+                          "declare a workload whose data passes there, or hook an island it crosses")
+
+
+def _sets_route_or_tier(handler: A.Handler) -> bool:
+    finder = _Decisions({"route", "tier"})
+    for stmt in handler.body:
+        finder.visit(stmt)
+    return bool(finder.found)
 
 
 def _handlers_outside_the_tp_group(analysis, sym, diags) -> None:

@@ -135,6 +135,32 @@ def test_warnings_for_movements_and_handlers_no_transfer_reaches(tmp_path):
     assert warnings == {}, warnings       # kv crosses nic0 (via), back is the chunked prefill's read-back
 
 
+def test_island_handlers_no_transfer_meets_are_warned_and_indeed_never_run(tmp_path):
+    """A handler on an island's chunk hook runs for every chunk that meets it there: where no
+    transfer of the declared prefill does (nothing arrives from the network at nic0, nothing
+    lands in host memory, no KV is exported), it is a warning; a run shows those handlers
+    never ran and the others did.  A handler that routes makes paths change at run time, so
+    then nothing is said."""
+    import fabric_ext
+    from conftest import POLICIES
+    hooks = ["nic0.rx", "cpu0.complete", "nic0.tx", "sw0.forward", "sw0.mem_access", "gpu1.complete"]
+    text = (f'import "{POLICIES}/fabrics/dgx_cxl.fx"\n'
+            'workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0 }\n'
+            "map m : array<u32, count>[8]\npolicy p {\n"
+            + "".join(f"  on {h} {{ m[{k}] += 1 }}\n" for k, h in enumerate(hooks)) + "}\n")
+    path = tmp_path / "i.fx"
+    path.write_text(text)
+    a = analyze(path)
+    assert not a.diags.errors
+    warned = {d.span.line - 5 for d in a.diags.items if "no transfer of the prefill meets" in d.message}
+    assert {hooks[k] for k in warned} == {"nic0.rx", "cpu0.complete", "nic0.tx"}
+    counts = fabric_ext.run(fabric_ext.compile(text, werror=False)).to_dict()["maps"]["m"]
+    ran = {k for k in range(len(hooks)) if int(counts.get(str(k), 0))}
+    assert ran == set(range(len(hooks))) - warned
+    path.write_text(text.replace("on sw0.forward { m[3] += 1 }", "on sw0.forward { m[3] += 1; route = cpu0 }"))
+    assert not [d for d in analyze(path).diags.items if "no transfer of the prefill meets" in d.message]
+
+
 def test_warnings_for_decisions_that_can_never_take_effect(tmp_path):
     """A constant decision no event can act on: coalescing to no more than the chunk size, a
     prefetch with the weights in HBM, a route to a device not linked to the island, a tier
