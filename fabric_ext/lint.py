@@ -115,8 +115,8 @@ def _island_handlers_no_transfer_meets(analysis, sym, diags) -> None:
     """A handler on an island's chunk hook (``nic0.rx``, ``cpu0.complete``) runs for every
     chunk that meets the hook there, whatever its movement: where none of the declared
     prefill's transfers does (each on its movement's path, or routed as the runtime routes
-    it), it never runs.  Not said where a handler routes or tiers: paths then change as the
-    run goes."""
+    it), it never runs; nor does ``host.alloc`` but at the fabric's first host.  Not said
+    where a handler routes or tiers: paths then change as the run goes."""
     from fabric_ext.runtime.simulation.workload import prefill_flows
     if any(_sets_route_or_tier(pl.handler) for pl in analysis.placements):
         return
@@ -128,13 +128,20 @@ def _island_handlers_no_transfer_meets(analysis, sym, diags) -> None:
         hit = table.match(cls, operator, src, dst)
         path = hit.path if hit is not None else route(mg.g, src, dst)
         met.update(island_roles(path or [], mg.device_island))
+    placer = next((name for name, island in mg.islands.items() if island.kind == "host"), None)
     by_handler: dict[int, tuple[A.Handler, list]] = {}
     for pl in analysis.placements:
         if pl.movement is None and pl.hook.scope == "chunk" and pl.island not in gpus[w["tp"]:]:
             by_handler.setdefault(id(pl.handler), (pl.handler, []))[1].append(pl)
     for handler, placements in by_handler.values():
-        if not any((pl.island, role) in met for pl in placements for role in pl.hook.roles):
-            where = ", ".join(sorted({f"{pl.island}.{pl.hook.name}" for pl in placements}))
+        if any(pl.island == placer if pl.hook.moment == "place" else
+               any((pl.island, role) in met for role in pl.hook.roles) for pl in placements):
+            continue
+        where = ", ".join(sorted({f"{pl.island}.{pl.hook.name}" for pl in placements}))
+        if all(pl.hook.moment == "place" for pl in placements):
+            diags.warning(handler.span, f"{where} never runs: the weights are placed at the fabric's first host, "
+                          f"{placer}", f"write 'on {placer}.{placements[0].hook.name}'")
+        else:
             diags.warning(handler.span, f"no transfer of the prefill meets {where}: this handler never runs "
                           f"(with this workload: weights: {w['weights']}, kv: {w['kv']}, "
                           f"kv_export: {w['kv_export'] or 'none'}, tp {w['tp']})",

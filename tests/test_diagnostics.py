@@ -161,6 +161,24 @@ def test_island_handlers_no_transfer_meets_are_warned_and_indeed_never_run(tmp_p
     assert not [d for d in analyze(path).diags.items if "no transfer of the prefill meets" in d.message]
 
 
+def test_alloc_on_any_host_but_the_first_is_warned_and_indeed_never_runs(tmp_path):
+    """The weights are placed once, from the fabric's first host (in declaration order, here h1):
+    a handler on another host's alloc never runs."""
+    import fabric_ext
+    text = ("fabric f {\n  gpu g0\n  cxl_switch s0\n  cxl_mem m0 at s0 { capacity: 1TiB; bw: 64GB/s }\n"
+            "  host h1\n  host h0\n  link g0 <-> s0 { bw: 63GB/s }\n  link h0 <-> s0 { bw: 63GB/s }\n"
+            "  link h1 <-> s0 { bw: 63GB/s }\n}\n"
+            'workload w { model: "llama3-8b"; prompt: 256; weights: m0 }\n'
+            "map m : array<u32, count>[2]\n"
+            "policy p { on h0.alloc { m[0] += 1 }\n           on h1.alloc { m[1] += 1 } }\n")
+    path = tmp_path / "a.fx"
+    path.write_text(text)
+    warnings = {d.span.line: d.message for d in analyze(path).diags.items}
+    assert warnings == {13: "h0.alloc never runs: the weights are placed at the fabric's first host, h1"}
+    counts = fabric_ext.run(fabric_ext.compile(text)).to_dict()["maps"]["m"]
+    assert int(counts.get("0", 0)) == 0 and int(counts["1"]) > 0
+
+
 def test_warnings_for_decisions_that_can_never_take_effect(tmp_path):
     """A constant decision no event can act on: coalescing to no more than the chunk size, a
     prefetch with the weights in HBM, a route to a device not linked to the island, a tier

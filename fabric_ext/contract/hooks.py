@@ -192,7 +192,7 @@ MOMENTS = {
                "wire) and starts on the link, after waiting `wait` ns",
     "launch": "an operator kernel is about to start on the GPU",
     "tick": "a period has passed, once per port of the island",
-    "place": "the weights are placed before the run, once per layer and operator",
+    "place": "the weights are placed before the run, once per layer and operator, at the fabric's first host",
 }
 
 
