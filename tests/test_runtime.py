@@ -498,3 +498,34 @@ policy p { on cpu0.alloc { tier = gpu0 } }""")
     assert 0 < refused < 2 * layers
     assert report["refused"]["tier"] == refused
     assert next(m for m in report["movements"] if m["name"] == "w_in")["bytes"] == streamed
+
+
+def test_complete_hooks_see_the_port_a_chunk_came_in_or_left_by(tmp_path):
+    """`complete` fires at both ends of a chunk's path: at its end ``ev.in_port`` is the port it
+    entered the island by (a switch's, for its memory), at its start ``ev.out_port`` the one it
+    left by, each 0 where there is none.  Ports are numbered in the order of their peers' names:
+    gpu0's lead to gpu1 ... gpu7 (0-6) and sw0 (7); sw0's to cpu0 (0), gpu0 (1), gpu1 (2), ..."""
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0 }
+map from_pool0 : hash<u32, count>[8]
+map from_gpu0 : hash<u32, count>[8]
+map from_gpu1 : hash<u32, count>[8]
+map kv_at_sw0 : hash<device, u32>[8]
+policy p {
+  on gpu0.complete {
+    let ports = ev.in_port * 100 + ev.out_port
+    if ev.src == pool0 { from_pool0[ports] += 1 }
+    if ev.src == gpu0 { from_gpu0[ports] += 1 }
+    if ev.src == gpu1 { from_gpu1[ports] += 1 }
+  }
+  on sw0.complete { kv_at_sw0[ev.src] = ev.in_port * 100 + ev.out_port }
+}""")
+    report, _ = run_engine(out)
+    ports = {name: sorted(divmod(int(k), 100) for k in report["maps"][name])
+             for name in ("from_pool0", "from_gpu0", "from_gpu1")}
+    assert ports == {"from_pool0": [(7, 0)],            # weights, arrived from sw0
+                     "from_gpu0": [(0, 0), (0, 7)],     # the all-reduce's chunks left for gpu1, KV for sw0
+                     "from_gpu1": [(0, 0)]}             # the all-reduce's chunks, arrived from gpu1
+    kv = {e["key_text"]: e["value"] for e in report["map_entries"]["kv_at_sw0"]}
+    assert kv == {"gpu0": 100, "gpu1": 200}            # KV, in by gpu0's and gpu1's ports

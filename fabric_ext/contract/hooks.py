@@ -82,10 +82,10 @@ CHUNK_INPUTS = (
     _f("dst", "u32", DEVICE, "destination device id"),
     _f("layer", "u32", COUNT, "model layer the chunk belongs to"),
     _f("chunk", "u32", COUNT, "index of the chunk within its transfer"),
-    _f("in_port", "u32", COUNT, "ingress port index at this island"),
-    _f("out_port", "u32", COUNT, "egress port index at this island"),
+    _f("in_port", "u32", COUNT, "ingress port index at this island (0 where the chunk starts here)"),
+    _f("out_port", "u32", COUNT, "egress port index at this island (0 where the chunk ends here)"),
     _f("bytes", "u64", SIZE, "bytes in this chunk"),
-    _f("queue_bytes", "u64", SIZE, "bytes queued ahead of the chunk at the egress"),
+    _f("queue_bytes", "u64", SIZE, "bytes queued ahead of the chunk at the egress (0 where it has none: at its end, and as it leaves the queue)"),
     _f("critical", "u32", COUNT, "1 if the movement is marked critical"),
     _f("hop", "u32", COUNT, "index of this island on the movement's path"),
     _f("queued_ahead_hi", "u64", SIZE, "of queue_bytes, the bytes in higher priority classes than the chunk's "
