@@ -500,11 +500,14 @@ policy p { on cpu0.alloc { tier = gpu0 } }""")
     assert next(m for m in report["movements"] if m["name"] == "w_in")["bytes"] == streamed
 
 
-def test_complete_hooks_see_the_port_a_chunk_came_in_or_left_by(tmp_path):
-    """`complete` fires at both ends of a chunk's path: at its end ``ev.in_port`` is the port it
-    entered the island by (a switch's, for its memory), at its start ``ev.out_port`` the one it
-    left by, each 0 where there is none.  Ports are numbered in the order of their peers' names:
-    gpu0's lead to gpu1 ... gpu7 (0-6) and sw0 (7); sw0's to cpu0 (0), gpu0 (1), gpu1 (2), ..."""
+@pytest.mark.parametrize("hook", ["issue", "complete"])
+def test_hooks_at_a_chunks_ends_see_the_hop_and_port_it_enters_or_leaves_by(tmp_path, hook):
+    """`issue` and `complete` fire at both ends of a chunk's path (a GPU's copy engine takes it
+    at either end).  At its destination ``ev.hop`` is this island's index on the path and
+    ``ev.in_port`` the port the chunk enters the island by (a switch's, for its memory); at its
+    source ``ev.hop`` is 0 and ``ev.out_port`` the port it leaves by; 0 where there is no port.
+    Ports are numbered in the order of their peers' names: gpu0's lead to gpu1 ... gpu7 (0-6)
+    and sw0 (7); sw0's to cpu0 (0), gpu0 (1), gpu1 (2), ..."""
     out = compile_text(tmp_path, """
 import "fabrics/dgx_cxl.fx"
 workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0 }
@@ -513,19 +516,19 @@ map from_gpu0 : hash<u32, count>[8]
 map from_gpu1 : hash<u32, count>[8]
 map kv_at_sw0 : hash<device, u32>[8]
 policy p {
-  on gpu0.complete {
-    let ports = ev.in_port * 100 + ev.out_port
-    if ev.src == pool0 { from_pool0[ports] += 1 }
-    if ev.src == gpu0 { from_gpu0[ports] += 1 }
-    if ev.src == gpu1 { from_gpu1[ports] += 1 }
+  on gpu0.HOOK {
+    let seen = ev.hop * 10000 + ev.in_port * 100 + ev.out_port
+    if ev.src == pool0 { from_pool0[seen] += 1 }
+    if ev.src == gpu0 { from_gpu0[seen] += 1 }
+    if ev.src == gpu1 { from_gpu1[seen] += 1 }
   }
-  on sw0.complete { kv_at_sw0[ev.src] = ev.in_port * 100 + ev.out_port }
-}""")
+  on sw0.complete { kv_at_sw0[ev.src] = ev.hop * 10000 + ev.in_port * 100 + ev.out_port }
+}""".replace("HOOK", hook))
     report, _ = run_engine(out)
-    ports = {name: sorted(divmod(int(k), 100) for k in report["maps"][name])
-             for name in ("from_pool0", "from_gpu0", "from_gpu1")}
-    assert ports == {"from_pool0": [(7, 0)],            # weights, arrived from sw0
-                     "from_gpu0": [(0, 0), (0, 7)],     # the all-reduce's chunks left for gpu1, KV for sw0
-                     "from_gpu1": [(0, 0)]}             # the all-reduce's chunks, arrived from gpu1
+    seen = {name: sorted((int(k) // 10000, int(k) // 100 % 100, int(k) % 100) for k in report["maps"][name])
+            for name in ("from_pool0", "from_gpu0", "from_gpu1")}
+    assert seen == {"from_pool0": [(2, 7, 0)],              # weights, into gpu0 from sw0 (pool0, sw0, gpu0)
+                    "from_gpu0": [(0, 0, 0), (0, 0, 7)],    # the all-reduce's chunks out to gpu1, KV to sw0
+                    "from_gpu1": [(1, 0, 0)]}               # the all-reduce's chunks, in from gpu1
     kv = {e["key_text"]: e["value"] for e in report["map_entries"]["kv_at_sw0"]}
-    assert kv == {"gpu0": 100, "gpu1": 200}            # KV, in by gpu0's and gpu1's ports
+    assert kv == {"gpu0": 10100, "gpu1": 10200}             # KV, into sw0 (hop 1) by gpu0's and gpu1's ports

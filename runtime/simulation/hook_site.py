@@ -136,8 +136,8 @@ class ShimHookSite(HookSite):
             return None
         fields = self._chunk_fields(chunk)
         path, queue = chunk.path, None
+        self._end_fields(fields, path, island)
         if role == "src" and len(path) > 1:
-            fields["out_port"] = self.fabric.port_index(path[0], path[1])
             queue = self.fabric.server(path[0], path[1])
             self._queue_fields(fields, queue, chunk.priority, plan.queue_split)
         known = self.decide(island, "issue", fields)
@@ -358,25 +358,30 @@ class ShimHookSite(HookSite):
                 not self._one_hook_plan(island, "complete", chunk.transfer.movement_id).hooks:
             return
         fields = self._chunk_fields(chunk)
-        fields["in_port"], fields["out_port"] = self._end_ports(chunk.path, island)
+        self._end_fields(fields, chunk.path, island)
         fields["latency"] = int(latency)
         known = self.decide(island, "complete", fields)
         if known is not None and known.decisions.get("prefetch"):     # (a GPU's: the others decide nothing)
             self.set_prefetch(island, known.decisions["prefetch"], "complete", chunk.transfer.movement_id)
 
-    def _end_ports(self, path, island) -> tuple[int, int]:
-        """(in_port, out_port) of a chunk at an end of its path in ``island``: at its destination
-        the port it entered the island by, at its source the one it left by (0 for none)."""
+    def _end_fields(self, fields: dict, path, island) -> None:
+        """``hop``, ``in_port`` and ``out_port`` of a chunk at an end of its path in ``island`` (its
+        issue, its completion), as a chunk entering the island has them: at its destination the
+        hop and port it enters the island by, at its source hop 0 and the port it leaves by (0
+        for no port)."""
         of = self.device_island.get
         if of(path[-1]) == island:
             hop = len(path) - 1
             while hop and of(path[hop - 1]) == island:
                 hop -= 1
-            return (self.fabric.port_index(path[hop], path[hop - 1]) if hop else 0), 0
+            fields["hop"], fields["out_port"] = hop, 0
+            fields["in_port"] = self.fabric.port_index(path[hop], path[hop - 1]) if hop else 0
+            return
         hop = 0
         while hop + 1 < len(path) and of(path[hop + 1]) == island:
             hop += 1
-        return 0, (self.fabric.port_index(path[hop], path[hop + 1]) if hop + 1 < len(path) else 0)
+        fields["hop"], fields["in_port"] = 0, 0
+        fields["out_port"] = self.fabric.port_index(path[hop], path[hop + 1]) if hop + 1 < len(path) else 0
 
     def on_dequeue(self, chunk, island, wait):
         if not self._one_hook_plan(island, "dequeue", chunk.transfer.movement_id).hooks:
