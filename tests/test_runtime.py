@@ -532,3 +532,26 @@ policy p {
                     "from_gpu1": [(1, 0, 0)]}               # the all-reduce's chunks, in from gpu1
     kv = {e["key_text"]: e["value"] for e in report["map_entries"]["kv_at_sw0"]}
     assert kv == {"gpu0": 10100, "gpu1": 10200}             # KV, into sw0 (hop 1) by gpu0's and gpu1's ports
+
+
+def test_a_nics_network_is_a_port_its_ticks_and_chunks_see(tmp_path):
+    """A DPU/NIC's network port comes after its links (nic0 has one, to sw0): its ticks sample
+    it (peer 0: no device) with the bytes the wire carried, and KV leaving on it has it as
+    ``ev.out_port`` at tx; the wire is the slower hop, so queue builds there."""
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 8192; tp: 8; weights: hbm; kv: hbm; kv_export: nic0 }
+map peer : hash<u32, device>[4]
+map util : array<u32, percent>[4]
+map queued : array<u32, size>[4]
+map out : hash<u32, count>[4]
+policy p {
+  on nic0.tick(10us) { peer[ev.port] = ev.peer; util[ev.port] max= ev.util_pct; queued[ev.port] max= ev.queue_bytes }
+  on nic0.tx { out[ev.out_port] += 1 }
+}""")
+    report, eng = run_engine(out, model="llama3-8b", prompt=8192, tp=8)
+    m = report["maps"]
+    assert m["peer"] == {"0": eng.ids["devices"]["sw0"], "1": 0}
+    assert int(m["util"]["1"]) == 100 and int(m["util"].get("0", 0)) == 0     # the wire is busy; nothing goes back to sw0
+    assert int(m["queued"]["1"]) > 0
+    assert list(m["out"]) == ["1"]

@@ -228,8 +228,12 @@ class Engine:
             if not periods or not shim.has("tick"):
                 continue
             peers = self.fabric.ports(island)
-            src = TickSource(shim, island, periods, [self.fabric.server(island, p) for p in peers],
-                             [self.ids["devices"].get(p, 0) for p in peers], self.site.spans if self.opts.trace else None,
+            servers = [self.fabric.server(island, p) for p in peers]
+            peer_ids = [self.ids["devices"].get(p, 0) for p in peers]
+            if island in self.fabric.wires:       # a DPU/NIC's network port, after its links: no device
+                servers.append(self.fabric.wires[island])
+                peer_ids.append(0)
+            src = TickSource(shim, island, periods, servers, peer_ids, self.site.spans if self.opts.trace else None,
                              charge=self.sim.charge_ticks)
             self.ticks.append(src)
         self._tick_groups = self._group_ticks()

@@ -170,6 +170,15 @@ class Fabric:
             self._port_index[key] = topology.port_index(self.g, device, peer)
         return self._port_index[key]
 
+    def egress_port(self, path: list[str], hop: int) -> int:
+        """The index of the port a chunk at ``hop`` of ``path`` leaves its device by: the one to
+        the next device, or, at a DPU/NIC that ends the path, its network port, numbered after
+        its links (0 where it leaves by none)."""
+        dev = path[hop]
+        if hop + 1 < len(path):
+            return self.port_index(dev, path[hop + 1])
+        return len(self.ports(dev)) if dev in self.wires else 0
+
     def server(self, u: str, v: str) -> Server:
         return self.servers[(u, v)]
 
