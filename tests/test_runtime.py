@@ -555,3 +555,10 @@ policy p {
     assert int(m["util"]["1"]) == 100 and int(m["util"].get("0", 0)) == 0     # the wire is busy; nothing goes back to sw0
     assert int(m["queued"]["1"]) > 0
     assert list(m["out"]) == ["1"]
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: nic0 }
+map ports : hash<u32, count>[4]
+policy p { on nic0.rx { ports[ev.in_port * 10 + ev.out_port] += 1 } }""", name="rx")
+    report, _ = run_engine(out, model="llama3-8b", prompt=512, tp=2)
+    assert list(report["maps"]["ports"]) == ["10"]       # weights in from the network, out to sw0

@@ -82,7 +82,7 @@ CHUNK_INPUTS = (
     _f("dst", "u32", DEVICE, "destination device id"),
     _f("layer", "u32", COUNT, "model layer the chunk belongs to"),
     _f("chunk", "u32", COUNT, "index of the chunk within its transfer"),
-    _f("in_port", "u32", COUNT, "ingress port index at this island (0 where the chunk starts here)"),
+    _f("in_port", "u32", COUNT, "ingress port index at this island (0 where it came in by none)"),
     _f("out_port", "u32", COUNT, "egress port index at this island (0 where it leaves by none)"),
     _f("bytes", "u64", SIZE, "bytes in this chunk"),
     _f("queue_bytes", "u64", SIZE, "bytes queued ahead of the chunk at the egress (0 where it has none: at its end, and as it leaves the queue)"),

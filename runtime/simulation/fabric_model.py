@@ -170,10 +170,19 @@ class Fabric:
             self._port_index[key] = topology.port_index(self.g, device, peer)
         return self._port_index[key]
 
+    def ingress_port(self, path: list[str], hop: int) -> int:
+        """The index of the port a chunk at ``hop`` of ``path`` came into its device by: the one
+        from the device before, or, at a DPU/NIC that starts the path, its network port,
+        numbered after its links (0 where it came in by none)."""
+        dev = path[hop]
+        if hop:
+            return self.port_index(dev, path[hop - 1])
+        return len(self.ports(dev)) if dev in self.wires else 0
+
     def egress_port(self, path: list[str], hop: int) -> int:
         """The index of the port a chunk at ``hop`` of ``path`` leaves its device by: the one to
-        the next device, or, at a DPU/NIC that ends the path, its network port, numbered after
-        its links (0 where it leaves by none)."""
+        the next device, or, at a DPU/NIC that ends the path, its network port (0 where it
+        leaves by none)."""
         dev = path[hop]
         if hop + 1 < len(path):
             return self.port_index(dev, path[hop + 1])

@@ -254,9 +254,8 @@ class ShimHookSite(HookSite):
         """The context fields of a chunk entering the island at its hop, for the plan's hooks."""
         fields = self._chunk_fields(chunk)
         path, hop = chunk.path, chunk.hop
-        fabric, dev = self.fabric, path[hop]
-        fields["in_port"] = fabric.port_index(dev, path[hop - 1]) if hop else 0
-        fields["out_port"] = fabric.egress_port(path, hop)
+        fields["in_port"] = self.fabric.ingress_port(path, hop)
+        fields["out_port"] = self.fabric.egress_port(path, hop)
         queue = self._egress(chunk)
         if queue is not None:
             self._queue_fields(fields, queue, chunk.priority, plan.queue_split)
@@ -367,20 +366,20 @@ class ShimHookSite(HookSite):
     def _end_fields(self, fields: dict, path, island) -> None:
         """``hop``, ``in_port`` and ``out_port`` of a chunk at an end of its path in ``island`` (its
         issue, its completion), as a chunk entering the island has them: at its destination the
-        hop and port it enters the island by (and a DPU/NIC's network port, which it leaves by), at
-        its source hop 0 and the port it leaves by (0 for no port)."""
+        hop and port it enters the island by, at its source hop 0 and the port it leaves by (a
+        DPU/NIC's network port where it ends or starts there: `Fabric.ingress_port`)."""
         of = self.device_island.get
         if of(path[-1]) == island:
             hop = len(path) - 1
             while hop and of(path[hop - 1]) == island:
                 hop -= 1
             fields["hop"], fields["out_port"] = hop, self.fabric.egress_port(path, len(path) - 1)
-            fields["in_port"] = self.fabric.port_index(path[hop], path[hop - 1]) if hop else 0
+            fields["in_port"] = self.fabric.ingress_port(path, hop)
             return
         hop = 0
         while hop + 1 < len(path) and of(path[hop + 1]) == island:
             hop += 1
-        fields["hop"], fields["in_port"] = 0, 0
+        fields["hop"], fields["in_port"] = 0, self.fabric.ingress_port(path, 0)
         fields["out_port"] = self.fabric.egress_port(path, hop)
 
     def on_dequeue(self, chunk, island, wait):
@@ -388,7 +387,7 @@ class ShimHookSite(HookSite):
             return
         fields = self._chunk_fields(chunk)
         path, hop = chunk.path, chunk.hop
-        fields["in_port"] = self.fabric.port_index(path[hop], path[hop - 1]) if hop else 0
+        fields["in_port"] = self.fabric.ingress_port(path, hop)
         fields["out_port"] = self.fabric.egress_port(path, hop)
         fields["wait"] = int(wait)
         self.decide(island, "dequeue", fields)      # it decides nothing: telemetry, maps and emits
