@@ -84,6 +84,14 @@ def _islands(sym: Symbols) -> tuple[dict[str, Island], dict[str, str]]:
     return islands, dev_island
 
 
+def _latency(props: list[A.Prop], kind: str | None) -> float:
+    """A link's latency: as declared, else its kind's figure (the runtime takes the same), so
+    that routes by latency are the ones the runtime would take."""
+    from fabric_ext.runtime.simulation.figures import link_figure
+    declared = prop_value(props, "latency")
+    return declared if declared is not None else link_figure(kind)["latency"]
+
+
 def _physical(sym: Symbols) -> DiGraph:
     g = DiGraph()
     for name, d in sym.devices.items():
@@ -93,15 +101,16 @@ def _physical(sym: Symbols) -> DiGraph:
         a, b = link.a.name, link.b.name
         if a not in sym.devices or b not in sym.devices or a == b:
             continue
-        attrs = {"bw": prop_value(link.props, "bw"), "latency": prop_value(link.props, "latency"),
-                 "kind": prop_value(link.props, "kind"), "span": link.span}
+        kind = prop_value(link.props, "kind")
+        attrs = {"bw": prop_value(link.props, "bw"), "latency": _latency(link.props, kind), "kind": kind,
+                 "span": link.span}
         g.add_edge(a, b, **attrs)
         if link.bidir:
             g.add_edge(b, a, **attrs)
     for name, d in sym.devices.items():
         if d.kind == "cxl_mem" and d.at is not None and d.at.name in sym.devices \
                 and not g.has_edge(name, d.at.name):
-            attrs = {"bw": prop_value(d.props, "bw"), "latency": prop_value(d.props, "latency"),
+            attrs = {"bw": prop_value(d.props, "bw"), "latency": _latency(d.props, "internal"),
                      "kind": "internal", "span": d.span}
             g.add_edge(name, d.at.name, **attrs)
             g.add_edge(d.at.name, name, **attrs)

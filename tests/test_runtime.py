@@ -16,6 +16,7 @@ from fabric_ext.contract.runtime_json import BundleError
 from fabric_ext.diagnostics import Diagnostics
 from fabric_ext.runtime.machine.interp import Interpreter
 from fabric_ext.runtime.simulation.engine import Engine, RunOptions
+from fabric_ext.runtime.simulation.figures import figures
 from policy_helpers import compiled
 from trace_format import check_trace
 
@@ -562,3 +563,25 @@ map ports : hash<u32, count>[4]
 policy p { on nic0.rx { ports[ev.in_port * 10 + ev.out_port] += 1 } }""", name="rx")
     report, _ = run_engine(out, model="llama3-8b", prompt=512, tp=2)
     assert list(report["maps"]["ports"]) == ["10"]       # weights in from the network, out to sw0
+
+
+def test_a_link_that_gives_only_its_kind_takes_that_kinds_figures(tmp_path):
+    """`link a <-> b { kind: nvlink }` is an NVLink: its bandwidth and latency are NVLink's
+    figures (they were PCIe's), and routes by latency count that latency, in the compiler's
+    paths and the runtime's alike."""
+    nvlink = figures()["links"]["nvlink4"]
+    fabric = "fabric f {\n  gpu g0, g1\n  link g0 <-> g1 { kind: nvlink%s }\n}\n"
+    workload = 'workload w { model: "llama3-8b"; prompt: 1024; tp: 2 }\n'
+    given = "; ".join(f"{k}: {v}" for k, v in (("bw", f"{nvlink['bw'] / 1e9:g}GB/s"), ("latency", f"{nvlink['latency']}ns")))
+    bare, full = (run_engine(compile_text(tmp_path, fabric % props + workload, name=n), model="llama3-8b",
+                             prompt=1024, tp=2)[0] for n, props in (("bare", ""), ("full", "; " + given)))
+    assert bare["links"] == full["links"] and bare["ttft_ms"] == full["ttft_ms"]
+    assert bare["links"][0]["bw_gbps"] == nvlink["bw"] / 1e9
+    # a switch path of 2 x 300 ns (and its hop) is shorter than the NVLink's 2 us: both route by it
+    routed = compile_text(tmp_path, "fabric f {\n  gpu g0, g1\n  cxl_switch s0\n  link g0 <-> g1 { kind: nvlink }\n"
+                          "  link g0 <-> s0 { latency: 300ns }\n  link g1 <-> s0 { latency: 300ns }\n}\n" + workload
+                          + "movement ar = activations : g0 -> g1\n", name="routed")
+    man = json.loads((routed / "manifest.json").read_text())
+    assert [f["path"] for m in man["movements"] for f in m["flows"]] == [["g0", "s0", "g1"]]
+    report, eng = run_engine(routed, model="llama3-8b", prompt=1024, tp=2)
+    assert eng.fabric.route("g1", "g0") == ["g1", "s0", "g0"]

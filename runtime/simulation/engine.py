@@ -20,7 +20,7 @@ from fabric_ext.contract.digraph import DiGraph
 from fabric_ext.contract.schema import PROP_RANGES
 
 from .fabric_model import Fabric
-from .figures import default, figures
+from .figures import default, figures, link_figure
 from .hook_site import ShimHookSite
 from .observers import mark_observers
 from .prefill import Prefill, Progress  # noqa: F401  (Progress: what RunOptions.progress is called with)
@@ -55,9 +55,6 @@ CAPACITY_PROP = {"gpu": "hbm", "cxl_mem": "capacity", "host": "dram", "dpu": "me
 def _gib(n: float) -> str:
     return f"{n / 2**30:,.1f} GiB"
 
-
-#: the figure (runtime/simulation/data/figures.json "links") each kind of link takes its fixed costs from
-LINK_FIGURE = {"nvlink": "nvlink4", "pcie": "pcie5_x16", "cxl": "cxl2_x16"}
 
 
 @dataclass
@@ -180,11 +177,12 @@ class Engine:
 
     def _fabric(self) -> Fabric:
         g = DiGraph()
-        link_default, hop = default("link"), default("switch_hop")
+        hop = default("switch_hop")
         for link in self.man["fabric"]["links"]:
             u, v = link["src"], link["dst"]
-            bw = link["bw"] or (self._prop(u, "bw") if link.get("kind") == "internal" else None) or link_default["bw"]
-            lat = link["latency"] if link["latency"] is not None else link_default["latency"]
+            figure = link_figure(link.get("kind"))
+            bw = link["bw"] or (self._prop(u, "bw") if link.get("kind") == "internal" else None) or figure["bw"]
+            lat = link["latency"] if link["latency"] is not None else figure["latency"]
             if self.devices[u]["kind"] == "cxl_switch":
                 lat += self._prop(u, "hop") or hop["latency"]
             g.add_edge(u, v, bw=float(bw), latency=float(lat), kind=link.get("kind"), setup=self._setup(link))
@@ -211,7 +209,7 @@ class Engine:
         kind = link.get("kind")
         if kind == "internal":
             return 0.0
-        return float(figures()["links"][LINK_FIGURE.get(kind, figures()["defaults"]["link"])]["setup"])
+        return float(link_figure(kind)["setup"])
 
     def _prop(self, device, name):
         return self.devices[device].get("props", {}).get(name)

@@ -21,3 +21,14 @@ def default(kind: str) -> dict:
         if name in f[group]:
             return f[group][name]
     raise KeyError(name)
+
+
+#: the figure set each link kind takes for what a link leaves out; other kinds take the
+#: default link's
+LINK_FIGURE = {"nvlink": "nvlink4", "pcie": "pcie5_x16", "cxl": "cxl2_x16"}
+
+
+def link_figure(kind: str | None) -> dict:
+    """The figures (``bw``, ``latency``, ``setup``) of a link of ``kind`` that gives none."""
+    f = figures()
+    return f["links"][LINK_FIGURE.get(kind, f["defaults"]["link"])]
