@@ -235,3 +235,25 @@ def test_a_line_of_an_objects_line_info_is_cut_around_its_column():
     shown = str(SourceLine("p.fx", 3, text.index("boom") + 1, text))
     assert shown.startswith("p.fx:3:") and "boom" in shown and len(shown) < 130
     assert str(SourceLine("p.fx", 3, 3, "  on kv.forward { }  ")) == "p.fx:3:3: on kv.forward { }"
+
+
+def test_a_switch_linking_more_devices_than_its_ports_is_an_error(tmp_path):
+    path = tmp_path / "s.fx"
+    path.write_text("fabric f {\n  gpu g0, g1, g2\n  cxl_switch s0 { ports: 3 }\n  cxl_mem m0 at s0\n"
+                    "  link g0 <-> s0\n  link g1 <-> s0\n  link s0 -> g2\n}\n")
+    errors = {f"{d.span.line}:{d.span.col}": d.message for d in analyze(path).diags.errors}
+    assert errors == {"3:26": "switch 's0' has 3 ports but links 4 devices (g0, g1, g2, m0)"}
+    path.write_text(path.read_text().replace("ports: 3", "ports: 4"))
+    assert not analyze(path).diags.errors
+
+
+def test_device_properties_no_run_models_are_warned(tmp_path):
+    """A DPU's or NIC's `latency` and a host's `dram_bw` are accepted but change no run: the
+    compiler says so where each is given (tests/test_runtime.py shows a switch's `bw` acts)."""
+    path = tmp_path / "p.fx"
+    path.write_text("fabric f {\n  gpu g0\n  dpu n0 { line_rate: 400Gbps; latency: 1us }\n"
+                    "  host h0 { dram: 1TiB; dram_bw: 200GB/s }\n  link g0 <-> n0\n  link h0 <-> n0\n}\n")
+    warnings = {f"{d.span.line}:{d.span.col}": d.message for d in analyze(path).diags.items}
+    assert warnings.pop("3:32").startswith("'latency' of a dpu is not modelled, so it changes no run")
+    assert warnings.pop("4:25").startswith("'dram_bw' of a host is not modelled, so it changes no run")
+    assert warnings == {}

@@ -585,3 +585,11 @@ def test_a_link_that_gives_only_its_kind_takes_that_kinds_figures(tmp_path):
     assert [f["path"] for m in man["movements"] for f in m["flows"]] == [["g0", "s0", "g1"]]
     report, eng = run_engine(routed, model="llama3-8b", prompt=1024, tp=2)
     assert eng.fabric.route("g1", "g0") == ["g1", "s0", "g0"]
+
+
+def test_a_switch_bandwidth_is_that_of_each_of_its_links_that_gives_none(tmp_path):
+    text = ("fabric f {\n  gpu g0\n  cxl_switch s0 { bw: 8GB/s }\n  cxl_mem m0 at s0 { bw: 64GB/s }\n"
+            "  link g0 <-> s0 { latency: 600ns }\n}\n"
+            'workload w { model: "llama3-8b"; prompt: 512; tp: 1; weights: m0 }\n')
+    report, _ = run_engine(compile_text(tmp_path, text), model="llama3-8b", prompt=512, tp=1)
+    assert {link["name"]: link["bw_gbps"] for link in report["links"]}["s0->g0"] == 8.0

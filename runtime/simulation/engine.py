@@ -181,7 +181,7 @@ class Engine:
         for link in self.man["fabric"]["links"]:
             u, v = link["src"], link["dst"]
             figure = link_figure(link.get("kind"))
-            bw = link["bw"] or (self._prop(u, "bw") if link.get("kind") == "internal" else None) or figure["bw"]
+            bw = link["bw"] or self._switch_bw(u, v) or figure["bw"]
             lat = link["latency"] if link["latency"] is not None else figure["latency"]
             if self.devices[u]["kind"] == "cxl_switch":
                 lat += self._prop(u, "hop") or hop["latency"]
@@ -210,6 +210,12 @@ class Engine:
         if kind == "internal":
             return 0.0
         return float(link_figure(kind)["setup"])
+
+    def _switch_bw(self, u, v):
+        """What a link between ``u`` and ``v`` that gives no bandwidth takes from a switch at
+        either end (its `bw`: each of its ports'), or None."""
+        return next((self._prop(d, "bw") for d in (u, v)
+                     if self.devices[d]["kind"] == "cxl_switch" and self._prop(d, "bw")), None)
 
     def _prop(self, device, name):
         return self.devices[device].get("props", {}).get(name)
