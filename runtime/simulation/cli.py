@@ -17,6 +17,7 @@ from fabric_ext.exits import EXIT_INPUT, EXIT_OK, EXIT_USAGE, internal_error, st
 from ..machine.errors import InputError, OutputError, UsageError
 from ..machine.fsutil import check_output
 from ..machine.program import JIT_CHECKS
+from .figures import figures
 from .stats import LINKS_SHOWN
 
 
@@ -59,7 +60,8 @@ def build_parser():
     p.add_argument("--chunk", type=int, metavar="TOKENS", help="chunked prefill: tokens per pass")
     p.add_argument("--stack", metavar="NAME",
                    help="serving-stack profile: what the software adds to the hardware's time (vllm: fitted to "
-                        "measured vLLM prefills; none: the hardware alone; default: the workload's, else none)")
+                        "measured vLLM prefills; none: the hardware alone; default: the workload's, else "
+                        f"{figures()['defaults']['stack']})")
     p.add_argument("--max-events", type=int, default=None, metavar="N",
                    help=f"stop a run that passes N simulated events and tick runs (default {DEFAULT_MAX_EVENTS:,}, "
                         f"with --trace {TRACE_MAX_EVENTS:,}; 0: no limit)")
