@@ -85,7 +85,8 @@ CHUNK_INPUTS = (
     _f("in_port", "u32", COUNT, "ingress port index at this island (0 where it came in by none)"),
     _f("out_port", "u32", COUNT, "egress port index at this island (0 where it leaves by none)"),
     _f("bytes", "u64", SIZE, "bytes in this chunk"),
-    _f("queue_bytes", "u64", SIZE, "bytes queued ahead of the chunk at the egress (0 where it has none: at its end, and as it leaves the queue)"),
+    _f("queue_bytes", "u64", SIZE, "bytes queued ahead of the chunk at the egress (0 where it has none: at its "
+       "end, and as it leaves the queue)"),
     _f("critical", "u32", COUNT, "1 if the movement is marked critical"),
     _f("hop", "u32", COUNT, "index of this island on the chunk's path (where the chunk enters it)"),
     _f("queued_ahead_hi", "u64", SIZE, "of queue_bytes, the bytes in higher priority classes than the chunk's "
@@ -233,7 +234,8 @@ _ALL = [
           CHUNK_INPUTS + (WAIT,), "chunk", ("src", "transit", "dst"), "dequeue"),
     _hook("dpu", "complete", "a chunk has left on the network", CHUNK_INPUTS + (LATENCY,), "chunk", ("dst",),
           "deliver"),
-    _hook("dpu", "tick", "per-port telemetry of the DPU/NIC: its links, then its network port", TICK_INPUTS, "tick", (), "tick"),
+    _hook("dpu", "tick", "per-port telemetry of the DPU/NIC: its links, then its network port", TICK_INPUTS,
+          "tick", (), "tick"),
     _hook("host", "alloc", "a tensor is about to be placed in memory",
           (NOW, _f("movement", "u32", COUNT, "movement id whose data the tensor holds"),
            _f("class", "u32", COUNT, "data class id"),

@@ -56,7 +56,6 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:,.1f} GiB"
 
 
-
 @dataclass
 class RunOptions:
     model: str | None = None
