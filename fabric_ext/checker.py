@@ -216,13 +216,13 @@ def _check_switch_ports(fab, declared: dict, diags: Diagnostics) -> None:
     for d in fab.devices:
         ports = next((p for p in d.props if p.name.name == "ports"), None) if d.kind == "cxl_switch" else None
         n = const_value(ports.value) if ports is not None else None
-        if not n:
+        if n is None:
             continue
         peers = {b for a, b in declared if a == d.name.name} | {a for a, b in declared if b == d.name.name} | \
             {m.name.name for m in fab.devices if m.kind == "cxl_mem" and m.at is not None and m.at.name == d.name.name}
         if len(peers) > n:
-            diags.error(ports.value.span, f"switch '{d.name.name}' has {int(n)} ports but links {len(peers)} devices "
-                        f"({', '.join(sorted(peers))})", f"give it 'ports: {len(peers)}' or more, or fewer links")
+            diags.error(ports.value.span, f"switch '{d.name.name}' has {int(n)} ports but links {len(peers)} "
+                        f"device{'s' * (len(peers) != 1)} ({', '.join(sorted(peers))})", f"give it 'ports: {len(peers)}' or more, or fewer links")
 
 
 def _check_workload(prog: Program, sym: Symbols, diags: Diagnostics) -> None:

@@ -243,7 +243,10 @@ def test_a_switch_linking_more_devices_than_its_ports_is_an_error(tmp_path):
                     "  link g0 <-> s0\n  link g1 <-> s0\n  link s0 -> g2\n}\n")
     errors = {f"{d.span.line}:{d.span.col}": d.message for d in analyze(path).diags.errors}
     assert errors == {"3:26": "switch 's0' has 3 ports but links 4 devices (g0, g1, g2, m0)"}
-    path.write_text(path.read_text().replace("ports: 3", "ports: 4"))
+    path.write_text(path.read_text().replace("ports: 3", "ports: 0"))
+    assert [d.message for d in analyze(path).diags.errors] == ["switch 's0' has 0 ports but links 4 devices "
+                                                               "(g0, g1, g2, m0)"]
+    path.write_text(path.read_text().replace("ports: 0", "ports: 4"))
     assert not analyze(path).diags.errors
 
 
