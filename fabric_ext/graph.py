@@ -104,17 +104,25 @@ def _physical(sym: Symbols) -> DiGraph:
         kind = prop_value(link.props, "kind")
         attrs = {"bw": prop_value(link.props, "bw"), "latency": _latency(link.props, kind), "kind": kind,
                  "span": link.span}
-        g.add_edge(a, b, **attrs)
+        g.add_edge(a, b, **attrs, hop=_hop(sym, a))
         if link.bidir:
-            g.add_edge(b, a, **attrs)
+            g.add_edge(b, a, **attrs, hop=_hop(sym, b))
     for name, d in sym.devices.items():
         if d.kind == "cxl_mem" and d.at is not None and d.at.name in sym.devices \
                 and not g.has_edge(name, d.at.name):
             attrs = {"bw": prop_value(d.props, "bw"), "latency": _latency(d.props, "internal"),
                      "kind": "internal", "span": d.span}
-            g.add_edge(name, d.at.name, **attrs)
-            g.add_edge(d.at.name, name, **attrs)
+            g.add_edge(name, d.at.name, **attrs, hop=0)
+            g.add_edge(d.at.name, name, **attrs, hop=_hop(sym, d.at.name))
     return g
+
+
+def _hop(sym: Symbols, device: str) -> float:
+    """What leaving ``device`` adds to a link's latency: a switch's hop (the runtime adds the
+    same), so that routes by latency count it (`topology.route`)."""
+    from fabric_ext.runtime.simulation.figures import switch_hop
+    d = sym.devices[device]
+    return switch_hop(prop_value(d.props, "hop")) if d.kind == "cxl_switch" else 0
 
 
 def build_graph(sym: Symbols, diags: Diagnostics) -> MovementGraph:

@@ -593,3 +593,17 @@ def test_a_switch_bandwidth_is_that_of_each_of_its_links_that_gives_none(tmp_pat
             'workload w { model: "llama3-8b"; prompt: 512; tp: 1; weights: m0 }\n')
     report, _ = run_engine(compile_text(tmp_path, text), model="llama3-8b", prompt=512, tp=1)
     assert {link["name"]: link["bw_gbps"] for link in report["links"]}["s0->g0"] == 8.0
+
+
+def test_the_compiler_routes_as_the_runtime_does_a_switchs_hop_included(tmp_path):
+    """The direct link (1,050 ns) is shorter than the switch's way (500 + 500 ns) once the
+    switch's 100 ns hop counts, as the runtime counts it: a movement's path (the compiler's)
+    and a transfer no movement declares (routed by the runtime) take the same way."""
+    text = ("fabric f {\n  gpu g0, g1\n  cxl_switch s0 { hop: 100ns }\n  link g0 <-> g1 { latency: 1050ns }\n"
+            "  link g0 <-> s0 { latency: 500ns }\n  link g1 <-> s0 { latency: 500ns }\n}\n"
+            'workload w { model: "llama3-8b"; prompt: 512; tp: 2 }\nmovement ar = activations : g0 -> g1\n')
+    out = compile_text(tmp_path, text)
+    man = json.loads((out / "manifest.json").read_text())
+    _, eng = run_engine(out, model="llama3-8b", prompt=512, tp=2)
+    assert man["movements"][0]["flows"][0]["path"] == ["g0", "g1"] == eng.fabric.route("g0", "g1")
+    assert eng.fabric.route("g1", "g0") == ["g1", "g0"]

@@ -12,8 +12,10 @@ from .digraph import DiGraph, shortest_path
 
 
 def _weight(u, v, attrs) -> float:
-    # shortest by latency; each hop also costs 1 ns so equal-latency routes prefer fewer hops
-    return (attrs.get("latency") or 0) + 1
+    # shortest by latency, a switch's hop included (the compiler's graph keeps it apart from
+    # the link's latency, the runtime's adds it in); each hop also costs 1 ns so that
+    # equal-latency routes prefer fewer hops
+    return (attrs.get("latency") or 0) + (attrs.get("hop") or 0) + 1
 
 
 def route(g: DiGraph, src: str, dst: str, via: tuple[str, ...] | list[str] = ()) -> list[str] | None:

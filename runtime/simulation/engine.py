@@ -20,7 +20,7 @@ from fabric_ext.contract.digraph import DiGraph
 from fabric_ext.contract.schema import PROP_RANGES
 
 from .fabric_model import Fabric
-from .figures import default, figures, link_figure
+from .figures import default, figures, link_figure, switch_hop
 from .hook_site import ShimHookSite
 from .observers import mark_observers
 from .prefill import Prefill, Progress  # noqa: F401  (Progress: what RunOptions.progress is called with)
@@ -176,14 +176,13 @@ class Engine:
 
     def _fabric(self) -> Fabric:
         g = DiGraph()
-        hop = default("switch_hop")
         for link in self.man["fabric"]["links"]:
             u, v = link["src"], link["dst"]
             figure = link_figure(link.get("kind"))
             bw = link["bw"] or self._switch_bw(u, v) or figure["bw"]
             lat = link["latency"] if link["latency"] is not None else figure["latency"]
             if self.devices[u]["kind"] == "cxl_switch":
-                lat += self._prop(u, "hop") or hop["latency"]
+                lat += switch_hop(self._prop(u, "hop"))
             g.add_edge(u, v, bw=float(bw), latency=float(lat), kind=link.get("kind"), setup=self._setup(link))
         mem = {n: float(self._prop(n, "bw") or default("cxl_mem")["bw"])
                for n, d in self.devices.items() if d["kind"] == "cxl_mem"}

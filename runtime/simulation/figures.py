@@ -32,3 +32,8 @@ def link_figure(kind: str | None) -> dict:
     """The figures (``bw``, ``latency``, ``setup``) of a link of ``kind`` that gives none."""
     f = figures()
     return f["links"][LINK_FIGURE.get(kind, f["defaults"]["link"])]
+
+
+def switch_hop(declared) -> float:
+    """The time a CXL switch adds to each link leaving it: its `hop`, else the figure's."""
+    return declared if declared is not None else default("switch_hop")["latency"]
