@@ -583,7 +583,7 @@ def test_a_link_that_gives_only_its_kind_takes_that_kinds_figures(tmp_path):
                           + "movement ar = activations : g0 -> g1\n", name="routed")
     man = json.loads((routed / "manifest.json").read_text())
     assert [f["path"] for m in man["movements"] for f in m["flows"]] == [["g0", "s0", "g1"]]
-    report, eng = run_engine(routed, model="llama3-8b", prompt=1024, tp=2)
+    _, eng = run_engine(routed, model="llama3-8b", prompt=1024, tp=2)
     assert eng.fabric.route("g1", "g0") == ["g1", "s0", "g0"]
 
 
