@@ -118,11 +118,12 @@ def _physical(sym: Symbols) -> DiGraph:
 
 
 def _hop(sym: Symbols, device: str) -> float:
-    """What leaving ``device`` adds to a link's latency: a switch's hop (the runtime adds the
-    same), so that routes by latency count it (`topology.route`)."""
-    from fabric_ext.runtime.simulation.figures import switch_hop
+    """What leaving ``device`` adds to a link's latency: the time inside it (a switch's hop,
+    a NIC's latency; the runtime adds the same), so that routes by latency count it
+    (`topology.route`)."""
+    from fabric_ext.runtime.simulation.figures import time_inside
     d = sym.devices[device]
-    return switch_hop(prop_value(d.props, "hop")) if d.kind == "cxl_switch" else 0
+    return time_inside(d.kind, {p.name.name: prop_value(d.props, p.name.name) for p in d.props})
 
 
 def build_graph(sym: Symbols, diags: Diagnostics) -> MovementGraph:

@@ -607,3 +607,24 @@ def test_the_compiler_routes_as_the_runtime_does_a_switchs_hop_included(tmp_path
     _, eng = run_engine(out, model="llama3-8b", prompt=512, tp=2)
     assert man["movements"][0]["flows"][0]["path"] == ["g0", "g1"] == eng.fabric.route("g0", "g1")
     assert eng.fabric.route("g1", "g0") == ["g1", "g0"]
+
+
+@pytest.mark.parametrize("kind", ["dpu", "nic"])
+def test_a_nics_latency_is_the_time_a_chunk_spends_crossing_it(tmp_path, kind):
+    """KV written to the host crosses n0 and KV exported leaves on n0's wire: each chunk's
+    latency from issue to completion grows by n0's `latency` exactly (the first chunk of the
+    first layer, which waits for nothing)."""
+    def first_chunks(latency):
+        text = (f"fabric f {{\n  gpu g0\n  cxl_switch s0\n  {kind} n0 {{ line_rate: 400Gbps{latency} }}\n"
+                "  host h0 { dram: 1TiB }\n  link g0 <-> s0 { bw: 63GB/s; latency: 600ns }\n"
+                "  link s0 <-> n0 { bw: 63GB/s; latency: 600ns }\n  link n0 <-> h0 { bw: 63GB/s; latency: 600ns }\n}\n"
+                'workload w { model: "llama3-8b"; prompt: 512; kv: h0; kv_export: n0 }\n'
+                "map first : hash<device, time>[4]\npolicy p {\n"
+                "  on h0.complete { if ev.layer == 0 && ev.chunk == 0 { first[ev.island] = ev.latency } }\n"
+                "  on n0.complete { if ev.layer == 0 && ev.chunk == 0 { first[ev.island] = ev.latency } }\n}\n")
+        out = compile_text(tmp_path, text, name=f"l{len(latency)}")
+        report, _ = run_engine(out, model="llama3-8b", prompt=512, tp=1)
+        return {e["key_text"]: e["value"] for e in report["map_entries"]["first"]}
+    without, with_5us = first_chunks(""), first_chunks("; latency: 5us")
+    assert set(without) == {"h0", "n0"}
+    assert {d: with_5us[d] - without[d] for d in without} == {"h0": 5000, "n0": 5000}

@@ -20,8 +20,6 @@ DEVICE_PROPS: dict[str, dict[str, str]] = {
 }
 #: device properties the checker accepts but no run models yet: a warning says so where one is given
 NOT_MODELLED = {
-    ("dpu", "latency"): "a chunk crosses a DPU at its links' latencies and leaves on its wire at its line rate",
-    ("nic", "latency"): "a chunk crosses a NIC at its links' latencies and leaves on its wire at its line rate",
     ("host", "dram_bw"): "host memory moves data at the bandwidth of the host's links",
 }
 LINK_PROPS = {"bw": BANDWIDTH, "latency": TIME, "kind": NAME}

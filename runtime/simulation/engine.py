@@ -20,7 +20,7 @@ from fabric_ext.contract.digraph import DiGraph
 from fabric_ext.contract.schema import PROP_RANGES
 
 from .fabric_model import Fabric
-from .figures import default, figures, link_figure, switch_hop
+from .figures import default, figures, link_figure, time_inside
 from .hook_site import ShimHookSite
 from .observers import mark_observers
 from .prefill import Prefill, Progress  # noqa: F401  (Progress: what RunOptions.progress is called with)
@@ -181,14 +181,13 @@ class Engine:
             figure = link_figure(link.get("kind"))
             bw = link["bw"] or self._switch_bw(u, v) or figure["bw"]
             lat = link["latency"] if link["latency"] is not None else figure["latency"]
-            if self.devices[u]["kind"] == "cxl_switch":
-                lat += switch_hop(self._prop(u, "hop"))
+            lat += self._inside(u)
             g.add_edge(u, v, bw=float(bw), latency=float(lat), kind=link.get("kind"), setup=self._setup(link))
         mem = {n: float(self._prop(n, "bw") or default("cxl_mem")["bw"])
                for n, d in self.devices.items() if d["kind"] == "cxl_mem"}
         dpu = default("dpu")
-        wires = {n: (float(self._prop(n, "line_rate") or dpu["line_rate"]), float(dpu["chunk_overhead"]))
-                 for n, d in self.devices.items() if d["kind"] in ("dpu", "nic")}
+        wires = {n: (float(self._prop(n, "line_rate") or dpu["line_rate"]), float(dpu["chunk_overhead"]),
+                     self._inside(n)) for n, d in self.devices.items() if d["kind"] in ("dpu", "nic")}
         kinds = {n: i["kind"] for n, i in self.islands.items()}
         engines = {n: int(self._gpu_figure(n, "copy_engines")) for n, d in self.devices.items() if d["kind"] == "gpu"}
         return Fabric(self.sim, g, self.device_island, kinds, wires, mem, self.site, engines,
@@ -208,6 +207,12 @@ class Engine:
         if kind == "internal":
             return 0.0
         return float(link_figure(kind)["setup"])
+
+    def _inside(self, device) -> float:
+        """The time a chunk spends crossing ``device``, added to each link (or wire) it leaves
+        by (`figures.time_inside`)."""
+        d = self.devices[device]
+        return float(time_inside(d["kind"], d.get("props", {})))
 
     def _switch_bw(self, u, v):
         """What a link between ``u`` and ``v`` that gives no bandwidth takes from a switch at

@@ -18,6 +18,7 @@ what comes back: ``priority``, ``rate`` (a token bucket at that island),
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from fabric_ext.contract import topology
 from fabric_ext.contract.digraph import DiGraph
@@ -30,6 +31,14 @@ from .trains import Trains
 
 #: the decisions the fabric acts on (`Fabric._apply`, and at issue `stream` and `coalesce`)
 APPLIED = frozenset({"priority", "defer", "rate", "route", "tier", "queue", "stream", "coalesce"})
+
+
+class WireSpec(NamedTuple):
+    """A DPU/NIC's network wire: its line rate (B/s), fixed cost per chunk (ns), and the time a
+    chunk spends in the device before it has left on the wire (ns: the device's `latency`)."""
+    bw: float
+    overhead: float
+    latency: float = 0.0
 
 
 @dataclass(slots=True)
@@ -98,7 +107,7 @@ class Fabric:
     """Devices and links from the compiled manifest, and the chunks moving over them."""
 
     def __init__(self, sim: Sim, graph: DiGraph, device_island: dict[str, str],
-                 island_kind: dict[str, str], wires: dict[str, tuple[float, float]],
+                 island_kind: dict[str, str], wires: dict[str, tuple],
                  memory_channels: dict[str, float], hooks: HookSite | None = None,
                  copy_engines: dict[str, int] | None = None, per_chunk_events: bool = False,
                  evidence: bool = False, trains: bool = True):
@@ -124,7 +133,9 @@ class Fabric:
             else:
                 self.servers[(u, v)] = Server(sim, f"{u}->{v}", e["bw"], e.get("setup") or 0.0, per_chunk_events)
                 self.servers[(u, v)].ends = (u, v)
-        self.wires = {dev: Server(sim, f"{dev}->wire", bw, overhead) for dev, (bw, overhead) in wires.items()}
+        specs = {dev: WireSpec(*spec) for dev, spec in wires.items()}
+        self.wires = {dev: Server(sim, f"{dev}->wire", spec.bw, spec.overhead) for dev, spec in specs.items()}
+        self.wire_latency = {dev: spec.latency for dev, spec in specs.items() if spec.latency}
         for dev, srv in self.wires.items():
             srv.ends = (dev, "wire")
         if evidence:
@@ -386,9 +397,21 @@ class Fabric:
             self.servers[(path[hop], path[hop + 1])].enqueue(chunk, self._sent, self._handed_on)
         elif path[hop] in self.wires and chunk.island is not None:
             chunk.island = None  # leaves on the wire once
-            self.wires[path[hop]].enqueue(chunk, self._delivered)
+            self.wires[path[hop]].enqueue(chunk, self._off_the_wire)
         else:
             self._delivered(chunk)
+
+    def _off_the_wire(self, chunk: Chunk) -> None:
+        """The chunk's end of transmission on its NIC's wire: it has left on the network once
+        the device's latency has passed (where it has one)."""
+        latency = self.wire_latency.get(chunk.path[chunk.hop])
+        if not latency:
+            self._delivered(chunk)
+            return
+        now = self.sim.now
+        if chunk.trail is not None:
+            chunk.trail.append(("latency", now, now + latency, (chunk.path[chunk.hop], "wire")))
+        self.sim.at(now + latency, self._delivered, chunk)
 
     def _sent(self, chunk: Chunk) -> None:
         """The chunk's end of transmission: it arrives at the next device a latency later."""

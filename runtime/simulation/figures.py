@@ -34,6 +34,13 @@ def link_figure(kind: str | None) -> dict:
     return f["links"][LINK_FIGURE.get(kind, f["defaults"]["link"])]
 
 
-def switch_hop(declared) -> float:
-    """The time a CXL switch adds to each link leaving it: its `hop`, else the figure's."""
-    return declared if declared is not None else default("switch_hop")["latency"]
+def time_inside(kind: str, props: dict) -> float:
+    """The time a chunk spends crossing a device of ``kind`` with ``props`` (its declared
+    properties, as numbers), added to each link it leaves by: a CXL switch's `hop` (else the
+    figure's), a DPU's or NIC's `latency` (else none; it also delays leaving on the wire)."""
+    if kind == "cxl_switch":
+        hop = props.get("hop")
+        return hop if hop is not None else default("switch_hop")["latency"]
+    if kind in ("dpu", "nic"):
+        return props.get("latency") or 0
+    return 0
