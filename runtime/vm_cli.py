@@ -77,6 +77,10 @@ def cmd_run(args) -> int:
         kind, _, name = args.hook.partition(".")
         if (kind, name) not in HOOKS:
             raise SystemExit(_fail(f"fabric-vm: unknown hook '{args.hook}' (e.g. cxl_switch.forward)", 2))
+        compiled_for = _compiled_for(args.file, prog.name)
+        if compiled_for not in (None, args.hook):
+            raise SystemExit(_fail(f"fabric-vm: {prog.name} is compiled for {compiled_for} (the manifest.json "
+                                   f"beside {args.file} says so), not {args.hook}; its context is another", 2))
         prog.hook = HOOKS[kind, name]
         prog.ctx_size = prog.hook.ctx_size
     ctx = None
@@ -141,6 +145,24 @@ def _id_tables(obj_path: str):
     return table
 
 
+def _compiled_for(obj_path: str, symbol: str) -> str | None:
+    """The hook (KIND.HOOK) the manifest of the policy folder an object is in names for its
+    program ``symbol``; None where the object is in no policy folder or the manifest names none
+    (one that cannot be read is said to be so where names are looked up in it: `_id_tables`)."""
+    folder = Path(obj_path).parent
+    if not (folder / "manifest.json").is_file():
+        return None
+    from fabric_ext.contract.bundle import load_manifest
+    from fabric_ext.contract.runtime_json import BundleError
+    try:
+        man = load_manifest(folder)
+    except BundleError:
+        return None
+    kinds = {i["name"]: i["kind"] for i in man["fabric"]["islands"]}
+    return next((f"{kinds[p['island']]}.{p['hook']}" for p in man["programs"]
+                 if p["symbol"] == symbol and p["object"] == Path(obj_path).name), None)
+
+
 def cmd_disasm(args) -> int:
     p = Path(args.file)
     if not p.exists():
@@ -163,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "bytes=2MiB,out_port=3 (a unit is checked against the field's dimension)")
     r.add_argument("--mem", help="memory bytes as hex (r1 = memory, r2 = length)")
     r.add_argument("--hook", metavar="KIND.HOOK", help="the hook the program is for (e.g. dpu.tx): its "
-                   "context rules apply and its decisions are printed by name")
+                   "context rules apply and its decisions are printed by name; an object in a policy "
+                   "folder must name the hook its manifest gives the program")
     r.add_argument("--backend", choices=BACKENDS, default="interp")
     r.add_argument("--jit-checks", choices=JIT_CHECKS, default=None,
                    help="run-time bounds checks in JIT code (docs/security.md)")

@@ -140,6 +140,17 @@ def test_fabric_vm_run_packs_the_context_by_field_names(tmp_path):
     assert corrupt.returncode == 2 and "corrupt manifest.json" in corrupt.stderr
 
 
+def test_fabric_vm_run_refuses_a_hook_the_program_is_not_compiled_for():
+    """The manifest beside an object names each program's hook: another hook's context would
+    be read at the wrong offsets, so it is refused (usage, exit 2)."""
+    from policy_helpers import compiled
+    obj = compiled("prefill_qos") / "sw0.bpf.o"
+    wrong = vm("run", obj, "--program", "sw0_forward", "--hook", "gpu.issue", "--ctx", "bytes=4KiB")
+    assert wrong.returncode == 2 and "sw0_forward is compiled for cxl_switch.forward" in wrong.stderr, wrong.stderr
+    tick = vm("run", obj, "--program", "sw0_tick", "--hook", "cxl_switch.tick")
+    assert tick.returncode == 0, tick.stderr
+
+
 @pytest.mark.parametrize("ctx, hook, says", [
     ("bytes=4KiB", None, "needs --hook"),
     ("bytez=4KiB", "dpu.tx", "has no field 'bytez'"),
