@@ -98,6 +98,11 @@ class MapUpdate:
     span: Span
 
 
+#: what an update starts from on a key the map does not hold: its operator's identity, so
+#: that the first ``min=`` or ``&=`` stores the value (0 would keep the entry 0 for good)
+UPDATE_START = {"+=": 0, "-=": 0, "|=": 0, "max=": 0, "&=": (1 << 64) - 1, "min=": (1 << 64) - 1}
+
+
 @dataclass
 class MapDelete:
     map: str

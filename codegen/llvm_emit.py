@@ -257,7 +257,7 @@ class _FnEmitter:
                     new = self.combine(s.op, old, val)
                     b.store(b.trunc(new, INT[n]) if n < 8 else new, ptr)
             with otherwise:
-                new = self.combine(s.op, I64(0), val)
+                new = self.combine(s.op, I64(ir.UPDATE_START[s.op]), val)
                 vp = self.vals[n]
                 b.store(b.trunc(new, INT[n]) if n < 8 else new, vp)
                 self.helper("map_update_elem", I64, [g, self.key_ptr(s.map, key), vp, I64(0)])

@@ -36,6 +36,17 @@ class _MapUses(A.Visitor):
     visit_MapGet = visit_MapUpdate = visit_Delete = visit_Emit = visit_HistAdd = _use
 
 
+class _Updates(A.Visitor):
+    """Every map update of a policy (``m[k] OP= v``)."""
+
+    def __init__(self):
+        self.found: list[A.MapUpdate] = []
+
+    def visit_MapUpdate(self, node):
+        self.found.append(node)
+        self.generic_visit(node)
+
+
 class _Decisions(A.Visitor):
     """The decisions a handler sets to a constant (``coalesce = 256KiB``, ``route = sw1``)."""
 
@@ -61,12 +72,30 @@ def warn(analysis, diags: Diagnostics) -> None:
     _movements_without_transfers(analysis, sym, diags)
     _island_handlers_no_transfer_meets(analysis, sym, diags)
     _decisions_without_effect(analysis, sym, diags)
+    _updates_that_keep_zero(analysis, sym, diags)
     uses = _MapUses()
     for policy in analysis.program.policies:
         uses.visit(policy)
     for name, info in sym.maps.items():
         if name not in uses.names:
             diags.warning(info.decl.name.span, f"map '{name}' is declared but no handler uses it")
+
+
+def _updates_that_keep_zero(analysis, sym, diags) -> None:
+    """``min=`` and ``&=`` on an array: its entries are there from the start, holding 0, so
+    these keep them 0 (a hash map's missing key takes the first value: codegen's
+    `UPDATE_START`), unless the policy sets the map's entries with ``=`` too."""
+    updates = _Updates()
+    for policy in analysis.program.policies:
+        updates.visit(policy)
+    assigned = {u.map.name for u in updates.found if u.op == "="}
+    for u in updates.found:
+        info = sym.maps.get(u.map.name)
+        if u.op in ("min=", "&=") and info is not None and info.kind in ("array", "percpu_array") \
+                and u.map.name not in assigned:
+            diags.warning(u.map.span, f"'{u.op}' on array '{u.map.name}' keeps its entries 0: an array's "
+                          "entries start at 0", f"declare '{u.map.name}' a hash map (a key it does not hold takes "
+                          "the first value), or set its entries with '=' first")
 
 
 def _properties_not_modelled(sym, diags) -> None:

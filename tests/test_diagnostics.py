@@ -259,3 +259,15 @@ def test_device_properties_no_run_models_are_warned(tmp_path):
     warnings = {f"{d.span.line}:{d.span.col}": d.message for d in analyze(path).diags.items}
     assert warnings.pop("4:25").startswith("'dram_bw' of a host is not modelled, so it changes no run")
     assert warnings == {}
+
+
+def test_min_and_and_on_an_array_that_nothing_sets_are_warned(tmp_path):
+    """An array holds every key from the start, at 0: ``min=`` and ``&=`` keep it 0 unless the
+    policy also sets its entries with ``=``; on a hash map they take the first value."""
+    path = tmp_path / "a.fx"
+    path.write_text("fabric f {\n  gpu g0\n  cxl_switch s0\n  link g0 <-> s0\n}\n"
+                    "map a : array<u32, size>[4]\nmap b : array<u32, size>[4]\nmap h : hash<u32, size>[4]\n"
+                    "policy p { on s0.forward { a[0] min= ev.bytes; b[0] &= ev.bytes; b[1] = 7B; h[0] min= 1B } }\n")
+    warnings = {f"{d.span.line}:{d.span.col}": d.message for d in analyze(path).diags.items
+                if "keeps its entries 0" in d.message}
+    assert warnings == {"9:28": "'min=' on array 'a' keeps its entries 0: an array's entries start at 0"}

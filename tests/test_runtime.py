@@ -628,3 +628,31 @@ def test_a_nics_latency_is_the_time_a_chunk_spends_crossing_it(tmp_path, kind):
     without, with_5us = first_chunks(""), first_chunks("; latency: 5us")
     assert set(without) == {"h0", "n0"}
     assert {d: with_5us[d] - without[d] for d in without} == {"h0": 5000, "n0": 5000}
+
+
+def test_min_and_and_updates_take_the_first_value_of_a_key_the_map_does_not_hold(tmp_path):
+    """An update starts from its operator's identity on a key the map does not hold: the first
+    ``min=`` or ``&=`` stores the value (starting from 0, the entry stayed 0 for good), as
+    ``max=`` and ``+=`` already did; every map kind that can lack a key does so."""
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0 }
+map lo : hash<u32, count>[64]
+map lo_lru : lru_hash<u32, count>[64]
+map both : percpu_hash<u32, count>[64]
+map hi : hash<u32, count>[64]
+policy p {
+  on sw0.forward {
+    lo[ev.layer] min= ev.chunk + 1
+    lo_lru[ev.layer] min= ev.chunk + 5
+    hi[ev.layer] max= ev.chunk + 1
+    both[ev.layer] &= ev.layer + 16
+  }
+}""")
+    report, eng = run_engine(out)
+    m = report["maps"]
+    layers = eng.workload.model.layers
+    assert {int(v) for v in m["lo"].values()} == {1} and len(m["lo"]) == layers
+    assert {int(v) for v in m["lo_lru"].values()} == {5}
+    assert min(int(v) for v in m["hi"].values()) > 1
+    assert {int(k) + 16: int(v) for k, v in m["both"].items()} == {k + 16: k + 16 for k in range(layers)}
