@@ -7,15 +7,19 @@ constantly false) or do nothing are dropped.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 from fabric_ext import ast as A
-from fabric_ext.checker import CONST_OPS, M64, const_value, exact_value
+from fabric_ext.checker import COMPARISONS, CONST_OPS, M64, const_value, exact_value
 from fabric_ext.contract.ids import IdTables
 from fabric_ext.diagnostics import Diagnostics
 from fabric_ext.runtime.machine.isa import STACK_SIZE as STACK_LIMIT
 
 from . import ir
+
+#: a comparison with its sides swapped: c < x is x > c
+MIRRORED = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "==": "==", "!=": "!="}
 
 
 def fold(e):
@@ -89,12 +93,28 @@ class _Lowerer:
         v = exact_value(e)      # at every -O: the value of a constant is its meaning, not an optimisation
         if v is not None:
             return ir.Const(int(v) & M64)
+        if e.op in COMPARISONS:
+            return self._compare(e)
         left, right = self._expr(e.left), self._expr(e.right)
         if e.scale == 1:
             return ir.Bin(e.op, left, right)
         if e.scale > 1:         # a quotient: scale the dividend first
             return ir.Bin("/", ir.Bin("*", left, ir.Const(int(e.scale))), right)
         return ir.Bin("/", ir.Bin("*", left, right), ir.Const(int(1 / e.scale)))   # a product
+
+    def _compare(self, e: A.BinOp):
+        """A comparison of a run-time value with a constant compares with the constant's exact
+        value, not its whole part: x >= 80.5% is x > 80, x == 80.5% never holds."""
+        op, left, right = e.op, e.left, e.right
+        c = exact_value(right)
+        if c is None:
+            c, left, op = exact_value(left), right, MIRRORED[op]
+        if c is None or c.denominator == 1:
+            return ir.Bin(e.op, self._expr(e.left), self._expr(e.right))
+        if op in ("==", "!="):
+            return ir.Const(int(op == "!="))
+        whole = ir.Const(math.floor(c) & M64)     # x < c is x <= floor(c); x >= c is x > floor(c)
+        return ir.Bin({"<": "<=", "<=": "<=", ">": ">", ">=": ">"}[op], self._expr(left), whole)
 
     def _read(self, name):
         self.reads.add(name)

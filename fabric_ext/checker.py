@@ -72,11 +72,14 @@ CONST_OPS = {
 }
 
 
+COMPARISONS = frozenset({"==", "!=", "<", ">", "<=", ">="})
+
+
 def exact_value(e: A.Node) -> Fraction | None:
     """The exact value of a constant expression in its base unit (a fraction: 1MiB / 3ms is
     349525333333 1/3 B/s), or None if it depends on run-time data.  Sums, differences (stopping
-    at 0), products and quotients are exact, dimensioned ones scaled (`BinOp.scale`); bitwise
-    operators, shifts and comparisons take whole numbers; x / 0 is 0 and x % 0 is x."""
+    at 0), products, quotients and comparisons are exact, dimensioned ones scaled
+    (`BinOp.scale`); bitwise operators and shifts take whole numbers; x / 0 is 0 and x % 0 is x."""
     if isinstance(e, A.Num):
         return Fraction(e.value)
     if isinstance(e, A.Call) and e.func.name in ("min", "max") and e.args:
@@ -98,6 +101,8 @@ def exact_value(e: A.Node) -> Fraction | None:
         return a / b * e.scale if b else Fraction(0)
     if op == "%":
         return a % b if b else a
+    if op in COMPARISONS:           # of the exact values: 80% < 80.5% holds
+        return Fraction(CONST_OPS[op](a, b))
     return Fraction(CONST_OPS[op](math.floor(a), math.floor(b)))
 
 

@@ -176,3 +176,27 @@ def test_ev_island_tells_the_gpus_of_a_wildcard_handler_apart(tmp_path):
         Interpreter().run(launch, ContextCodec(launch.hook).pack({}))
     assert bundle.maps["launched"].dump() == {ids["gpu0"]: 1, ids["gpu1"]: 1}
     assert "island" not in bundle.islands["gpu0"]["launch"].hook.layout     # no context field
+
+
+# -- property: a run-time value compared with a constant, against the exact comparison -------
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(op=st.sampled_from(["<", "<=", ">", ">=", "==", "!="]), whole=st.integers(0, 6),
+       half=st.booleans(), constant_first=st.booleans(), nbytes=st.integers(0, 8))
+def test_a_comparison_with_a_constant_compares_its_exact_value(tmp_path, op, whole, half, constant_first, nbytes):
+    """``ev.bytes >= 2.5B`` compares with 2.5, not with its whole part: at 2 bytes it is false
+    (it was true), and ``== 2.5B`` never holds; either side may be the constant."""
+    constant = f"{whole}{'.5' if half else ''}B"
+    cond = f"{constant} {op} ev.bytes" if constant_first else f"ev.bytes {op} {constant}"
+    exact = Fraction(whole) + Fraction(1, 2) * half
+    left, right = (exact, nbytes) if constant_first else (nbytes, exact)
+    want = {"<": left < right, "<=": left <= right, ">": left > right, ">=": left >= right,
+            "==": left == right, "!=": left != right}[op]
+    got = issue_decisions(tmp_path, f"if {cond} {{ priority = 7 }} else {{ priority = 1 }}", bytes=nbytes)
+    assert got["priority"] == (7 if want else 1), cond
+
+
+@pytest.mark.parametrize("cond,holds", [("80% < 80.5%", True), ("80.5% == 80%", False), ("1MiB / 3ms > 349525333B/s", True)])
+def test_constant_comparisons_are_exact(tmp_path, cond, holds):
+    got = issue_decisions(tmp_path, f"if {cond} {{ priority = 7 }} else {{ priority = 1 }}")
+    assert got["priority"] == (7 if holds else 1)
