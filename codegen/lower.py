@@ -18,6 +18,12 @@ from fabric_ext.runtime.machine.isa import STACK_SIZE as STACK_LIMIT
 
 from . import ir
 
+
+def _fractional(v) -> bool:
+    """Whether a constant's exact value is no whole number (None: not a constant)."""
+    return v is not None and v.denominator != 1
+
+
 #: a comparison with its sides swapped: c < x is x > c
 MIRRORED = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "==": "==", "!=": "!="}
 
@@ -95,12 +101,31 @@ class _Lowerer:
             return ir.Const(int(v) & M64)
         if e.op in COMPARISONS:
             return self._compare(e)
+        if e.op in ("*", "/", "-") and any(_fractional(exact_value(side)) for side in (e.left, e.right)):
+            return self._by_fraction(e)
         left, right = self._expr(e.left), self._expr(e.right)
         if e.scale == 1:
             return ir.Bin(e.op, left, right)
         if e.scale > 1:         # a quotient: scale the dividend first
             return ir.Bin("/", ir.Bin("*", left, ir.Const(int(e.scale))), right)
         return ir.Bin("/", ir.Bin("*", left, right), ir.Const(int(1 / e.scale)))   # a product
+
+    def _by_fraction(self, e: A.BinOp):
+        """A run-time value times, over, or less a constant that is no whole number: by its
+        exact value (with the dimensions' scale), the product taken before the quotient, so
+        that ev.bytes * 1.5 is (bytes * 3) / 2, not bytes * 1; x - 0.5 rounds down to x - 1."""
+        c_left, c_right = exact_value(e.left), exact_value(e.right)
+        if e.op == "-":
+            if c_right is not None:
+                return ir.Bin("-", self._expr(e.left), ir.Const(math.ceil(c_right) & M64))
+            return ir.Bin("-", ir.Const(math.floor(c_left) & M64), self._expr(e.right))
+        if e.op == "*" or c_right is not None:      # x * c, c * x, x / c: x times a fraction
+            x = self._expr(e.right if c_left is not None else e.left)
+            r = (c_left if c_left is not None else c_right) * e.scale if e.op == "*" else e.scale / c_right
+            scaled = ir.Bin("*", x, ir.Const(r.numerator & M64))
+            return scaled if r.denominator == 1 else ir.Bin("/", scaled, ir.Const(r.denominator & M64))
+        r = c_left * e.scale                          # c / x
+        return ir.Bin("/", ir.Const(r.numerator & M64), ir.Bin("*", self._expr(e.right), ir.Const(r.denominator & M64)))
 
     def _compare(self, e: A.BinOp):
         """A comparison of a run-time value with a constant compares with the constant's exact

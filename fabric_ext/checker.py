@@ -17,7 +17,20 @@ from .contract import schema as S
 from .contract.hooks import CLASSES, DEVICE_ISLAND_KIND, MAX_PRIORITY, OPERATORS, Hook
 from .diagnostics import Diagnostics, closest, did_you_mean
 from .loader import Program
-from .units import BANDWIDTH, BASE_UNIT, BOOL, COUNT, DEVICE, DIM_ARITH, DIM_NAMES, PERCENT, SIZE, TIME, format_quantity
+from .units import (
+    BANDWIDTH,
+    BASE_UNIT,
+    BOOL,
+    COUNT,
+    DEVICE,
+    DIM_ARITH,
+    DIM_NAMES,
+    PERCENT,
+    SIZE,
+    TIME,
+    exact_of,
+    format_quantity,
+)
 
 _SCALAR = (None, COUNT)
 
@@ -81,7 +94,7 @@ def exact_value(e: A.Node) -> Fraction | None:
     at 0), products, quotients and comparisons are exact, dimensioned ones scaled
     (`BinOp.scale`); bitwise operators and shifts take whole numbers; x / 0 is 0 and x % 0 is x."""
     if isinstance(e, A.Num):
-        return Fraction(e.value)
+        return exact_of(e.value)
     if isinstance(e, A.Call) and e.func.name in ("min", "max") and e.args:
         vals = [exact_value(a) for a in e.args]
         return None if None in vals else (min if e.func.name == "min" else max)(vals)

@@ -1,9 +1,10 @@
 """Unit literals and dimensions.
 
-Every quantity in a policy carries a dimension.  Literals are converted to
-integers (or floats, for fabric properties) in the base unit of their
-dimension: bytes, nanoseconds, bytes per second, FLOP/s, percent.  A bare
-number has no dimension and adapts to whatever it is combined with.
+Every quantity in a policy carries a dimension.  Literals are converted exactly to
+their value in the base unit of their dimension: bytes, nanoseconds, bytes per second,
+FLOP/s, percent; held as an integer, or where it is no whole number as a float whose
+shortest decimal is the exact value (`exact_of`).  A bare number has no dimension and
+adapts to whatever it is combined with.
 """
 from __future__ import annotations
 
@@ -64,16 +65,27 @@ def parse_quantity(text: str) -> tuple[float, str | None]:
     if not m:
         raise UnitError(text, None)
     num, unit = m["num"], m["unit"]
-    value: float = float(num) if "." in num else int(num)
+    value = Fraction(num)       # exact: 8.2GB/s is 8,200,000,000 B/s (in floats 8,199,999,999.99...)
     if not unit:
-        return value, None
+        return _held(value), None
     if unit not in UNITS:
         from .diagnostics import closest
         per_second = unit[:-2] + "/s"       # 10GBps: bytes per second (Gbps would be 8x less)
         raise UnitError(unit, per_second if unit.endswith("Bps") and per_second in UNITS else closest(unit, UNITS))
     dim, factor = UNITS[unit]
-    scaled = value * factor
-    return (int(scaled) if float(scaled).is_integer() else scaled), dim
+    return _held(value * Fraction(factor)), dim
+
+
+def _held(exact: Fraction) -> int | float:
+    """A literal's exact value as a policy holds it: a whole number as an int, else a float
+    (whose shortest decimal, `exact_of`, is the literal's exact value)."""
+    return int(exact) if exact.denominator == 1 else float(exact)
+
+
+def exact_of(value: int | float) -> Fraction:
+    """The exact value a literal held as ``value`` (`_held`) was written with: a float's
+    shortest decimal (0.3 is 3/10, not the binary fraction nearest it)."""
+    return Fraction(repr(value)) if isinstance(value, float) else Fraction(value)
 
 
 def quantity_as(text: str, dim: str | None, what: str, bare: bool = True) -> int | float:

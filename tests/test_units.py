@@ -200,3 +200,30 @@ def test_a_comparison_with_a_constant_compares_its_exact_value(tmp_path, op, who
 def test_constant_comparisons_are_exact(tmp_path, cond, holds):
     got = issue_decisions(tmp_path, f"if {cond} {{ priority = 7 }} else {{ priority = 1 }}")
     assert got["priority"] == (7 if holds else 1)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(form=st.sampled_from(["x * c", "c * x", "x / c", "x - cB", "cB - x"]),
+       c=st.fractions(min_value=Fraction(1, 8), max_value=Fraction(40), max_denominator=8),
+       nbytes=st.integers(0, 1 << 30))
+def test_a_run_time_value_by_a_constant_that_is_no_whole_number(tmp_path, form, c, nbytes):
+    """``ev.bytes * 1.5`` is bytes * 3 / 2 (it was bytes * 1, and ``* 0.5`` gave 0): a run-time
+    product, quotient or difference with a constant takes the constant's exact value and
+    rounds down once, at the end, as a constant expression does."""
+    text = f"{float(c):.3f}"
+    if Fraction(text) != c:      # (decimals the lexer reads exactly)
+        return
+    body = "coalesce = " + form.replace("x", "ev.bytes").replace("c", text)
+    exact = {"x * c": nbytes * c, "c * x": nbytes * c, "x / c": nbytes / c,
+             "x - cB": max(nbytes - c, 0), "cB - x": max(c - nbytes, 0)}[form]
+    assert issue_decisions(tmp_path, body, bytes=nbytes)["coalesce"] == int(exact), body
+
+
+@pytest.mark.parametrize("body,decision,want", [
+    ("rate = 8.2GB/s", "rate", 8_200_000_000),            # was 8,199,999,999 (a float's 8.2 * 10^9)
+    ("coalesce = 1.005KB", "coalesce", 1005),             # was 1004
+    ("coalesce = ev.bytes * 0.3", "coalesce", 3),         # 10 bytes * 3/10, not * 0.29999...
+])
+def test_decimal_literals_are_their_exact_decimal_values(tmp_path, body, decision, want):
+    assert issue_decisions(tmp_path, body, bytes=10)[decision] == want
