@@ -101,7 +101,7 @@ class _Lowerer:
             return ir.Const(int(v) & M64)
         if e.op in COMPARISONS:
             return self._compare(e)
-        if e.op in ("*", "/", "-") and any(_fractional(exact_value(side)) for side in (e.left, e.right)):
+        if e.op in ("*", "/", "%", "-") and any(_fractional(exact_value(side)) for side in (e.left, e.right)):
             return self._by_fraction(e)
         left, right = self._expr(e.left), self._expr(e.right)
         if e.scale == 1:
@@ -111,10 +111,15 @@ class _Lowerer:
         return ir.Bin("/", ir.Bin("*", left, right), ir.Const(int(1 / e.scale)))   # a product
 
     def _by_fraction(self, e: A.BinOp):
-        """A run-time value times, over, or less a constant that is no whole number: by its
-        exact value (with the dimensions' scale), the product taken before the quotient, so
-        that ev.bytes * 1.5 is (bytes * 3) / 2, not bytes * 1; x - 0.5 rounds down to x - 1."""
+        """A run-time value times, over, modulo or less a constant that is no whole number: by
+        its exact value (with the dimensions' scale), the product taken before the quotient,
+        so that ev.bytes * 1.5 is (bytes * 3) / 2, not bytes * 1; x - 0.5 rounds down to x - 1."""
         c_left, c_right = exact_value(e.left), exact_value(e.right)
+        if e.op == "%":         # x % (p/q) is (x*q % p) / q, and c % x is (p % x*q) / q, rounded down
+            c = c_right if c_right is not None else c_left
+            p, q = ir.Const(c.numerator & M64), ir.Const(c.denominator & M64)
+            xq = ir.Bin("*", self._expr(e.left if c_right is not None else e.right), q)
+            return ir.Bin("/", ir.Bin("%", xq, p) if c_right is not None else ir.Bin("%", p, xq), q)
         if e.op == "-":
             if c_right is not None:
                 return ir.Bin("-", self._expr(e.left), ir.Const(math.ceil(c_right) & M64))

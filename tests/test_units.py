@@ -204,19 +204,20 @@ def test_constant_comparisons_are_exact(tmp_path, cond, holds):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
-@given(form=st.sampled_from(["x * c", "c * x", "x / c", "x - cB", "cB - x"]),
+@given(form=st.sampled_from(["x * c", "c * x", "x / c", "x - cB", "cB - x", "x % cB", "cB % x"]),
        c=st.fractions(min_value=Fraction(1, 8), max_value=Fraction(40), max_denominator=8),
        nbytes=st.integers(0, 1 << 30))
 def test_a_run_time_value_by_a_constant_that_is_no_whole_number(tmp_path, form, c, nbytes):
     """``ev.bytes * 1.5`` is bytes * 3 / 2 (it was bytes * 1, and ``* 0.5`` gave 0): a run-time
-    product, quotient or difference with a constant takes the constant's exact value and
-    rounds down once, at the end, as a constant expression does."""
+    product, quotient, remainder or difference with a constant takes the constant's exact
+    value and rounds down once, at the end, as a constant expression does."""
     text = f"{float(c):.3f}"
     if Fraction(text) != c:      # (decimals the lexer reads exactly)
         return
     body = "coalesce = " + form.replace("x", "ev.bytes").replace("c", text)
     exact = {"x * c": nbytes * c, "c * x": nbytes * c, "x / c": nbytes / c,
-             "x - cB": max(nbytes - c, 0), "cB - x": max(c - nbytes, 0)}[form]
+             "x - cB": max(nbytes - c, 0), "cB - x": max(c - nbytes, 0),
+             "x % cB": nbytes % c, "cB % x": c % nbytes if nbytes else c}[form]
     assert issue_decisions(tmp_path, body, bytes=nbytes)["coalesce"] == int(exact), body
 
 
