@@ -11,8 +11,10 @@ says so, at the declaration's or the handler's position; `fabricc check --Werror
 """
 from __future__ import annotations
 
+import math
+
 from . import ast as A
-from .checker import const_value
+from .checker import const_value, exact_value
 from .contract.flows import MovementTable
 from .contract.hooks import TIER_KINDS
 from .contract.schema import NOT_MODELLED
@@ -47,6 +49,22 @@ class _Updates(A.Visitor):
         self.generic_visit(node)
 
 
+class _Variables(A.Visitor):
+    """Each value a variable is given (``let x = v``, ``x = v``): (name, value)."""
+
+    def __init__(self, decisions: set[str]):
+        self.decisions, self.given = decisions, []
+
+    def visit_Let(self, node):
+        self.given.append((node.name.name, node.value))
+        self.generic_visit(node)
+
+    def visit_Assign(self, node):
+        if not node.via_ev and node.target.name not in self.decisions:
+            self.given.append((node.target.name, node.value))
+        self.generic_visit(node)
+
+
 class _Decisions(A.Visitor):
     """The decisions a handler sets to a constant (``coalesce = 256KiB``, ``route = sw1``)."""
 
@@ -73,12 +91,27 @@ def warn(analysis, diags: Diagnostics) -> None:
     _island_handlers_no_transfer_meets(analysis, sym, diags)
     _decisions_without_effect(analysis, sym, diags)
     _updates_that_keep_zero(analysis, sym, diags)
+    _variables_cut_to_whole_numbers(analysis, diags)
     uses = _MapUses()
     for policy in analysis.program.policies:
         uses.visit(policy)
     for name, info in sym.maps.items():
         if name not in uses.names:
             diags.warning(info.decl.name.span, f"map '{name}' is declared but no handler uses it")
+
+
+def _variables_cut_to_whole_numbers(analysis, diags) -> None:
+    """A variable holds a whole number: ``let k = 1.5`` holds 1, and ``ev.bytes * k`` is then
+    ``ev.bytes * 1``, where ``ev.bytes * 1.5`` takes the constant's exact value."""
+    found = _Variables({f.name for pl in analysis.placements for f in pl.hook.decisions})
+    for policy in analysis.program.policies:
+        found.visit(policy)
+    for name, value in found.given:
+        exact = exact_value(value)
+        if exact is not None and exact.denominator != 1:
+            diags.warning(value.span, f"'{name}' holds {math.floor(exact)}: a variable holds whole numbers, so "
+                          f"{float(exact):g} is cut to its whole part", "write the constant where it is used (it "
+                          "then keeps its exact value), or scale it: let k = 3, then x * k / 2")
 
 
 def _updates_that_keep_zero(analysis, sym, diags) -> None:

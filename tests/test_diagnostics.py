@@ -271,3 +271,14 @@ def test_min_and_and_on_an_array_that_nothing_sets_are_warned(tmp_path):
     warnings = {f"{d.span.line}:{d.span.col}": d.message for d in analyze(path).diags.items
                 if "keeps its entries 0" in d.message}
     assert warnings == {"9:28": "'min=' on array 'a' keeps its entries 0: an array's entries start at 0"}
+
+
+def test_a_variable_given_a_constant_that_is_no_whole_number_is_warned(tmp_path):
+    """A variable holds a whole number: ``let k = 1.5`` holds 1 (``ev.bytes * k`` is then
+    ``ev.bytes * 1``), which the compiler says; a decision or a whole constant is not warned."""
+    path = tmp_path / "v.fx"
+    path.write_text("fabric f {\n  gpu g0\n  cxl_switch s0\n  link g0 <-> s0\n}\n"
+                    "policy p { on s0.forward {\n  let k = 1.5\n  let j = 2\n  j = 0.25\n  k = 3\n  priority = 2 } }\n")
+    warnings = {f"{d.span.line}:{d.span.col}": d.message for d in analyze(path).diags.items if "holds" in d.message}
+    assert warnings == {"7:11": "'k' holds 1: a variable holds whole numbers, so 1.5 is cut to its whole part",
+                        "9:7": "'j' holds 0: a variable holds whole numbers, so 0.25 is cut to its whole part"}
