@@ -73,9 +73,9 @@ def c_stmts(body, indent: int) -> list[str]:
             if s.op == "=":
                 out.append(f"{pad}fx_set_{s.map}({c_expr(s.key)}, {c_expr(s.value)});")
             else:
-                start = f"{ir.UPDATE_START[s.op]:#x}ULL"
-                out.append(f"{pad}{{ __u64 v = {c_expr(s.value)}, k = {c_expr(s.key)}, old = fx_get_{s.map}(k, {start});"
-                           f" fx_set_{s.map}(k, {_COMBINE[s.op]}); }}")
+                start = f"{ir.UPDATE_START[s.op]:#x}ULL"     # on a key the map does not hold
+                out.append(f"{pad}{{ __u64 v = {c_expr(s.value)}, k = {c_expr(s.key)}, "
+                           f"old = fx_get_{s.map}(k, {start}); fx_set_{s.map}(k, {_COMBINE[s.op]}); }}")
         elif isinstance(s, ir.MapDelete):
             out.append(f"{pad}fx_del_{s.map}({c_expr(s.key)});")
         elif isinstance(s, ir.Emit):
