@@ -246,6 +246,46 @@ def test_c_listing_compiles_and_behaves_the_same(policy, tmp_path):
             assert codec.decisions(a) == codec.decisions(c), (island, hook, fields)
 
 
+@pytest.mark.skipif(shutil.which("clang") is None, reason="clang is not installed")
+def test_c_listing_keeps_exact_constants_and_update_starts_as_the_object_does(tmp_path):
+    """Constants that are no whole number (times, over, modulo, compared) and min= / &= on keys
+    a map does not hold: the C listing, built by clang, makes the same decisions and leaves
+    the same maps as the object over a run of contexts."""
+    import random
+
+    from fabric_ext.contract.context import ContextCodec
+    from fabric_ext.runtime.machine.interp import Interpreter
+    from test_runtime import compile_text
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+map lo : hash<u32, size>[64]
+map both : lru_hash<u32, u64>[64]
+map r : hash<u32, size>[64]
+policy p {
+  on sw0.forward {
+    lo[ev.layer] min= ev.bytes * 1.5
+    both[ev.layer] &= ev.layer + 16
+    r[ev.layer] = 10.5KiB % (ev.bytes / 4096 + 1) + ev.bytes / 0.75 + ev.bytes % 1.5KiB
+    if ev.bytes >= 1.5MiB { priority = 7 } else { priority = 1 }
+  }
+}""")
+    ours = load_bundle(out).islands["sw0"]["forward"]
+    obj = tmp_path / "c.o"
+    subprocess.run(["clang", "-target", "bpf", "-O2", "-g", f"-I/usr/include/{platform.machine()}-linux-gnu",
+                    f"-I{out}", "-c", out / "sw0.bpf.c", "-o", obj], check=True)
+    theirs = {p.name: p for p in load_object(obj).instantiate(hooks={ours.name: ours.hook})}[ours.name]
+    codec, rng = ContextCodec(ours.hook), random.Random(0)
+    for _ in range(200):
+        fields = {"bytes": rng.choice([1, 4095, 4096, 3 << 19, 2 << 20, rng.randrange(1, 1 << 22)]),
+                  "layer": rng.randrange(8)}
+        a, c = codec.pack(fields), codec.pack(fields)
+        Interpreter().run(ours, a)
+        Interpreter().run(theirs, c)
+        assert codec.decisions(a) == codec.decisions(c), fields
+    assert [m.dump() for m in ours.maps] == [m.dump() for m in theirs.maps]
+    assert all(v for m in ours.maps for v in m.dump().values())     # no entry kept at 0
+
+
 @pytest.mark.parametrize("policy", [p.stem for p in EXAMPLES])
 def test_runtime_json_round_trip(policy):
     out = compiled(policy)
