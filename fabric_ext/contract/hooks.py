@@ -88,7 +88,8 @@ CHUNK_INPUTS = (
     _f("queue_bytes", "u64", SIZE, "bytes queued ahead of the chunk at the egress (0 where it has none: at its "
        "end, and as it leaves the queue)"),
     _f("critical", "u32", COUNT, "1 if the movement is marked critical"),
-    _f("hop", "u32", COUNT, "index of this island on the chunk's path (where the chunk enters it)"),
+    _f("hop", "u32", COUNT, "index of this island on the chunk's path (where the chunk enters it; at "
+       "dequeue, of the device whose queue it leaves)"),
     _f("queued_ahead_hi", "u64", SIZE, "of queue_bytes, the bytes in higher priority classes than the chunk's "
        "now: they leave before it"),
     _f("queued_ahead_lo", "u64", SIZE, "of queue_bytes, the bytes in the chunk's priority class or lower"),
