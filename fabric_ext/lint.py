@@ -17,7 +17,6 @@ from . import ast as A
 from .checker import const_value, exact_value
 from .contract.flows import MovementTable
 from .contract.hooks import TIER_KINDS
-from .contract.schema import NOT_MODELLED
 from .contract.topology import island_roles, route
 from .diagnostics import Diagnostics
 from .graph import prop_value
@@ -85,7 +84,6 @@ def warn(analysis, diags: Diagnostics) -> None:
         diags.warning(modules[0].span, "this file declares nothing (no import, fabric, workload, movement, map "
                                        "or policy): its bundle has no programs and no fabric to run on",
                       'start from a bundled policy, e.g. import "fabrics/dgx_cxl.fx"')
-    _properties_not_modelled(sym, diags)
     _handlers_outside_the_tp_group(analysis, sym, diags)
     _movements_without_transfers(analysis, sym, diags)
     _island_handlers_no_transfer_meets(analysis, sym, diags)
@@ -129,17 +127,6 @@ def _updates_that_keep_zero(analysis, sym, diags) -> None:
             diags.warning(u.map.span, f"'{u.op}' on array '{u.map.name}' keeps its entries 0: an array's "
                           "entries start at 0", f"declare '{u.map.name}' a hash map (a key it does not hold takes "
                           "the first value), or set its entries with '=' first")
-
-
-def _properties_not_modelled(sym, diags) -> None:
-    """A device property no run models yet (`schema.NOT_MODELLED`) changes nothing: said where
-    it is given."""
-    for d in sym.devices.values():
-        for p in d.props:
-            why = NOT_MODELLED.get((d.kind, p.name.name))
-            if why is not None:
-                diags.warning(p.name.span, f"'{p.name.name}' of a {d.kind} is not modelled, so it changes no run: "
-                              f"{why}", "leave it out, or give the links' figures instead")
 
 
 def _workload(sym) -> dict:

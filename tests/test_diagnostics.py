@@ -250,17 +250,6 @@ def test_a_switch_linking_more_devices_than_its_ports_is_an_error(tmp_path):
     assert not analyze(path).diags.errors
 
 
-def test_device_properties_no_run_models_are_warned(tmp_path):
-    """A host's `dram_bw` is accepted but changes no run: the compiler says so where it is
-    given (tests/test_runtime.py shows a switch's `bw` and a NIC's `latency` act)."""
-    path = tmp_path / "p.fx"
-    path.write_text("fabric f {\n  gpu g0\n  dpu n0 { line_rate: 400Gbps; latency: 1us }\n"
-                    "  host h0 { dram: 1TiB; dram_bw: 200GB/s }\n  link g0 <-> n0\n  link h0 <-> n0\n}\n")
-    warnings = {f"{d.span.line}:{d.span.col}": d.message for d in analyze(path).diags.items}
-    assert warnings.pop("4:25").startswith("'dram_bw' of a host is not modelled, so it changes no run")
-    assert warnings == {}
-
-
 def test_min_and_and_on_an_array_that_nothing_sets_are_warned(tmp_path):
     """An array holds every key from the start, at 0: ``min=`` and ``&=`` keep it 0 unless the
     policy also sets its entries with ``=``; on a hash map they take the first value."""

@@ -656,3 +656,25 @@ policy p {
     assert {int(v) for v in m["lo_lru"].values()} == {5}
     assert min(int(v) for v in m["hi"].values()) > 1
     assert {int(k) + 16: int(v) for k, v in m["both"].items()} == {k + 16: k + 16 for k in range(layers)}
+
+
+def test_a_hosts_memory_bandwidth_is_shared_by_what_is_read_from_and_written_to_it(tmp_path):
+    """`dram_bw`: a chunk from host memory is read through a server of that bandwidth before
+    its first link, one to host memory written through it as it arrives; reads and writes
+    share it.  Below the links' bandwidth it sets the pace; the run is the same with trains
+    off (every step in the loop)."""
+    def run(dram, **options):
+        text = (f"fabric f {{\n  gpu g0\n  cxl_switch s0\n  host h0 {{ dram: 1TiB{dram} }}\n"
+                "  link g0 <-> s0 { bw: 63GB/s; latency: 600ns }\n  link h0 <-> s0 { bw: 63GB/s; latency: 600ns }\n}\n"
+                'workload w { model: "llama3-8b"; prompt: 512; weights: h0; kv: h0 }\n')
+        out = compile_text(tmp_path, text, name=f"h{len(dram)}")
+        report, _ = run_engine(out, model="llama3-8b", prompt=512, tp=1, **options)
+        return report, {link["name"]: link for link in report["links"]}
+    (plain, plain_links), (slow, slow_links) = run(""), run("; dram_bw: 8GB/s")
+    assert "h0 memory" not in plain_links
+    memory = slow_links["h0 memory"]
+    assert memory["bytes"] == slow_links["h0->s0"]["bytes"] + slow_links["s0->h0"]["bytes"] > 0
+    assert memory["bw_gbps"] == 8.0 and memory["util_avg"] > 0.8
+    assert slow["ttft_ms"] > 2 * plain["ttft_ms"]
+    looped, _ = run("; dram_bw: 8GB/s", trains=False)
+    assert looped["ttft_ms"] == slow["ttft_ms"] and looped["links"] == slow["links"]

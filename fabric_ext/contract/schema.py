@@ -18,10 +18,6 @@ DEVICE_PROPS: dict[str, dict[str, str]] = {
     "nic": {"line_rate": BANDWIDTH, "latency": TIME, "mem": SIZE},
     "host": {"dram": SIZE, "dram_bw": BANDWIDTH},
 }
-#: device properties the checker accepts but no run models yet: a warning says so where one is given
-NOT_MODELLED = {
-    ("host", "dram_bw"): "host memory moves data at the bandwidth of the host's links",
-}
 LINK_PROPS = {"bw": BANDWIDTH, "latency": TIME, "kind": NAME}
 LINK_KINDS = ("pcie", "cxl", "nvlink", "ethernet", "internal")
 

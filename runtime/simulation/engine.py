@@ -190,8 +190,10 @@ class Engine:
                      self._inside(n)) for n, d in self.devices.items() if d["kind"] in ("dpu", "nic")}
         kinds = {n: i["kind"] for n, i in self.islands.items()}
         engines = {n: int(self._gpu_figure(n, "copy_engines")) for n, d in self.devices.items() if d["kind"] == "gpu"}
+        host_memory = {n: float(self._prop(n, "dram_bw")) for n, d in self.devices.items()
+                       if d["kind"] == "host" and self._prop(n, "dram_bw")}
         return Fabric(self.sim, g, self.device_island, kinds, wires, mem, self.site, engines,
-                      self.opts.per_chunk_events, self._evidence, self.opts.trains)
+                      self.opts.per_chunk_events, self._evidence, self.opts.trains, host_memory)
 
     @property
     def _evidence(self) -> bool:
@@ -337,7 +339,8 @@ class Engine:
         """What the run hands its report and trace (`stats.RunRecord`)."""
         self.site.remembered.settle()      # the chunks standing decisions served
         self._run_observers()               # (a run stopped early, or simulated by hand)
-        servers = list(dict.fromkeys([*self.fabric.servers.values(), *self.fabric.wires.values()]))
+        servers = list(dict.fromkeys([*self.fabric.servers.values(), *self.fabric.wires.values(),
+                                      *self.fabric.host_memory.values()]))
         attached = self.opts.attach
         return RunRecord(
             policy=str(self.folder), backend=self.backend.name, backend_load=self.backend.load_stats() if attached else {},

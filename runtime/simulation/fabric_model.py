@@ -110,11 +110,13 @@ class Fabric:
                  island_kind: dict[str, str], wires: dict[str, tuple],
                  memory_channels: dict[str, float], hooks: HookSite | None = None,
                  copy_engines: dict[str, int] | None = None, per_chunk_events: bool = False,
-                 evidence: bool = False, trains: bool = True):
+                 evidence: bool = False, trains: bool = True, host_memory: dict[str, float] | None = None):
         """``evidence``: record every chunk's life (`Chunk.trail`) and what each link sent
         (`Server.occupants`), for `explain`; off, nothing is recorded.  ``trains``: step a
         server's round robin over copy engines' streams ahead inside one event (`trains`;
-        not with evidence, which it does not record, nor with ``per_chunk_events``)."""
+        not with evidence, which it does not record, nor with ``per_chunk_events``).
+        ``host_memory``: the bandwidth (B/s) of each host's memory that has one: a chunk is read
+        from it before its first link, and written to it as it arrives (`_forward`)."""
         self.sim, self.g = sim, graph
         self.evidence = evidence
         self.per_chunk_events = per_chunk_events   # an event at every arrival too (see `_lands_quietly`)
@@ -138,8 +140,12 @@ class Fabric:
         self.wire_latency = {dev: spec.latency for dev, spec in specs.items() if spec.latency}
         for dev, srv in self.wires.items():
             srv.ends = (dev, "wire")
+        self.host_memory = {dev: Server(sim, f"{dev} memory", bw, per_chunk_events=per_chunk_events)
+                            for dev, bw in (host_memory or {}).items()}
+        for dev, srv in self.host_memory.items():
+            srv.ends = (dev, "memory")
         if evidence:
-            for srv in [*self.servers.values(), *self.wires.values()]:
+            for srv in [*self.servers.values(), *self.wires.values(), *self.host_memory.values()]:
                 srv.occupants = []
         self.trains = Trains(self) if trains and not evidence and not per_chunk_events else None
         if self.trains is not None:
@@ -393,11 +399,16 @@ class Fabric:
 
     def _forward(self, chunk: Chunk) -> None:
         path, hop = chunk.path, chunk.hop
-        if hop + 1 < len(path):
+        if hop == 0 and not chunk.read and path[0] in self.host_memory:
+            chunk.read = True       # read from the host's memory first, then sent on
+            self.host_memory[path[0]].enqueue(chunk, self._forward)
+        elif hop + 1 < len(path):
             self.servers[(path[hop], path[hop + 1])].enqueue(chunk, self._sent, self._handed_on)
         elif path[hop] in self.wires and chunk.island is not None:
             chunk.island = None  # leaves on the wire once
             self.wires[path[hop]].enqueue(chunk, self._off_the_wire)
+        elif path[hop] in self.host_memory:
+            self.host_memory[path[hop]].enqueue(chunk, self._delivered)
         else:
             self._delivered(chunk)
 
@@ -459,7 +470,8 @@ class Fabric:
         """Whether arriving at ``dev`` from island ``came_from`` at the end of its path asks
         the hook site nothing for a chunk of ``t`` (`_arrive`, `_forward`, `_delivered`)."""
         isl = self.device_island.get(dev)
-        if dev in self.wires or (isl is not None and isl != came_from and self.hooks.asks(isl, "enter")):
+        if dev in self.wires or dev in self.host_memory or \
+                (isl is not None and isl != came_from and self.hooks.asks(isl, "enter")):
             return False
         return not self._ends(t, "deliver")
 
