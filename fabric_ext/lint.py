@@ -85,8 +85,9 @@ def warn(analysis, diags: Diagnostics) -> None:
                                        "or policy): its bundle has no programs and no fabric to run on",
                       'start from a bundled policy, e.g. import "fabrics/dgx_cxl.fx"')
     _handlers_outside_the_tp_group(analysis, sym, diags)
-    _movements_without_transfers(analysis, sym, diags)
-    _island_handlers_no_transfer_meets(analysis, sym, diags)
+    transfers = _prefill_transfers(analysis, sym)
+    _movements_without_transfers(analysis, sym, transfers, diags)
+    _island_handlers_no_transfer_meets(analysis, sym, transfers, diags)
     _decisions_without_effect(analysis, sym, diags)
     _updates_that_keep_zero(analysis, sym, diags)
     _variables_cut_to_whole_numbers(analysis, diags)
@@ -142,17 +143,27 @@ def _workload(sym) -> dict:
     return out
 
 
-def _movements_without_transfers(analysis, sym, diags) -> None:
-    """Match the transfers the declared prefill makes to movements, as the runtime will
-    (`flows.MovementTable`): a movement none matches never moves anything, and a handler on
-    a movement at an island none of its matched transfers cross never runs."""
+def _prefill_transfers(analysis, sym) -> list[tuple]:
+    """Each kind of transfer the declared prefill makes, matched to its movement as the runtime
+    will (`flows.MovementTable`): (the match or None, its path: the movement's, or routed as
+    the runtime routes a transfer no movement declares)."""
     from fabric_ext.runtime.simulation.workload import prefill_flows
     w = _workload(sym)
     gpus = [name for name, d in sym.devices.items() if d.kind == "gpu"][:w["tp"]]
     table = MovementTable(to_json(analysis)["movements"])
-    crossed: dict[str, set[str]] = {}
+    out = []
     for cls, operator, src, dst in prefill_flows(gpus, w["weights"], w["kv"], w["kv_export"]):
         hit = table.match(cls, operator, src, dst)
+        out.append((hit, hit.path if hit is not None else route(analysis.graph.g, src, dst)))
+    return out
+
+
+def _movements_without_transfers(analysis, sym, transfers, diags) -> None:
+    """A movement no transfer of the prefill matches never moves anything, and a handler on
+    a movement at an island none of its matched transfers cross never runs."""
+    w = _workload(sym)
+    crossed: dict[str, set[str]] = {}
+    for hit, _ in transfers:
         if hit is not None:
             crossed.setdefault(hit.movement["name"], set()).update(i["island"] for i in hit.flow["islands"])
     for name, decl in sym.movements.items():
@@ -173,23 +184,17 @@ def _movements_without_transfers(analysis, sym, diags) -> None:
                               f"this handler never runs (its transfers cross {', '.join(sorted(islands))})")
 
 
-def _island_handlers_no_transfer_meets(analysis, sym, diags) -> None:
+def _island_handlers_no_transfer_meets(analysis, sym, transfers, diags) -> None:
     """A handler on an island's chunk hook (``nic0.rx``, ``cpu0.complete``) runs for every
     chunk that meets the hook there, whatever its movement: where none of the declared
     prefill's transfers does (each on its movement's path, or routed as the runtime routes
     it), it never runs; nor does ``host.alloc`` but at the fabric's first host.  Not said
     where a handler routes or tiers: paths then change as the run goes."""
-    from fabric_ext.runtime.simulation.workload import prefill_flows
     if any(_sets_route_or_tier(pl.handler) for pl in analysis.placements):
         return
     mg, w = analysis.graph, _workload(sym)
     gpus = [name for name, d in sym.devices.items() if d.kind == "gpu"]
-    table = MovementTable(to_json(analysis)["movements"])
-    met: set[tuple[str, str]] = set()       # (island, role) some transfer meets
-    for cls, operator, src, dst in prefill_flows(gpus[:w["tp"]], w["weights"], w["kv"], w["kv_export"]):
-        hit = table.match(cls, operator, src, dst)
-        path = hit.path if hit is not None else route(mg.g, src, dst)
-        met.update(island_roles(path or [], mg.device_island))
+    met = {role for _, path in transfers for role in island_roles(path or [], mg.device_island)}
     placer = next((name for name, island in mg.islands.items() if island.kind == "host"), None)
     by_handler: dict[int, tuple[A.Handler, list]] = {}
     for pl in analysis.placements:
