@@ -399,18 +399,23 @@ class Fabric:
 
     def _forward(self, chunk: Chunk) -> None:
         path, hop = chunk.path, chunk.hop
-        if hop == 0 and not chunk.read and path[0] in self.host_memory:
-            chunk.read = True       # read from the host's memory first, then sent on
-            self.host_memory[path[0]].enqueue(chunk, self._forward)
-        elif hop + 1 < len(path):
-            self.servers[(path[hop], path[hop + 1])].enqueue(chunk, self._sent, self._handed_on)
+        if hop + 1 < len(path):
+            if hop == 0 and self.host_memory and path[0] in self.host_memory:
+                self.host_memory[path[0]].enqueue(chunk, self._send_on)      # read from it first
+            else:       # (`_send_on`, inline: every hop of every chunk comes here)
+                self.servers[(path[hop], path[hop + 1])].enqueue(chunk, self._sent, self._handed_on)
         elif path[hop] in self.wires and chunk.island is not None:
             chunk.island = None  # leaves on the wire once
             self.wires[path[hop]].enqueue(chunk, self._off_the_wire)
-        elif path[hop] in self.host_memory:
-            self.host_memory[path[hop]].enqueue(chunk, self._delivered)
+        elif self.host_memory and path[hop] in self.host_memory:
+            self.host_memory[path[hop]].enqueue(chunk, self._delivered)     # written to it as it arrives
         else:
             self._delivered(chunk)
+
+    def _send_on(self, chunk: Chunk) -> None:
+        """Queue the chunk on the link to the next device of its path."""
+        path, hop = chunk.path, chunk.hop
+        self.servers[(path[hop], path[hop + 1])].enqueue(chunk, self._sent, self._handed_on)
 
     def _off_the_wire(self, chunk: Chunk) -> None:
         """The chunk's end of transmission on its NIC's wire: it has left on the network once

@@ -96,7 +96,6 @@ class Chunk:
     queue: object = None      # the NIC transmit queue it leaves by (None: its flow's own)
     engine: object = None     # the copy engine busy with it until it leaves its first link
     trail: list | None = None  # with evidence on: its life, as `Step` tuples that tile it in time
-    read: bool = False        # read from its source host's memory (`Fabric._forward`)
 
     @property
     def last(self) -> bool:
