@@ -321,3 +321,16 @@ def test_bash_completion_follows_the_parsers(tmp_path):
     assert _complete(script, "fabric-vm", "run", "--h") == ["--help", "--hook"]
     bad = subprocess.run([sys.executable, "-m", "fabric_ext.cli", "completion", "fish"], capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_fabric_run_help_names_the_serving_stack_a_run_takes_by_default():
+    import re
+
+    import fabric_ext
+    help_text = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.cli", "--help"],
+                               capture_output=True, text=True).stdout
+    default = re.search(r"default: the\s+workload's, else (\w+)\)", help_text).group(1)
+    bundle = fabric_ext.compile(f'import "{POLICIES}/fabrics/dgx_h100.fx"\n'
+                                'workload w { model: "llama3-8b"; prompt: 512; tp: 2 }\n', werror=False)
+    assert fabric_ext.run(bundle).ttft_ms == fabric_ext.run(bundle, stack=default).ttft_ms \
+        != fabric_ext.run(bundle, stack="none").ttft_ms

@@ -271,3 +271,20 @@ def test_a_variable_given_a_constant_that_is_no_whole_number_is_warned(tmp_path)
     warnings = {f"{d.span.line}:{d.span.col}": d.message for d in analyze(path).diags.items if "holds" in d.message}
     assert warnings == {"7:11": "'k' holds 1: a variable holds whole numbers, so 1.5 is cut to its whole part",
                         "9:7": "'j' holds 0: a variable holds whole numbers, so 0.25 is cut to its whole part"}
+
+
+def test_variables_not_decisions_are_warned_and_a_tier_keeps_paths_open(tmp_path):
+    """A decision given a fractional constant is not a variable (decisions round down once,
+    docs/language.md); and a handler that tiers, like one that routes, moves paths at run
+    time, so no island handler is said to be never met."""
+    path = tmp_path / "d.fx"
+    path.write_text("fabric f {\n  gpu g0\n  cxl_switch s0\n  cxl_mem m0 at s0\n  host h0\n  link g0 <-> s0\n"
+                    "  link h0 <-> s0\n}\n"
+                    'workload w { model: "llama3-8b"; prompt: 256; kv: m0 }\nmap n : hash<u32, count>[2]\n'
+                    "policy p { on s0.mem_access { priority = 2.5; tier = m0 }\n"
+                    "           on h0.complete { n[0] += 1 } }\n")
+    a = analyze(path)
+    messages = [d.message for d in a.diags.items]
+    assert not a.diags.errors and not [m for m in messages if "holds" in m or "prefill meets" in m], messages
+    path.write_text(path.read_text().replace("; tier = m0", ""))
+    assert any("no transfer of the prefill meets h0.complete" in d.message for d in analyze(path).diags.items)

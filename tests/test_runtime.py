@@ -678,3 +678,19 @@ def test_a_hosts_memory_bandwidth_is_shared_by_what_is_read_from_and_written_to_
     assert slow["ttft_ms"] > 2 * plain["ttft_ms"]
     looped, _ = run("; dram_bw: 8GB/s", trains=False)
     assert looped["ttft_ms"] == slow["ttft_ms"] and looped["links"] == slow["links"]
+
+
+def test_a_switch_hop_of_0_is_0_and_a_nics_complete_names_its_network_port(tmp_path):
+    """`hop: 0ns` is no hop (it meant the default hop); KV exported through n0 completes there
+    as it leaves on the network, by n0's network port (1: after its one link)."""
+    def first_latency(hop):
+        text = (f"fabric f {{\n  gpu g0\n  cxl_switch s0 {{ hop: {hop} }}\n  dpu n0\n"
+                "  link g0 <-> s0 { bw: 63GB/s; latency: 600ns }\n  link s0 <-> n0 { bw: 63GB/s; latency: 600ns }\n}\n"
+                'workload w { model: "llama3-8b"; prompt: 512; kv_export: n0 }\n'
+                "map first : hash<u32, time>[2]\nmap out : hash<u32, count>[4]\n"
+                "policy p { on n0.complete { out[ev.out_port] += 1\n"
+                "  if ev.layer == 0 && ev.chunk == 0 { first[0] = ev.latency } } }\n")
+        report, _ = run_engine(compile_text(tmp_path, text, name=f"hop{hop}"), model="llama3-8b", prompt=512, tp=1)
+        return int(report["maps"]["first"]["0"]), list(report["maps"]["out"])
+    (no_hop, ports), (hop_1us, _) = first_latency("0ns"), first_latency("1us")
+    assert hop_1us - no_hop == 1000 and ports == ["1"]
