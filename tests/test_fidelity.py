@@ -108,6 +108,54 @@ def test_bloom_and_llama_configs_from_hugging_face(tmp_path):
     assert load_model(str(bad)).dtype_bytes == 4
 
 
+MISTRAL = {"model_type": "mistral", "num_hidden_layers": 2, "hidden_size": 4096, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000}
+
+
+def test_a_sliding_window_bounds_what_each_query_attends_to(tmp_path):
+    """Mistral's `sliding_window`: a prompt within it is timed as full attention; beyond it
+    each query attends to the window's keys only, and nothing but attention changes."""
+    folder = compile_text(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama3-8b"))
+    full, windowed = tmp_path / "full.json", tmp_path / "windowed.json"
+    full.write_text(json.dumps({**MISTRAL, "sliding_window": None}))
+    windowed.write_text(json.dumps({**MISTRAL, "sliding_window": 2048}))
+    assert (load_model(str(full)).window, load_model(str(windowed)).window) == (0, 2048)
+
+    def operators(config, prompt):
+        return run(folder, model=str(config), prompt=prompt, stack="none")[0]["operators"]
+    assert operators(windowed, 2048) == operators(full, 2048)
+    long_full, long_windowed = operators(full, 16384), operators(windowed, 16384)
+    # 16k queries over 2k keys each, against 8k on average: attention (most of this pass) ~ 3.6x less
+    assert 2.5 < long_full["attn"] / long_windowed["attn"] < 4.5
+    assert {k: v for k, v in long_full.items() if k != "attn"} == \
+        {k: v for k, v in long_windowed.items() if k != "attn"}
+
+
+def test_configs_whose_layers_the_model_does_not_time_are_refused(tmp_path):
+    """Experts, another architecture, or a window on some layers only would be timed as a dense
+    Llama layer in silence: each is an error naming the key, and what to do where there is a way."""
+    config = tmp_path / "config.json"
+    qwen = {**MISTRAL, "model_type": "qwen2", "sliding_window": 4096}
+    for c, says in [({**MISTRAL, "model_type": "mixtral", "num_local_experts": 8}, "'num_local_experts' is 8: "
+                     "a mixture of experts"),
+                    ({**MISTRAL, "model_type": "qwen2_moe", "num_experts": 60}, "'num_experts' is 60"),
+                    ({**MISTRAL, "model_type": "gpt_neox"}, "'model_type' 'gpt_neox' is not one the model "
+                     "times"),
+                    ({**qwen, "use_sliding_window": True}, "'use_sliding_window' windows only the layers"),
+                    ({**MISTRAL, "sliding_window": 0}, "'sliding_window' must be a whole number")]:
+        config.write_text(json.dumps(c))
+        with pytest.raises(WorkloadError, match=re.escape(says)):
+            load_model(str(config))
+    config.write_text(json.dumps(qwen))                 # Qwen's window is off unless switched on
+    assert load_model(str(config)).window == 0
+    config.write_text(json.dumps({k: v for k, v in MISTRAL.items() if k != "model_type"}))
+    assert load_model(str(config)).gated                # no model_type: a Llama-style layer
+    config.write_text(json.dumps({**MISTRAL, "model_type": "mixtral", "num_local_experts": 8}))
+    r = subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.cli", "--model", str(config), "-q"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "a mixture of experts" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_batch_multiplies_the_work_and_the_report_names_every_operator(tmp_path):
     folder = compile_text(tmp_path, MACHINE.format(fabric="dgx_h100.fx", model="llama2-70b"))
     one, _ = run(folder, prompt=512, batch=1, tp=8, stack="none")

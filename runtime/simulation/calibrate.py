@@ -126,6 +126,7 @@ class LayerShape:
     gated: bool
     dtype_bytes: int = 2
     rope: bool = True
+    window: int = 0
 
     @property
     def head_dim(self) -> int:

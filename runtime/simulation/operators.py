@@ -38,6 +38,18 @@ def _memory(name, tokens, nbytes):
     return Operator(name, MEMORY, 0.0, float(nbytes), tokens)
 
 
+def keys_seen(start: int, n: int, window: int) -> float:
+    """Keys the ``n`` new queries of a sequence after ``start`` earlier tokens attend to, in
+    all: causal, the query at position x sees x keys, or the latest ``window`` of them (the
+    integral of min(x, window) from start to start + n; n * (start + n/2) without a window)."""
+    a, b = start, start + n
+    if b <= window:
+        return n * (start + n / 2)
+    if a >= window:
+        return float(n * window)
+    return (window * window - a * a) / 2 + window * (b - window)
+
+
 def attention_block(m, seqs: int, start: int, n: int, tp: int) -> list[Operator]:
     """The attention block of one layer for a pass of ``n`` new tokens per sequence after
     ``start`` earlier ones (a chunked prefill's later passes), on one of ``tp`` GPUs."""
@@ -47,11 +59,11 @@ def attention_block(m, seqs: int, start: int, n: int, tp: int) -> list[Operator]
            _gemm("attn_pre_proj", tokens, h, (heads + 2 * kv) * d, dt)]
     if m.rope:
         ops.append(_memory("attn_rope", tokens, 2 * tokens * (heads + kv) * d * dt))
-    # causal: the i-th new token sees start + i keys, start + n/2 on average
-    flops = 4.0 * tokens * (start + n / 2) * heads * d
-    nbytes = dt * (tokens * 2 * (heads + kv) * d + seqs * start * 2 * kv * d)
-    ops.append(Operator("attn", ATTENTION, flops, float(nbytes), tokens, seqs=seqs, context=start + n, heads=heads,
-                        alibi=not m.rope))
+    window = m.window or start + n
+    flops = 4.0 * seqs * keys_seen(start, n, window) * heads * d
+    nbytes = dt * (tokens * 2 * (heads + kv) * d + seqs * min(start, window) * 2 * kv * d)
+    ops.append(Operator("attn", ATTENTION, flops, float(nbytes), tokens, seqs=seqs, context=min(start + n, window),
+                        heads=heads, alibi=not m.rope))
     ops += [_gemm("attn_post_proj", tokens, heads * d, h, dt), _memory("add", tokens, 3 * tokens * h * dt)]
     return ops
 

@@ -36,6 +36,7 @@ class ModelConfig:
     dtype_bytes: int = 2
     gated: bool = True       # gated FFN (SiLU(gate) * up, Llama) or one up projection (GeLU, BLOOM)
     rope: bool = True        # rotary position embedding (Llama) or ALiBi biases (BLOOM)
+    window: int = 0          # keys a query attends to at most, the latest (sliding window); 0: all before it
 
     @property
     def shape(self) -> tuple:
@@ -89,16 +90,22 @@ def _file_name(p: Path) -> str:
     return p.resolve().parent.name if p.stem == "config" and p.resolve().parent.name else p.stem
 
 
+#: ``model_type``s whose layers are Llama's as the model times them: a gated FFN, rotary
+#: positions, every layer attending alike (to all earlier keys, or to a `sliding_window` of them)
+LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "granite", "olmo2")
+#: keys by which a config declares a mixture of experts (the model times dense FFNs only)
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 #: bytes per weight of each ``torch_dtype`` the model times (a config without one: 2)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 MAX_SHAPE = (1 << 24) - 1   # the largest layer count, width, head count or vocabulary a config may give
 
 
 def _from_hf_config(c: dict, stem: str) -> ModelConfig:
-    """A Llama-style config (num_hidden_layers, num_attention_heads, num_key_value_heads,
-    intermediate_size: gated FFN, RoPE) or a BLOOM one (model_type bloom; n_layer, n_head:
-    multi-head attention with ALiBi, a 4x FFN with GeLU).  ValueError names the key that is
-    missing or out of range."""
+    """A Llama-style config (a `LLAMA_STYLE` model_type, or none; num_hidden_layers,
+    num_attention_heads, num_key_value_heads, intermediate_size: gated FFN, RoPE) or a BLOOM
+    one (model_type bloom; n_layer, n_head: multi-head attention with ALiBi, a 4x FFN with
+    GeLU).  ValueError names the key that is missing or out of range, or what of the
+    architecture the model does not time (experts, another layer type)."""
     def whole(*keys):       # the first of ``keys`` the config has, a whole number in range
         key = next((k for k in keys if k in c), None)
         if key is None:
@@ -111,11 +118,13 @@ def _from_hf_config(c: dict, stem: str) -> ModelConfig:
     dtype = c.get("torch_dtype") or "bfloat16"
     if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         raise ValueError(f"'torch_dtype' {dtype!r} is not one the model times ({', '.join(DTYPE_BYTES)})")
+    kind = c.get("model_type")
+    _check_architecture(c, kind)
     # the config's own name for the model, else its file's, with the architecture it declares
-    name = c.get("_name_or_path") or (f"{stem} ({c['model_type']})" if isinstance(c.get("model_type"), str) else stem)
+    name = c.get("_name_or_path") or (f"{stem} ({kind})" if kind else stem)
     if not isinstance(name, str):
         raise ValueError(f"'_name_or_path' must be a string, not {name!r}")
-    if c.get("model_type") == "bloom":
+    if kind == "bloom":
         hidden, heads = whole("hidden_size", "n_embed"), whole("n_head", "num_attention_heads")
         return ModelConfig(name, whole("n_layer", "num_hidden_layers"), hidden, heads, heads,
                            _divided(hidden, heads), 4 * hidden, whole("vocab_size"), DTYPE_BYTES[dtype],
@@ -124,7 +133,36 @@ def _from_hf_config(c: dict, stem: str) -> ModelConfig:
     return ModelConfig(name, whole("num_hidden_layers"), hidden, heads,
                        whole("num_key_value_heads") if "num_key_value_heads" in c else heads,
                        whole("head_dim") if "head_dim" in c else _divided(hidden, heads),
-                       whole("intermediate_size"), whole("vocab_size"), DTYPE_BYTES[dtype])
+                       whole("intermediate_size"), whole("vocab_size"), DTYPE_BYTES[dtype],
+                       window=_window(c, kind))
+
+
+def _check_architecture(c: dict, kind) -> None:
+    """ValueError for a config whose layers the model would time as another's: experts, or a
+    model_type that is neither BLOOM nor Llama-style (a config without one is taken for Llama's)."""
+    experts = next((k for k in EXPERT_KEYS if type(c.get(k)) is int and c[k] > 1), None)
+    if experts:
+        raise ValueError(f"'{experts}' is {c[experts]}: a mixture of experts, and the model times dense "
+                         "FFN layers only (it would take the experts' weights for one FFN's)")
+    if kind is not None and kind != "bloom" and kind not in LLAMA_STYLE:
+        raise ValueError(f"'model_type' {kind!r} is not one the model times: it times BLOOM and Llama-style "
+                         f"layers ({', '.join(LLAMA_STYLE)}: a gated FFN, rotary positions); if this model's "
+                         "layers are of that kind, give a copy of the config 'model_type': 'llama'")
+
+
+def _window(c: dict, kind) -> int:
+    """The keys each query attends to (`ModelConfig.window`): the config's `sliding_window`
+    where every layer uses it, 0 where none does; ValueError where only some do."""
+    window, layered = c.get("sliding_window"), kind in ("qwen2", "qwen3")
+    if window is None or not c.get("use_sliding_window", not layered):    # Qwen's default: off
+        return 0
+    if type(window) is not int or not 0 < window <= MAX_SHAPE:
+        raise ValueError(f"'sliding_window' must be a whole number from 1 to {MAX_SHAPE} or null, not {window!r}")
+    if layered:
+        raise ValueError("'use_sliding_window' windows only the layers from 'max_window_layers' on, and the "
+                         "model times every layer's attention alike; set it false in a copy of the config "
+                         "to time full attention")
+    return window
 
 
 def _divided(hidden: int, heads: int) -> int:
