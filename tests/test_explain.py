@@ -108,6 +108,19 @@ def test_a_link_too_slow_for_the_weights_is_bandwidth_bound(tmp_path):
     assert _time(report, cause="queued") == 0 and _time(report, kind="blocked") < 0.1 * _time(report)
 
 
+def test_host_memory_too_slow_for_the_weights_is_bandwidth_bound(tmp_path):
+    """Each chunk is read from the host's memory before its first link, and holds its copy
+    engine meanwhile: the wait for the engine is the memory's, not the engine's."""
+    slow_host = FABRIC.replace("host cpu0", "host cpu0 { dram_bw: 4GB/s }")
+    weights = "movement w = weights : cpu0 -> gpu* { chunk: 64KiB }"
+    report = _explain(tmp_path, _policy("weights: cpu0; kv: hbm; prefetch: 8", weights, fabric=slow_host))
+    _check_sums(report)
+    chain, step = _top(report)
+    assert (step["cause"], step["where"], step["movement"]) == ("bandwidth", "cpu0 memory", "w")
+    assert _time(report, cause="bandwidth", where="cpu0 memory") > 0.9 * _time(report)
+    assert _time(report, cause="engine") == 0
+
+
 def test_a_shallow_prefetch_blocks_and_a_deeper_one_removes_it(tmp_path):
     shallow = _explain(tmp_path, _policy("weights: pool0; kv: hbm", WEIGHTS, fabric=FAR_GPUS), "shallow")
     _check_sums(shallow)

@@ -12,7 +12,8 @@ exactly, by walking the life of the chunk that arrived last:
 - held by ``defer``: *blocked*, naming the decision's line; held by ``rate``: *slowed*,
   naming its line;
 - waiting at a link (queued, or waiting for its copy engine and its own earlier chunks, as the
-  path's first link sends them): split by what the link sent meanwhile.  Data of the same
+  path's first link sends them, or a source host's memory reads them first): split by what
+  the link (the memory, then the link) sent meanwhile.  Data of the same
   class issued no later (its own transfer, the other GPUs' weights of the same layer) is the
   link's bandwidth: *slowed, bandwidth-bound*.  Any other movement is competition: *slowed,
   queued behind* it, with its priority and the bytes it sent;
@@ -168,7 +169,7 @@ class Explainer:
         own = 0.0
         chunk = t.last_chunk
         trail = [Step(*entry) for entry in chunk.trail] if chunk is not None else []
-        first = self._first_server(t)
+        first = self._first_servers(t)
         holds = [st for st in trail if st.kind in ("defer", "rate")]
         # a first link idle while the chunk waited: held like it (its earlier chunks), else its copy engine
         idle = self._hold(max(holds, key=lambda st: st.end - st.start), t.movement_id) if holds else \
@@ -190,16 +191,19 @@ class Explainer:
             elif st.kind == "latency":
                 add(Cause("slowed", "latency", where=f"{st.where[0]}->{st.where[1]}", movement=t.name), b - a)
                 own += b - a
-            else:               # pending, engine: behind what the first link sends; queue: its own link
-                server = st.where if st.kind == "queue" else first
-                own += self._occupancy(server, t, a, b, add, idle)
+            else:               # pending, engine: behind what the first stages send; queue: its own link
+                own += self._occupancy([st.where] if st.kind == "queue" else first, t, a, b, add, idle)
         if end > at:
             add(Cause("slowed", "untracked", movement=t.name), end - at)
         return own
 
-    def _first_server(self, t):
+    def _first_servers(self, t) -> list:
+        """What a copy engine's chunk goes through before the engine is free for the next:
+        the source host's memory where it has one (read first), then the path's first link."""
         path = t.path
-        return self.fabric.server(path[0], path[1]) if len(path) > 1 else None
+        memory = self.fabric.host_memory.get(path[0])
+        return ([memory] if memory is not None else []) + \
+            ([self.fabric.server(path[0], path[1])] if len(path) > 1 else [None])
 
     @staticmethod
     def _bandwidth(server, t) -> Cause:
@@ -220,22 +224,29 @@ class Explainer:
     def _engine_device(self, t) -> str:
         return t.src if t.src in self.fabric.engines else t.dst
 
-    def _occupancy(self, server, t, a: float, b: float, add, idle: Cause) -> float:
-        """Blame [a, b] on what ``server`` sent then (``idle`` where it sent nothing); returns
-        the time it sent t's own bytes."""
+    def _occupancy(self, servers: list, t, a: float, b: float, add, idle: Cause) -> float:
+        """Blame [a, b] on what the first of ``servers`` sent then, the times it sent nothing
+        on what the next sent, and so on (``idle`` where none sent anything); returns the time
+        they sent t's own bytes."""
+        if not servers:
+            add(idle, b - a)
+            return 0.0
+        server, rest = servers[0], servers[1:]
         if server is None or server.occupants is None:
             add(Cause("slowed", "untracked", movement=t.name), b - a)
             return 0.0
         starts = self._interval_starts(server)
         ivs, occ = server.intervals, server.occupants
         i = max(0, bisect.bisect_right(starts, a) - 1)
-        busy, own = 0.0, 0.0
+        at, own = a, 0.0
         while i < len(ivs) and ivs[i][0] < b:
             s, e, nbytes = ivs[i]
             lo, hi = max(s, a), min(e, b)
             if hi > lo:
+                if lo > at:
+                    own += self._occupancy(rest, t, at, lo, add, idle)
+                at = max(at, hi)
                 other, prio, _, _ = occ[i]
-                busy += hi - lo
                 if other is t or (other.cls == t.cls and (other.start <= t.start or other.layer == t.layer)):
                     add(self._bandwidth(server, t), hi - lo)     # what is needed no later than t
                     own += hi - lo if other is t else 0.0
@@ -243,8 +254,8 @@ class Explainer:
                     add(self._queued(server, other, prio, later=other.cls == t.cls),
                         hi - lo, nbytes * (hi - lo) / (e - s) if e > s else nbytes)
             i += 1
-        if b - a > busy:
-            add(idle, b - a - busy)
+        if b > at:
+            own += self._occupancy(rest, t, at, b, add, idle)
         return own
 
     def _interval_starts(self, server) -> list[float]:
