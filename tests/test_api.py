@@ -185,8 +185,11 @@ def test_a_comparison_says_when_the_policies_workloads_differ():
     from fabric_ext.runtime.simulation import stats
     run = fabric_ext.run(fabric_ext.compile(POLICIES / "kv_tiering.fx"), prompt=128).to_dict()
     other = dict(run, policy="other.fx", workload=dict(run["workload"], prompt=256))
-    assert "workloads differ" in stats.render_comparison([run, other])
-    assert "workloads differ" not in stats.render_comparison([run, dict(run, policy="same.fx")])
+    text = stats.render_comparison([run, other])
+    assert "workloads differ" in text
+    assert "kv_tiering: prefill of llama3-8b: 128 tokens" in text and "other: prefill of llama3-8b: 256 tokens" in text
+    same = stats.render_comparison([run, dict(run, policy="same.fx")])
+    assert "workloads differ" not in same and same.startswith("prefill of llama3-8b: 128 tokens")
 
 
 def test_a_comparisons_columns_tell_apart_policies_that_share_a_name():

@@ -242,9 +242,12 @@ def render_comparison(runs: list[dict]) -> str:
     """Policies side by side on one workload: time to first token (and its baseline's), then
     each movement's GB/s and GPU stall under each policy."""
     names = _run_names(runs)
-    w = runs[0]["workload"]
-    out = [f"prefill of {w['model']}: {w['prompt']} tokens x {w['batch']}, TP {w['tp']}"]
-    if any(r["workload"] != w for r in runs):
+
+    def prefill(w):
+        return f"prefill of {w['model']}: {w['prompt']} tokens x {w['batch']}, TP {w['tp']}"
+    out = [prefill(runs[0]["workload"])]
+    if any(r["workload"] != runs[0]["workload"] for r in runs):
+        out = [f"{n}: {prefill(r['workload'])}" for n, r in zip(names, runs)]
         out.append("note: the policies' workloads differ (their own declarations); give --model, --prompt, "
                    "--batch, --tp to run them all on one")
     out.append("")
