@@ -17,7 +17,7 @@ from fabric_ext.runtime.simulation.compute import GpuProfile, Stack, Timer, prof
 from fabric_ext.runtime.simulation.engine import Engine, RunOptions
 from fabric_ext.runtime.simulation.figures import figures
 from fabric_ext.runtime.simulation.operators import attention_block, ffn_block
-from fabric_ext.runtime.simulation.workload import WorkloadError, load_model
+from fabric_ext.runtime.simulation.workload import Workload, WorkloadError, load_model
 from test_runtime import compile_text
 
 DATA = ROOT.parent / "shared" / "data"
@@ -129,6 +129,36 @@ def test_a_sliding_window_bounds_what_each_query_attends_to(tmp_path):
     assert 2.5 < long_full["attn"] / long_windowed["attn"] < 4.5
     assert {k: v for k, v in long_full.items() if k != "attn"} == \
         {k: v for k, v in long_windowed.items() if k != "attn"}
+
+
+def test_a_chunked_prefill_reads_back_only_the_windows_kv(tmp_path):
+    """Each later pass reads the earlier passes' KV from the pool: all of it, or the latest
+    `sliding_window` tokens' of it."""
+    folder = compile_text(tmp_path, 'import "fabrics/dgx_cxl.fx"\nworkload w { model: "llama3-8b"; weights: hbm; '
+                          'kv: pool0 }\nmovement back = kv : pool0 -> gpu*\n')
+    full, windowed = tmp_path / "full.json", tmp_path / "windowed.json"
+    full.write_text(json.dumps(MISTRAL))
+    windowed.write_text(json.dumps({**MISTRAL, "sliding_window": 1024}))
+
+    def read_back(config):
+        report = run(folder, model=str(config), prompt=4096, chunk_tokens=1024, stack="none")[0]
+        return next(m["bytes"] for m in report["movements"] if m["name"] == "back")
+    # passes after 1k, 2k and 3k tokens: 6k tokens' KV read in all, or 1k each with the window
+    assert read_back(full) == 2 * read_back(windowed) > 0
+
+
+def test_with_fewer_kv_heads_than_gpus_each_keeps_one():
+    """TP shards the KV heads; past as many GPUs as KV heads each GPU keeps one (with its K
+    and V projections), as the attention block computes it."""
+    m = load_model("llama3-8b")                             # 32 query heads, 8 KV heads of 128
+    w8, w16 = Workload(m, 1024, tp=8), Workload(m, 1024, tp=16)
+    assert w16.kv_bytes(1024) == w8.kv_bytes(1024) == 2 * 1024 * 128 * 2
+    qkv = next(op for op in attention_block(m, 1, 0, 1, 16) if op.name == "attn_pre_proj")
+    assert qkv.gemm == (4096, (2 + 2 * 1) * 128)
+    whole = (2 * 32 + 2 * 8) * 4096 * 128 * 2                 # Q, K, V and O of one layer
+    assert w8.weight_bytes("attention") * 8 == whole
+    assert w16.weight_bytes("attention") == (2 * 2 + 2 * 1) * 4096 * 128 * 2
+    assert w8.weight_bytes("ffn") * 8 == 3 * 4096 * 14336 * 2
 
 
 def test_configs_whose_layers_the_model_does_not_time_are_refused(tmp_path):

@@ -118,7 +118,7 @@ class Prefill:
                 inputs.append(("weights", op, where, w.weight_bytes(op)))
             first_token = w.passes()[p][0]
             if op == "attention" and first_token and w.kv not in ("hbm", "none"):
-                inputs.append(("kv", "attention", w.kv, w.kv_bytes(first_token)))
+                inputs.append(("kv", "attention", w.kv, w.attended_kv_bytes(first_token)))
             if not inputs:
                 self.ready[g][u] = 0.0
                 continue

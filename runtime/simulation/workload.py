@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from fabric_ext.runtime.machine.errors import InputError
 from fabric_ext.runtime.machine.fsutil import read_bounded
 
 from .figures import figures
-from .operators import Operator, attention_block, ffn_block
+from .operators import GEMM, Operator, attention_block, ffn_block
 
 
 class WorkloadError(InputError):
@@ -43,12 +44,12 @@ class ModelConfig:
         """The layer's shape as Vidur's profiles name it: hidden, heads, KV heads, FFN, gated."""
         return (self.hidden, self.heads, self.kv_heads, self.ffn, self.gated)
 
-    def attn_weight_bytes(self) -> int:
-        h, d = self.hidden, self.head_dim
-        return (h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h) * self.dtype_bytes
 
-    def ffn_weight_bytes(self) -> int:
-        return (3 if self.gated else 2) * self.hidden * self.ffn * self.dtype_bytes
+@lru_cache(maxsize=64)
+def _weight_bytes(model: ModelConfig, tp: int, operator: str) -> int:
+    """One GPU's weights of a layer's attention or FFN block: its projections' (`operators`)."""
+    block = attention_block(model, 1, 0, 1, tp) if operator == "attention" else ffn_block(model, 1, 1, tp)
+    return sum(op.gemm[0] * op.gemm[1] for op in block if op.kind == GEMM) * model.dtype_bytes
 
 
 MAX_CONFIG = 1 << 20       # bytes of a Hugging Face config.json
@@ -258,13 +259,20 @@ class Workload:
         return {"attention": attention_block(m, b, start, n, tp), "ffn": ffn_block(m, b, n, tp)}
 
     def weight_bytes(self, operator: str) -> int:
-        total = self.model.attn_weight_bytes() if operator == "attention" else self.model.ffn_weight_bytes()
-        return total // self.tp
+        """One GPU's share of a layer's weights for ``operator`` ("attention" or "ffn"): the
+        projections TP shards, with K and V whole where there are fewer KV heads than GPUs."""
+        return _weight_bytes(self.model, self.tp, operator)
 
     def kv_bytes(self, n: int) -> int:
-        """KV of one layer for n tokens on one GPU (KV heads sharded by TP)."""
+        """KV of one layer for n tokens on one GPU: its KV heads' (TP shards them; with fewer
+        KV heads than GPUs each GPU keeps one, as the attention block reads it)."""
         m = self.model
-        return 2 * n * self.batch * m.kv_heads * m.head_dim * m.dtype_bytes // self.tp
+        return 2 * n * self.batch * max(1, m.kv_heads // self.tp) * m.head_dim * m.dtype_bytes
+
+    def attended_kv_bytes(self, start: int) -> int:
+        """KV of one layer that a pass after ``start`` earlier tokens reads on one GPU: all of
+        theirs, or the latest of a sliding window's."""
+        return self.kv_bytes(min(start, self.model.window or start))
 
     def activation_bytes(self, n: int) -> int:
         return n * self.batch * self.model.hidden * self.model.dtype_bytes
