@@ -249,6 +249,23 @@ def test_the_stack_adds_its_floor_tail_and_factors(tmp_path, monkeypatch):
     assert long_slow["ttft_ms"] - long_none["ttft_ms"] == pytest.approx(0.25 * long_none["compute_ms"] + 3.0, rel=0.01)
 
 
+def test_a_gpu_timed_as_another_takes_that_ones_stack_figures_too(tmp_path):
+    """An H200 is timed with the H100's fitted coefficients, and on the H100's host and
+    software stack: its floor and factors are the H100's, not none at all."""
+    h100 = 'model: "h100_sxm"; hbm: 80GiB; hbm_bw: 3.35TB/s'
+    fabric = (POLICIES / "fabrics" / "dgx_h100.fx").read_text()
+    assert h100 in fabric
+    (tmp_path / "dgx_h200.fx").write_text(fabric.replace(h100, 'model: "h200_sxm"; hbm: 141GB; hbm_bw: 4.8TB/s'))
+    folder = compile_text(tmp_path, MACHINE.replace("fabrics/", "").format(fabric="dgx_h200.fx", model="llama2-70b"))
+    vllm, _ = run(folder, prompt=16, tp=8, stack="vllm")
+    assert vllm["gpu"] == "h200_sxm"
+    assert vllm["ttft_ms"] == pytest.approx(Stack.named("vllm").floor("h100_sxm"))
+    for name, stack in figures()["stacks"].items():       # every profile has its figures, its own or another's
+        for table in ("floor_ms", "kernel_factor", "alibi_attention_factor"):
+            if table in stack:
+                assert {GpuProfile.named(g).timed_as for g in figures()["gpu"]} <= set(stack[table]), (name, table)
+
+
 def test_the_stack_is_chosen_by_the_workload_or_the_command_line(tmp_path):
     folder = compile_text(tmp_path, 'import "fabrics/dgx_h100.fx"\n'
                         'workload w { model: "llama2-70b"; tp: 8; prompt: 64; stack: "none" }\n')

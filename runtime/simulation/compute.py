@@ -55,12 +55,14 @@ class GpuProfile:
     hbm_bw: float        # B/s
     sms: int
     coeffs: dict
+    timed_as: str        # the profile whose fitted coefficients and stack figures it takes (its own, or its "compute")
 
     @classmethod
     def named(cls, name: str, peak: float | None = None, hbm_bw: float | None = None) -> GpuProfile:
         gpu = figures()["gpu"][name]
+        timed_as = gpu.get("compute", name)
         return cls(name, float(peak or gpu["bf16"]), float(hbm_bw or gpu["hbm_bw"]), int(gpu["sms"]),
-                   figures()["compute"][gpu.get("compute", name)])
+                   figures()["compute"][timed_as], timed_as)
 
 
 def _table(gpu: GpuProfile, model, tp: int) -> dict | None:
