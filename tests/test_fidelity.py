@@ -17,6 +17,7 @@ from fabric_ext.runtime.simulation.compute import GpuProfile, Stack, Timer, prof
 from fabric_ext.runtime.simulation.engine import Engine, RunOptions
 from fabric_ext.runtime.simulation.figures import figures
 from fabric_ext.runtime.simulation.operators import attention_block, ffn_block
+from fabric_ext.runtime.simulation.timing import Timing
 from fabric_ext.runtime.simulation.workload import Workload, WorkloadError, load_model
 from test_runtime import compile_text
 
@@ -231,6 +232,18 @@ def test_an_allreduce_takes_the_fitted_alpha_beta(tmp_path):
     expected = (fit["alpha"] + 2 * 3 / 4 * size / fit["busbw"] * 1e9) / 1e6
     per_call = [layer["allreduce_ms"] / 2 for layer in report["layers"]]
     assert per_call == pytest.approx([expected] * 80, rel=0.03)
+
+
+def test_a_tp_degree_without_a_fit_takes_the_nearest_ones_fit_and_stack_share():
+    """TP 16 all-reduces as TP 8 was fitted, at or beyond the largest profiled size at the
+    stack's share for TP 8 too (not the whole bus bandwidth)."""
+    gpus = [f"gpu{i}" for i in range(16)]
+    timing = Timing(Workload(load_model("llama3-8b"), 8192, tp=16), gpus, {}, "vllm")
+    fit = figures()["compute"]["h100_sxm"]["all_reduce"]["8"]
+    small, large = timing.all_reduce("gpu0", 1 << 20), timing.all_reduce("gpu0", fit["max_size"])
+    assert small.busbw == fit["busbw"] and small.alpha_ns == fit["alpha"]
+    assert Stack.named("vllm").busbw(8) < 1
+    assert large.busbw == pytest.approx(fit["busbw"] * Stack.named("vllm").busbw(8))
 
 
 # ---- the serving stack -------------------------------------------------------------------------

@@ -82,19 +82,19 @@ class Timing:
     def all_reduce(self, g, nbytes: int) -> AllReduce:
         """An all-reduce of ``nbytes`` over the group from GPU g: the fit for the group's TP
         degree (or the nearest fitted one) of g's profile, with the stack's share of the bus
-        bandwidth where the size is at or beyond the largest profiled one (the first GPU's such
+        bandwidth for that degree where the size is at or beyond the largest profiled one (the first GPU's such
         all-reduces add their time at the profiled bandwidth to `beyond_profile_ms`)."""
         t = len(self.gpus)
         fits = self.timers[g].gpu.coeffs.get("all_reduce")
         if not fits:
             return AllReduce(0.0, 0.0)
-        fit = fits[min(fits, key=lambda k: abs(int(k) - t))]
-        busbw = float(fit["busbw"])
+        fitted = min(fits, key=lambda k: abs(int(k) - t))
+        fit, busbw = fits[fitted], float(fits[fitted]["busbw"])
         if nbytes < fit["max_size"]:
             return AllReduce(float(fit["alpha"]), busbw)
         if g == self.gpus[0]:
             self.beyond_profile_ms += 2 * (t - 1) * nbytes // t / busbw * 1e3
-        return AllReduce(float(fit["alpha"]), busbw * self.stack.busbw(t))
+        return AllReduce(float(fit["alpha"]), busbw * self.stack.busbw(int(fitted)))
 
     def pass_floor_ns(self) -> float:
         """The least time a pass takes in this stack, on the first GPU's machine."""
