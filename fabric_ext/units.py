@@ -88,6 +88,9 @@ def exact_of(value: int | float) -> Fraction:
     return Fraction(repr(value)) if isinstance(value, float) else Fraction(value)
 
 
+_EXAMPLE = {SIZE: "4KiB", BANDWIDTH: "1GB/s", TIME: "10us", FLOPS: "1TFLOPs", PERCENT: "80%"}
+
+
 def quantity_as(text: str, dim: str | None, what: str, bare: bool = True) -> int | float:
     """``text`` ('1GB/s', '12') as a value of dimension ``dim``, in its base unit, for
     ``what`` (the name the message gives).  A bare number is taken where ``bare`` (else only
@@ -96,6 +99,9 @@ def quantity_as(text: str, dim: str | None, what: str, bare: bool = True) -> int
     try:
         value, got = parse_quantity(text)
     except UnitError as e:
+        if e.unit == text:          # no number to start it
+            raise ValueError(f"'{text}' is no quantity: write a number of 0 or more"
+                             + (f" and its unit, e.g. {_EXAMPLE[dim]}" if dim in _EXAMPLE else ", e.g. 12")) from None
         raise ValueError(f"unknown unit '{e.unit}'"
                          + (f"; did you mean '{e.suggestion}'?" if e.suggestion else "")) from None
     if got != dim and not (got is None and (bare or value == 0)):

@@ -49,6 +49,7 @@ def test_params_fold_in_expressions(tmp_path):
     ({"quota": "1GB"}, "'quota' is a bandwidth, not a size"),
     ({"quot": "1GB/s"}, "did you mean 'quota'?"),
     ({"quota": "1XB/s"}, "unknown unit"),
+    ({"quota": "-1GB/s"}, "'-1GB/s' is no quantity: write a number of 0 or more and its unit, e.g. 1GB/s"),
 ])
 def test_a_bad_define_is_a_usage_error_that_says_what_is_wrong(tmp_path, params, message):
     with pytest.raises(UsageError, match=message):
