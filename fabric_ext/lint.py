@@ -11,6 +11,8 @@ says so, at the declaration's or the handler's position; `fabricc check --Werror
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import math
 
 from . import ast as A
@@ -88,7 +90,7 @@ def warn(analysis, diags: Diagnostics) -> None:
     transfers = _prefill_transfers(analysis, sym)
     _movements_without_transfers(analysis, sym, transfers, diags)
     _island_handlers_no_transfer_meets(analysis, sym, transfers, diags)
-    _decisions_without_effect(analysis, sym, diags)
+    _decisions_without_effect(analysis, sym, transfers, diags)
     _updates_that_keep_zero(analysis, sym, diags)
     _variables_cut_to_whole_numbers(analysis, diags)
     uses = _MapUses()
@@ -143,10 +145,16 @@ def _workload(sym) -> dict:
     return out
 
 
-def _prefill_transfers(analysis, sym) -> list[tuple]:
+class _Transfer(NamedTuple):
+    """A kind of transfer the declared prefill makes (`_prefill_transfers`)."""
+    hit: object         # its movement's match (`flows.MovementTable`), or None
+    path: list | None   # the movement's path, or routed as the runtime routes a transfer no movement declares
+    kept: bool          # KV written back: its bytes stay where it ends (what a `tier` may move)
+
+
+def _prefill_transfers(analysis, sym) -> list[_Transfer]:
     """Each kind of transfer the declared prefill makes, matched to its movement as the runtime
-    will (`flows.MovementTable`): (the match or None, its path: the movement's, or routed as
-    the runtime routes a transfer no movement declares)."""
+    will."""
     from fabric_ext.runtime.simulation.workload import prefill_flows
     w = _workload(sym)
     gpus = [name for name, d in sym.devices.items() if d.kind == "gpu"][:w["tp"]]
@@ -154,7 +162,8 @@ def _prefill_transfers(analysis, sym) -> list[tuple]:
     out = []
     for cls, operator, src, dst in prefill_flows(gpus, w["weights"], w["kv"], w["kv_export"]):
         hit = table.match(cls, operator, src, dst)
-        out.append((hit, hit.path if hit is not None else route(analysis.graph.g, src, dst)))
+        out.append(_Transfer(hit, hit.path if hit is not None else route(analysis.graph.g, src, dst),
+                             cls == "kv" and not operator and dst == w["kv"]))
     return out
 
 
@@ -163,9 +172,9 @@ def _movements_without_transfers(analysis, sym, transfers, diags) -> None:
     a movement at an island none of its matched transfers cross never runs."""
     w = _workload(sym)
     crossed: dict[str, set[str]] = {}
-    for hit, _ in transfers:
-        if hit is not None:
-            crossed.setdefault(hit.movement["name"], set()).update(i["island"] for i in hit.flow["islands"])
+    for t in transfers:
+        if t.hit is not None:
+            crossed.setdefault(t.hit.movement["name"], set()).update(i["island"] for i in t.hit.flow["islands"])
     for name, decl in sym.movements.items():
         if name not in crossed:
             diags.warning(decl.span, f"movement '{name}' matches no transfer of the prefill: with this workload "
@@ -194,7 +203,7 @@ def _island_handlers_no_transfer_meets(analysis, sym, transfers, diags) -> None:
         return
     mg, w = analysis.graph, _workload(sym)
     gpus = [name for name, d in sym.devices.items() if d.kind == "gpu"]
-    met = {role for _, path in transfers for role in island_roles(path or [], mg.device_island)}
+    met = {role for t in transfers for role in island_roles(t.path or [], mg.device_island)}
     placer = next((name for name, island in mg.islands.items() if island.kind == "host"), None)
     by_handler: dict[int, tuple[A.Handler, list]] = {}
     for pl in analysis.placements:
@@ -240,10 +249,12 @@ def _handlers_outside_the_tp_group(analysis, sym, diags) -> None:
                           "place it on a GPU of the group, or raise the workload's tp")
 
 
-def _decisions_without_effect(analysis, sym, diags) -> None:
+def _decisions_without_effect(analysis, sym, transfers, diags) -> None:
     """A decision set to a constant that no event at any of the handler's islands can act on:
     `coalesce` no larger than the chunks it would merge, `prefetch` with no weights to fetch,
-    `route` to a device not linked to the island, `tier` naming a device that holds no memory."""
+    `route` to a device not linked to the island, `tier` naming a device that holds no memory;
+    and a `tier` on movements that carry no KV written back (nothing else moves on one)."""
+    kept = {t.hit.movement["name"] for t in transfers if t.kept and t.hit is not None}
     by_handler: dict[int, tuple[A.Handler, list]] = {}
     for pl in analysis.placements:
         by_handler.setdefault(id(pl.handler), (pl.handler, []))[1].append(pl)
@@ -253,9 +264,22 @@ def _decisions_without_effect(analysis, sym, diags) -> None:
         for stmt in handler.body:
             finder.visit(stmt)
         for assign in finder.found:
-            why = _without_effect(analysis, sym, assign, placements)
+            why = _tier_on_data_not_kept(assign, placements, kept) or _without_effect(analysis, sym, assign, placements)
             if why is not None:
                 diags.warning(assign.value.span, why[0], why[1])
+
+
+def _tier_on_data_not_kept(assign, placements, kept: set[str]) -> tuple[str, str] | None:
+    """Why a `tier` on movements whose data is not kept where it lands (weights and KV a GPU
+    reads, KV a NIC exports) never takes effect; None where one of them may carry KV written
+    back, or a handler on an island hook may meet it."""
+    if assign.target.name != "tier" or any(pl.movement is None or pl.movement in kept for pl in placements):
+        return None
+    names = ", ".join(sorted({pl.movement for pl in placements}))
+    return (f"tier: {names} carries no KV written back to memory, the only data a tier moves on its way "
+            "(weights and KV a GPU reads, and KV a NIC exports, go on to where they are used); the runtime "
+            "refuses it",
+            "set tier on the movement of the KV written back, or place weights with host.alloc")
 
 
 def _chunk_size(sym, movement: str | None) -> int:

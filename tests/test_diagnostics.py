@@ -182,7 +182,7 @@ def test_alloc_on_any_host_but_the_first_is_warned_and_indeed_never_runs(tmp_pat
 def test_warnings_for_decisions_that_can_never_take_effect(tmp_path):
     """A constant decision no event can act on: coalescing to no more than the chunk size, a
     prefetch with the weights in HBM, a route to a device not linked to the island, a tier
-    naming no memory.  The same decisions with values that can act are not warned about."""
+    naming no memory, a tier on KV read back (only KV written back moves).  The same decisions with values that can act are not warned about."""
     path = tmp_path / "d.fx"
     path.write_text(
         "fabric f {\n  gpu g0, g1\n  cxl_switch s0, s1\n  cxl_mem m0 at s0 { capacity: 1TiB; bw: 64GB/s }\n"
@@ -197,7 +197,8 @@ def test_warnings_for_decisions_that_can_never_take_effect(tmp_path):
         "  on ex.forward at s0 { route = s1 }\n"
         "  on kv.mem_access at s0 { tier = n0 }\n"                       # 19
         "  on kv.mem_access at s0 { tier = g1 }\n"
-        "  on ex.tx at n0 { coalesce = 1MiB }\n}\n")                   # 21
+        "  on ex.tx at n0 { coalesce = 1MiB }\n"                        # 21
+        "  on back.mem_access at s0 { tier = g1 }\n}\nmovement back = kv : m0 -> g*\n")
     a = analyze(path)
     assert not a.diags.errors
     warnings = {f"{d.span.line}:{d.span.col}": d.message for d in a.diags.items}
@@ -206,6 +207,7 @@ def test_warnings_for_decisions_that_can_never_take_effect(tmp_path):
     assert "n0 is not linked to s0" in warnings.pop("17:33")
     assert "n0 is a dpu, which holds no memory" in warnings.pop("19:35")
     assert "the chunks it meets are 2 MiB" in warnings.pop("21:31")      # ex keeps the workload's chunk
+    assert "tier: back carries no KV written back to memory" in warnings.pop("22:37")   # KV read back
     assert warnings == {}, warnings
 
 

@@ -237,6 +237,36 @@ policy p { on cpu0.alloc when ev.layer < 16 { tier = nic0 }
     assert report["refused"]["tier"] == 16 * 2 + kv_chunks     # 16 layers x 2 operators placed, every KV chunk
 
 
+def test_a_tier_moves_only_kv_written_back_and_only_while_the_memory_has_room(tmp_path):
+    """At the switch's memory access a tier to pool1 moves the KV written back there, until
+    pool1 is full (100 MiB: 50 of the 128 KV chunks); the weights read for the GPUs go on to
+    them, and every chunk not moved is counted."""
+    out = compile_text(tmp_path, """
+fabric small {
+  gpu gpu0, gpu1
+  cxl_switch sw0
+  cxl_mem pool0 at sw0 { bw: 64GB/s }
+  cxl_mem pool1 at sw0 { bw: 64GB/s; capacity: 100MiB }
+  link gpu0 <-> sw0 { bw: 63GB/s; latency: 600ns; kind: cxl }
+  link gpu1 <-> sw0 { bw: 63GB/s; latency: 600ns; kind: cxl }
+  link gpu0 <-> gpu1 { bw: 450GB/s; latency: 1us; kind: nvlink }
+}
+workload w { model: "llama3-8b"; prompt: 2048; tp: 2; weights: pool0; kv: pool0; chunk: 2MiB }
+movement w_in = weights : pool0 -> gpu*
+movement kv = kv : gpu* -> pool0
+policy p { on w_in.mem_access at sw0 { tier = pool1 }
+           on kv.mem_access at sw0 { tier = pool1 } }""")
+    report, _ = run_engine(out, prompt=2048, tp=2)
+    base, _ = run_engine(out, prompt=2048, tp=2, attach=False)
+    links = {link["name"]: link for link in report["links"]}
+    kv = next(m for m in report["movements"] if m["name"] == "kv")
+    weights = next(m for m in report["movements"] if m["name"] == "w_in")
+    assert kv["bytes"] == 128 * 2**21 and links["pool1 memory"]["bytes"] == 100 * 2**20
+    assert links["sw0->gpu0"]["bytes"] + links["sw0->gpu1"]["bytes"] == weights["bytes"] > 0
+    assert report["refused"]["tier"] == weights["bytes"] // 2**21 + 128 - 50
+    assert report["ttft_ms"] == pytest.approx(base["ttft_ms"], rel=0.05)
+
+
 @pytest.mark.parametrize("placement", ["weights: pool0; kv: pool0; kv_export: nic0",
                                        "weights: hbm; kv: hbm", "weights: nic0; kv: pool0"])
 def test_the_transfers_a_run_makes_are_the_ones_the_compiler_warns_with(tmp_path, placement):

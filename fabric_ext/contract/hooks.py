@@ -124,7 +124,8 @@ STREAM = _d("stream", "u32", COUNT, 0, "copy-engine stream to issue on: a stream
 ROUTE = _d("route", "u32", DEVICE, 0, "next-hop device for the chunk, then the shortest path on (0: the "
             "movement's path)", "links")
 TIER = _d("tier", "u32", DEVICE, 0, "memory device (" + ", ".join(TIER_KINDS) + ") to place or keep the "
-           "data in instead (0: workload default; a GPU: its HBM; another device is refused)", "links")
+           "data in instead, where it has room (0: workload default; a GPU: its HBM; another device is refused, "
+           "as is data a GPU reads or a NIC exports: only weights placed and KV written back move)", "links")
 QUEUE = _d("queue", "u32", COUNT, 0, "transmit queue the chunk leaves the NIC by: one queue sends in "
             "order, queues share the link round robin, and a `rate` set with it limits the queue, not the "
             "flow (0: the flow's own queue)", "throughput")

@@ -19,7 +19,7 @@ from fabric_ext.contract.bundle import Folder
 from fabric_ext.contract.digraph import DiGraph
 from fabric_ext.contract.schema import PROP_RANGES
 
-from .fabric_model import Fabric
+from .fabric_model import Fabric, Room
 from .figures import default, figures, link_figure, time_inside
 from .hook_site import ShimHookSite
 from .observers import mark_observers
@@ -88,7 +88,7 @@ class Engine:
         self.islands = {i["name"]: i for i in manifest["fabric"]["islands"]}
         self.device_island = {d["name"]: d["island"] for d in manifest["fabric"]["devices"] if d["island"]}
         self.workload = self._workload()
-        self.room = self._room(self.workload)     # bytes free in each sized memory; host tiers take from it
+        self.room = self._room(self.workload)     # bytes free in each sized memory; tiers take from it
         self.sim = Sim(opts.max_events)
         self.shims = {}
         if opts.attach:
@@ -145,7 +145,7 @@ class Engine:
                 raise WorkloadError(f"workload places data on unknown device '{where}'")
         return wl
 
-    def _room(self, wl: Workload) -> dict[str, float]:
+    def _room(self, wl: Workload) -> Room:
         """Bytes left in each memory that has a size (`CAPACITY_PROP`) once the workload's
         weights and KV cache are in it: "hbm" (each GPU of the TP group: the least of theirs),
         else a device.  Refuses a workload that does not fit."""
@@ -169,7 +169,8 @@ class Engine:
                     f"its {prop} of {_gib(room[where])}; lower the prompt or batch"
                     f"{', raise tp' if where == 'hbm' else ''}, keep them elsewhere, or give {dev} more {prop}")
             room[where] -= need
-        return room
+        group = set(self._gpus())
+        return Room({dev: n for dev, n in room.items() if dev not in group}, group)
 
     def _gpus(self):
         return [d for d, v in self.devices.items() if v["kind"] == "gpu"][: self.workload.tp]
@@ -193,7 +194,7 @@ class Engine:
         host_memory = {n: float(self._prop(n, "dram_bw")) for n, d in self.devices.items()
                        if d["kind"] == "host" and self._prop(n, "dram_bw")}
         return Fabric(self.sim, g, self.device_island, kinds, wires, mem, self.site, engines,
-                      self.opts.per_chunk_events, self._evidence, self.opts.trains, host_memory)
+                      self.opts.per_chunk_events, self._evidence, self.opts.trains, host_memory, self.room)
 
     @property
     def _evidence(self) -> bool:

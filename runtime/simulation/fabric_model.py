@@ -103,6 +103,33 @@ class HookSite:
         return None
 
 
+class Room:
+    """Bytes free in each memory that has a size, once the workload's data is in it: the GPUs
+    of the tensor-parallel group under "hbm" (the least of theirs: each keeps its shard, and
+    what goes to one is counted as if it were the fullest), every other memory under its name.
+    A memory without a size has room for anything."""
+
+    def __init__(self, free: dict[str, float] | None = None, group: set[str] = frozenset()):
+        self.free, self.group = dict(free or {}), group
+
+    def _key(self, dev: str) -> str:
+        return "hbm" if dev in self.group else dev
+
+    def take(self, dev: str, nbytes: float) -> bool:
+        """Take ``nbytes`` of ``dev``'s memory ("hbm": the group's), if it has them."""
+        key = self._key(dev)
+        if key in self.free:
+            if self.free[key] < nbytes:
+                return False
+            self.free[key] -= nbytes
+        return True
+
+    def give(self, dev: str, nbytes: float) -> None:
+        key = self._key(dev)
+        if key in self.free:
+            self.free[key] += nbytes
+
+
 class Fabric:
     """Devices and links from the compiled manifest, and the chunks moving over them."""
 
@@ -110,14 +137,17 @@ class Fabric:
                  island_kind: dict[str, str], wires: dict[str, tuple],
                  memory_channels: dict[str, float], hooks: HookSite | None = None,
                  copy_engines: dict[str, int] | None = None, per_chunk_events: bool = False,
-                 evidence: bool = False, trains: bool = True, host_memory: dict[str, float] | None = None):
+                 evidence: bool = False, trains: bool = True, host_memory: dict[str, float] | None = None,
+                 room: Room | None = None):
         """``evidence``: record every chunk's life (`Chunk.trail`) and what each link sent
         (`Server.occupants`), for `explain`; off, nothing is recorded.  ``trains``: step a
         server's round robin over copy engines' streams ahead inside one event (`trains`;
         not with evidence, which it does not record, nor with ``per_chunk_events``).
         ``host_memory``: the bandwidth (B/s) of each host's memory that has one: a chunk is read
-        from it before its first link, and written to it as it arrives (`_forward`)."""
+        from it before its first link, and written to it as it arrives (`_forward`).  ``room``:
+        what each memory has free, which a `tier` takes from (none: every memory has room)."""
         self.sim, self.g = sim, graph
+        self.room = room or Room()
         self.evidence = evidence
         self.per_chunk_events = per_chunk_events   # an event at every arrival too (see `_lands_quietly`)
         self.device_island, self.island_kind = device_island, island_kind
@@ -154,7 +184,7 @@ class Fabric:
         self.engines = {dev: [CopyEngine(sim, f"{dev} copy engine {i}", self._taken) for i in range(n)]
                         for dev, n in (copy_engines or {}).items() if n > 0}
         self.buckets: dict[tuple, float] = {}
-        self.refused = {"route": 0, "tier": 0}     # decisions with no path, only a looping one, or no memory
+        self.refused = {"route": 0, "tier": 0}     # decisions refused (stats.REFUSED says why they may be)
         # what a tier may name (the catalogue's TIER_KINDS): switch-attached memory, and the
         # islands that are memories themselves (a GPU's HBM, the host's)
         self.memories = set(memory_channels) | {n for n, k in island_kind.items() if k in TIER_KINDS}
@@ -325,7 +355,7 @@ class Fabric:
         if nxt and chunk.hop + 1 < len(chunk.path):
             self._reroute(chunk, nxt)
         tier = d.get("tier", 0)
-        if tier and tier != chunk.path[-1] and chunk.path[-1] in self.g:
+        if tier and tier != chunk.path[-1]:
             self._retarget(chunk, tier)
         return release
 
@@ -349,14 +379,15 @@ class Fabric:
         return set(done).isdisjoint(rest)
 
     def _retarget(self, chunk, memory):
-        if memory not in self.memories:
+        """Send a chunk of data kept where it lands to ``memory`` instead, where that has room
+        for it and a path leads there; its room where it was going is free again."""
+        path = self.route(chunk.path[chunk.hop], memory) \
+            if memory in self.memories and chunk.transfer.kept else None
+        if path is None or not self._loop_free(chunk.path[:chunk.hop], path) or \
+                not self.room.take(memory, chunk.bytes):
             self.refused["tier"] += 1
             return
-        here = chunk.path[chunk.hop]
-        path = self.route(here, memory)
-        if path is None or not self._loop_free(chunk.path[:chunk.hop], path):
-            self.refused["tier"] += 1
-            return
+        self.room.give(chunk.path[-1], chunk.bytes)
         chunk.path = chunk.path[:chunk.hop] + path
 
     def _arrive(self, chunk: Chunk) -> None:

@@ -62,7 +62,7 @@ class ShimHookSite(HookSite):
         hit = self.movements.match(cls, operator, src, dst)
         return hit.movement if hit else None
 
-    def transfer(self, cls, operator, src, dst, nbytes, layer, on_done, pace=0.0) -> Transfer:
+    def transfer(self, cls, operator, src, dst, nbytes, layer, on_done, pace=0.0, kept=False) -> Transfer:
         hit = self.movements.match(cls, operator, src, dst)
         m = hit.movement if hit else None
         chunk = int(m["chunk"]) if m and m.get("chunk") else self.transfer_chunk
@@ -73,6 +73,7 @@ class ShimHookSite(HookSite):
                      bool(m and m["critical"]), on_done, chunk, list(hit.path) if hit else [])
         if operator == "collective":
             t.pace, t.fixed_cost = pace, not pace
+        t.kept = kept
         ids = self.ids
         t.ctx = (t.movement_id, ids.get("classes", {}).get(cls, 0), ids.get("operators", {}).get(t.operator, 0),
                  ids["devices"].get(src, 0), ids["devices"].get(dst, 0), layer, int(t.critical))

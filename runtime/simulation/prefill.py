@@ -91,15 +91,13 @@ class Prefill:
         """Where a layer's ``op`` weights go on a host program's tier: ``to`` where that memory
         has room for them beside what it holds (`Engine.room`), else they stay where the
         workload keeps them (the decision refused and counted)."""
-        w, room = self.workload, self.e.room
+        w = self.workload
         if to == w.weights:
             return to
         need = w.weight_bytes(op) * (1 if to == "hbm" else w.tp)    # a GPU keeps its shard; a device, all
-        if room.get(to, float("inf")) < need:
+        if not self.e.room.take(to, need):
             self.e.fabric.refused["tier"] += 1
             return w.weights
-        if to in room:
-            room[to] -= need
         return to
 
     def _issue_inputs(self, g, current):
@@ -231,7 +229,8 @@ class Prefill:
             for g in self.gpus:
                 for where in (w.kv, w.kv_export):
                     if where and where not in ("hbm", "none"):
-                        self.site.transfer("kv", None, g, where, w.kv_bytes(n), layer, self._kv_done)
+                        self.site.transfer("kv", None, g, where, w.kv_bytes(n), layer, self._kv_done,
+                                           kept=where == w.kv)
         if u + 1 < len(self.units) and self.units[u + 1][0] == p:
             self._begin(u + 1)
             return

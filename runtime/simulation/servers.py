@@ -54,6 +54,7 @@ class Transfer:
     fixed_cost: bool = True       # whether its chunks pay the links' fixed cost (a collective's is in its alpha)
     last_chunk: object = None     # with evidence on: the chunk whose arrival ended it
     landing: float = 0.0          # when the last chunk counted before its arrival arrives (`Fabric._landed`)
+    kept: bool = False            # its bytes stay in the memory it ends at (KV written back): a `tier` may move them
 
     @property
     def flow(self) -> tuple:

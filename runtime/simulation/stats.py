@@ -67,6 +67,14 @@ class RunRecord:
     explain_asked: bool = False         # ... and whether the report shows them (else only the trace)
 
 
+#: why the fabric may refuse each decision it counts under `refused`
+REFUSED = {"route": "no link to that device, no path from there to the chunk's destination, or only one back "
+                    "through a device it already crossed (a loop)",
+           "tier": "a device that holds no memory, or one without room for the data, or no path to it that does "
+                   "not loop, or data that is not kept where it lands (weights and KV a GPU reads, KV a NIC "
+                   "exports: only KV written back may go to another memory)"}
+
+
 def collect(r: RunRecord) -> dict:
     """The run's figures as a JSON-ready dict."""
     w, end = r.workload, r.finished_ns
@@ -409,8 +417,7 @@ def render(report: dict, baseline: dict | None = None, links: int | None = LINKS
     if refused:
         out.append("")
     for what, n in refused.items():
-        out.append(f"{what}: {n} decisions not applied: no link to that device, no path from there to the "
-                   "chunk's destination, or only one back through a device it already crossed (a loop)")
+        out.append(f"{what}: {n} decisions not applied: {REFUSED.get(what, 'the fabric refused them')}")
     if report["faults"]:
         out.append("")
         for f in report["faults"]:
