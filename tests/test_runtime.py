@@ -267,6 +267,33 @@ policy p { on w_in.mem_access at sw0 { tier = pool1 }
     assert report["ttft_ms"] == pytest.approx(base["ttft_ms"], rel=0.05)
 
 
+def test_kv_a_tier_moved_is_read_back_from_where_it_went(tmp_path):
+    """A chunked prefill's later passes read each layer's KV back from where it was written:
+    with a tier sending every other layer's KV to pool1, half of what is read comes from there."""
+    out = compile_text(tmp_path, """
+fabric small {
+  gpu gpu0, gpu1
+  cxl_switch sw0
+  cxl_mem pool0 at sw0 { bw: 64GB/s }
+  cxl_mem pool1 at sw0 { bw: 64GB/s }
+  link gpu0 <-> sw0 { bw: 63GB/s; latency: 600ns; kind: cxl }
+  link gpu1 <-> sw0 { bw: 63GB/s; latency: 600ns; kind: cxl }
+  link gpu0 <-> gpu1 { bw: 450GB/s; latency: 1us; kind: nvlink }
+}
+workload w { model: "llama3-8b"; prompt: 4096; prefill_chunk: 1024; tp: 2; weights: hbm; kv: pool0 }
+movement kv = kv : gpu* -> pool0
+movement back = kv : pool0 -> gpu*
+movement back1 = kv : pool1 -> gpu*
+policy p { on kv.mem_access at sw0 when ev.layer % 2 == 1 { tier = pool1 } }""")
+    report, _ = run_engine(out, prompt=4096, tp=2)
+    base, _ = run_engine(out, prompt=4096, tp=2, attach=False)
+    moved = {m["name"]: m["bytes"] for m in report["movements"]}
+    read = next(m["bytes"] for m in base["movements"] if m["name"] == "back")
+    assert "back1" not in {m["name"] for m in base["movements"]}
+    assert moved["back"] == moved["back1"] == read // 2 > 0
+    assert report["refused"]["tier"] == 0
+
+
 @pytest.mark.parametrize("placement", ["weights: pool0; kv: pool0; kv_export: nic0",
                                        "weights: hbm; kv: hbm", "weights: nic0; kv: pool0"])
 def test_the_transfers_a_run_makes_are_the_ones_the_compiler_warns_with(tmp_path, placement):

@@ -387,7 +387,12 @@ class Fabric:
                 not self.room.take(memory, chunk.bytes):
             self.refused["tier"] += 1
             return
-        self.room.give(chunk.path[-1], chunk.bytes)
+        t, was = chunk.transfer, chunk.path[-1]
+        self.room.give(was, chunk.bytes)
+        t.elsewhere = t.elsewhere or {}
+        for dev, n in ((was, -chunk.bytes), (memory, chunk.bytes)):
+            if dev != t.dst:
+                t.elsewhere[dev] = t.elsewhere.get(dev, 0) + n
         chunk.path = chunk.path[:chunk.hop] + path
 
     def _arrive(self, chunk: Chunk) -> None:

@@ -44,6 +44,7 @@ class Prefill:
         self.kv_done = 0.0
         self.stalls: list[Stall] | None = [] if evidence else None
         self.issued_with: dict = {}               # with evidence: input transfer -> its `Stall.prefetch`
+        self.kv_written: dict[tuple, list] = defaultdict(list)   # (gpu, layer) -> its KV's writeback transfers
 
     def place(self) -> None:
         """Where each layer's weights live, before the run (the host's `alloc` programs may move them)."""
@@ -116,7 +117,8 @@ class Prefill:
                 inputs.append(("weights", op, where, w.weight_bytes(op)))
             first_token = w.passes()[p][0]
             if op == "attention" and first_token and w.kv not in ("hbm", "none"):
-                inputs.append(("kv", "attention", w.kv, w.attended_kv_bytes(first_token)))
+                inputs += [("kv", "attention", where, n)
+                           for where, n in self._kv_lies(g, layer, w.attended_kv_bytes(first_token))]
             if not inputs:
                 self.ready[g][u] = 0.0
                 continue
@@ -126,6 +128,22 @@ class Prefill:
                                        lambda t, g=g, u=u: self._input_arrived(g, u, t))
                 if self.stalls is not None and self.sim.now > 0:
                     self.issued_with[t] = (depth, self.site.prefetch_by.get(g))
+
+    def _kv_lies(self, g, layer, nbytes: int) -> list[tuple[str, int]]:
+        """Where ``nbytes`` of the KV GPU g wrote back for ``layer`` lie: in the workload's kv
+        memory, less what a tier sent elsewhere, each memory's share in proportion."""
+        kv = self.workload.kv
+        at = {kv: 0}
+        for t in self.kv_written[(g, layer)]:
+            at[kv] += t.bytes
+            for dev, n in (t.elsewhere or {}).items():
+                at[kv] -= n
+                at[dev] = at.get(dev, 0) + n
+        total = sum(at.values())
+        if len(at) == 1 or not total:
+            return [(kv, nbytes)]
+        parts = [(dev, nbytes * n // total) for dev, n in at.items() if n > 0]
+        return [(parts[0][0], nbytes - sum(n for _, n in parts[1:]))] + parts[1:]    # rounding to the first
 
     def _input_arrived(self, g, u, t):
         """One input of unit u on GPU g arrived; the last one makes the unit ready (and is what
@@ -229,8 +247,10 @@ class Prefill:
             for g in self.gpus:
                 for where in (w.kv, w.kv_export):
                     if where and where not in ("hbm", "none"):
-                        self.site.transfer("kv", None, g, where, w.kv_bytes(n), layer, self._kv_done,
-                                           kept=where == w.kv)
+                        t = self.site.transfer("kv", None, g, where, w.kv_bytes(n), layer, self._kv_done,
+                                               kept=where == w.kv)
+                        if t.kept:
+                            self.kv_written[(g, layer)].append(t)
         if u + 1 < len(self.units) and self.units[u + 1][0] == p:
             self._begin(u + 1)
             return

@@ -55,6 +55,7 @@ class Transfer:
     last_chunk: object = None     # with evidence on: the chunk whose arrival ended it
     landing: float = 0.0          # when the last chunk counted before its arrival arrives (`Fabric._landed`)
     kept: bool = False            # its bytes stay in the memory it ends at (KV written back): a `tier` may move them
+    elsewhere: dict | None = None  # ... bytes of it a tier sent to other memories, by memory (None: none)
 
     @property
     def flow(self) -> tuple:
