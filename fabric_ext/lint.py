@@ -11,9 +11,8 @@ says so, at the declaration's or the handler's position; `fabricc check --Werror
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import math
+from typing import NamedTuple
 
 from . import ast as A
 from .checker import const_value, exact_value
@@ -145,6 +144,13 @@ def _workload(sym) -> dict:
     return out
 
 
+def _passes(w: dict) -> int:
+    """The passes of the declared prefill: one, or the prompt in `prefill_chunk`s."""
+    from fabric_ext.runtime.simulation.workload import DEFAULT_PROMPT
+    prompt, step = w.get("prompt", DEFAULT_PROMPT), w.get("prefill_chunk", 0)
+    return -(-prompt // step) if 0 < step < prompt else 1
+
+
 class _Transfer(NamedTuple):
     """A kind of transfer the declared prefill makes (`_prefill_transfers`)."""
     hit: object         # its movement's match (`flows.MovementTable`), or None
@@ -160,7 +166,7 @@ def _prefill_transfers(analysis, sym) -> list[_Transfer]:
     gpus = [name for name, d in sym.devices.items() if d.kind == "gpu"][:w["tp"]]
     table = MovementTable(to_json(analysis)["movements"])
     out = []
-    for cls, operator, src, dst in prefill_flows(gpus, w["weights"], w["kv"], w["kv_export"]):
+    for cls, operator, src, dst in prefill_flows(gpus, w["weights"], w["kv"], w["kv_export"], _passes(w)):
         hit = table.match(cls, operator, src, dst)
         out.append(_Transfer(hit, hit.path if hit is not None else route(analysis.graph.g, src, dst),
                              cls == "kv" and not operator and dst == w["kv"]))
@@ -168,19 +174,24 @@ def _prefill_transfers(analysis, sym) -> list[_Transfer]:
 
 
 def _movements_without_transfers(analysis, sym, transfers, diags) -> None:
-    """A movement no transfer of the prefill matches never moves anything, and a handler on
-    a movement at an island none of its matched transfers cross never runs."""
+    """A movement no transfer of the prefill matches never moves anything (but where a
+    handler sets a tier, KV to and from the memory it names), and a handler on a movement at
+    an island none of its matched transfers cross never runs."""
     w = _workload(sym)
     crossed: dict[str, set[str]] = {}
     for t in transfers:
         if t.hit is not None:
             crossed.setdefault(t.hit.movement["name"], set()).update(i["island"] for i in t.hit.flow["islands"])
+    tiered = any(_sets(pl.handler, {"tier"}) for pl in analysis.placements)
     for name, decl in sym.movements.items():
-        if name not in crossed:
+        if name not in crossed and not (tiered and decl.cls.name == "kv"):   # a tier may put KV anywhere
+            passes = _passes(w)
             diags.warning(decl.span, f"movement '{name}' matches no transfer of the prefill: with this workload "
                           f"(weights: {w['weights']}, kv: {w['kv']}, kv_export: {w['kv_export'] or 'none'}, "
-                          f"tp {w['tp']}) no {decl.cls.name} moves from its source to its destination",
-                          "declare a workload that places the data there, or match the transfers it makes")
+                          f"tp {w['tp']}, {passes} pass{'es' if passes > 1 else ''}) no {decl.cls.name} moves from "
+                          "its source to its destination",
+                          "declare a workload that places the data there (KV is read back only by a chunked "
+                          "prefill's later passes: prefill_chunk), or match the transfers it makes")
     warned = set()
     for pl in analysis.placements:
         islands = crossed.get(pl.movement or "")
@@ -199,7 +210,7 @@ def _island_handlers_no_transfer_meets(analysis, sym, transfers, diags) -> None:
     prefill's transfers does (each on its movement's path, or routed as the runtime routes
     it), it never runs; nor does ``host.alloc`` but at the fabric's first host.  Not said
     where a handler routes or tiers: paths then change as the run goes."""
-    if any(_sets_route_or_tier(pl.handler) for pl in analysis.placements):
+    if any(_sets(pl.handler, {"route", "tier"}) for pl in analysis.placements):
         return
     mg, w = analysis.graph, _workload(sym)
     gpus = [name for name, d in sym.devices.items() if d.kind == "gpu"]
@@ -224,8 +235,8 @@ def _island_handlers_no_transfer_meets(analysis, sym, transfers, diags) -> None:
                           "declare a workload whose data passes there, or hook an island it crosses")
 
 
-def _sets_route_or_tier(handler: A.Handler) -> bool:
-    finder = _Decisions({"route", "tier"})
+def _sets(handler: A.Handler, decisions: set[str]) -> bool:
+    finder = _Decisions(decisions)
     for stmt in handler.body:
         finder.visit(stmt)
     return bool(finder.found)

@@ -118,7 +118,7 @@ def test_warnings_for_movements_and_handlers_no_transfer_reaches(tmp_path):
     transfers cross, are warnings (the README's example matched nothing without a workload)."""
     from conftest import POLICIES
     text = (f'import "{POLICIES}/fabrics/dgx_cxl.fx"\n'
-            'workload w { model: "llama3-8b"; prompt: 1024; tp: 2; weights: hbm; kv: pool0 }\n'
+            'workload w { model: "llama3-8b"; prompt: 1024; prefill_chunk: 512; tp: 2; weights: hbm; kv: pool0 }\n'
             "movement w_in = weights : pool0 -> gpu*\n"
             "movement kv = kv : gpu* -> pool0 via nic0\n"
             "movement back = kv : pool0 -> gpu*\n"
@@ -133,6 +133,9 @@ def test_warnings_for_movements_and_handlers_no_transfer_reaches(tmp_path):
     assert not a.diags.errors
     assert "matches no transfer of the prefill" in warnings.pop("3:1")        # weights stay in HBM
     assert warnings == {}, warnings       # kv crosses nic0 (via), back is the chunked prefill's read-back
+    path.write_text(text.replace("prefill_chunk: 512; ", ""))          # one pass: nothing is read back
+    warnings = {f"{d.span.line}:{d.span.col}": d.message for d in analyze(path).diags.items}
+    assert "tp 2, 1 pass) no kv moves" in warnings.pop("5:1")
 
 
 def test_island_handlers_no_transfer_meets_are_warned_and_indeed_never_run(tmp_path):

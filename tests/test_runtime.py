@@ -307,7 +307,11 @@ workload w {{ model: "llama3-8b"; prompt: 1024; prefill_chunk: 512; tp: 2; {plac
     made = {(t.cls, t.operator or None, t.src, t.dst) for t in eng.fabric.transfers}
     w = eng.workload
     assert len(w.passes()) == 2
-    assert made == set(prefill_flows(eng.gpus, w.weights, w.kv, w.kv_export))
+    assert made == set(prefill_flows(eng.gpus, w.weights, w.kv, w.kv_export, len(w.passes())))
+    _, whole = run_engine(out, prompt=1024, chunk_tokens=1024)     # one pass: no KV read back
+    made = {(t.cls, t.operator or None, t.src, t.dst) for t in whole.fabric.transfers}
+    assert made == set(prefill_flows(eng.gpus, w.weights, w.kv, w.kv_export, 1)) < set(prefill_flows(
+        eng.gpus, w.weights, w.kv, w.kv_export, 2)) or w.kv == "hbm"
 
 
 def test_prefetch_decision_deepens_the_weight_stream(tmp_path):

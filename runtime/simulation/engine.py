@@ -29,7 +29,7 @@ from .sim import DEFAULT_MAX_EVENTS, Sim
 from .stats import RunRecord
 from .ticks import BLOCK, TickSource, catch_up_together
 from .timing import Timing, profile_of
-from .workload import Workload, WorkloadError, load_model, tp_problem
+from .workload import DEFAULT_PROMPT, Workload, WorkloadError, load_model, tp_problem
 
 # Allocations between young-generation collections while a prefill runs (CPython's default
 # is 700).  A run allocates millions of short-lived objects and makes almost no cyclic
@@ -125,14 +125,14 @@ class Engine:
                 raise WorkloadError(f"{key} must be a whole number from {lo} to {hi}, not {value!r}")
             return value
         model = load_model(o.model or w.get("model", "llama3-8b"))
-        prompt = pick(o.prompt, "prompt", 8192)
+        prompt = pick(o.prompt, "prompt", DEFAULT_PROMPT)
         if o.chunk_tokens is not None and not 1 <= o.chunk_tokens <= prompt:
             raise WorkloadError(f"--chunk must be from 1 to the prompt's {prompt} tokens, not {o.chunk_tokens} "
                                 "(leave it out for a prefill in one pass)")
         chunk_tokens = o.chunk_tokens if o.chunk_tokens is not None else w.get("prefill_chunk", 0) or 0
-        if type(chunk_tokens) is not int or not 0 <= chunk_tokens <= prompt:
-            raise WorkloadError(f"the prefill chunk must be a whole number of tokens from 1 to the prompt's "
-                                f"{prompt}, not {chunk_tokens!r}")
+        if type(chunk_tokens) is not int or chunk_tokens < 0:
+            raise WorkloadError(f"the prefill chunk must be a whole number of tokens, not {chunk_tokens!r}")
+        chunk_tokens = min(chunk_tokens, prompt)      # a declared chunk past a shorter prompt: one pass
         wl = Workload(model, prompt, pick(o.batch, "batch", 1), pick(o.tp, "tp", 1), chunk_tokens,
                       w.get("weights", "hbm"), w.get("kv", "hbm"), w.get("kv_export"),
                       pick(None, "chunk", figures()["defaults"]["transfer_chunk"]),

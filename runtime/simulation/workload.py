@@ -53,6 +53,7 @@ def _weight_bytes(model: ModelConfig, tp: int, operator: str) -> int:
 
 
 MAX_CONFIG = 1 << 20       # bytes of a Hugging Face config.json
+DEFAULT_PROMPT = 8192      # tokens of a workload that gives no prompt
 
 
 class UnknownModel(WorkloadError):
@@ -290,11 +291,12 @@ class Workload:
         return out
 
 
-def prefill_flows(gpus: list[str], weights: str, kv: str, kv_export: str | None) -> list[tuple]:
+def prefill_flows(gpus: list[str], weights: str, kv: str, kv_export: str | None, passes: int = 1) -> list[tuple]:
     """(class, operator, source, destination) of every kind of transfer a prefill on ``gpus``
-    (the tensor-parallel group) makes: weights from where they live to each GPU, KV written
-    back and exported, KV read back for attention (a chunked prefill's later passes), and the
-    all-reduce ring.  The compiler warns with it about movements no transfer matches."""
+    (the tensor-parallel group) in ``passes`` passes makes: weights from where they live to
+    each GPU, KV written back and exported, KV read back for attention (a chunked prefill's
+    later passes), and the all-reduce ring.  The compiler warns with it about movements no
+    transfer matches."""
     def placed(where):
         return where not in ("hbm", "none")
     out = []
@@ -304,7 +306,7 @@ def prefill_flows(gpus: list[str], weights: str, kv: str, kv_export: str | None)
         for where in (kv, kv_export):
             if where and placed(where):
                 out.append(("kv", None, g, where))
-        if placed(kv):
+        if placed(kv) and passes > 1:
             out.append(("kv", "attention", kv, g))
         if len(gpus) > 1:
             out.append(("activations", "collective", g, gpus[(i + 1) % len(gpus)]))
