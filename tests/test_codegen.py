@@ -82,11 +82,12 @@ def test_kv_export_paced_at_the_dpu():
 
 
 # ---- the other examples ----------------------------------------------------------------
-def test_kv_tiering_promotes_hot_layers():
+def test_kv_tiering_spills_to_host_memory_while_the_pool_is_busy():
     r = Runner("kv_tiering")
-    tiers = [r.run("sw0", "mem_access", movement="kv_writeback", layer=3)["tier"] for _ in range(6)]
-    pool = r.ids["devices"]["pool0"]
-    assert tiers == [0, 0, 0, 0, pool, pool] and r.map("layer_writes")[3] == 6
+    r.run("sw0", "tick", port=10, util_pct=60, period=20_000)
+    r.run("sw0", "tick", port=3, util_pct=40, period=20_000)
+    tiers = [r.run("sw0", "mem_access", movement="kv_writeback", layer=3, out_port=port)["tier"] for port in (10, 3)]
+    assert tiers == [r.ids["devices"]["cpu0"], 0] and r.map("layer_writes")[3] == 2
 
 
 def test_kv_tiering_defers_big_chunks_on_a_busy_port():
