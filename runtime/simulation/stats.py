@@ -246,16 +246,20 @@ def _records_table(rows: list[dict]) -> str:
                    + [row["line"] or f"? ({row['hex']})"] for row in rows], names + ["emit line"])
 
 
+def _prefill(w: dict) -> str:
+    """``prefill of llama3-8b: 8192 tokens x 1 in passes of 2048, TP 4``."""
+    chunk = w.get("chunk_tokens") or w["prompt"]
+    return (f"prefill of {w['model']}: {w['prompt']} tokens x {w['batch']}"
+            + (f" in passes of {chunk}" if chunk < w["prompt"] else "") + f", TP {w['tp']}")
+
+
 def render_comparison(runs: list[dict]) -> str:
     """Policies side by side on one workload: time to first token (and its baseline's), then
     each movement's GB/s and GPU stall under each policy."""
     names = _run_names(runs)
-
-    def prefill(w):
-        return f"prefill of {w['model']}: {w['prompt']} tokens x {w['batch']}, TP {w['tp']}"
-    out = [prefill(runs[0]["workload"])]
+    out = [_prefill(runs[0]["workload"])]
     if any(r["workload"] != runs[0]["workload"] for r in runs):
-        out = [f"{n}: {prefill(r['workload'])}" for n, r in zip(names, runs)]
+        out = [f"{n}: {_prefill(r['workload'])}" for n, r in zip(names, runs)]
         out.append("note: the policies' workloads differ (their own declarations); give --model, --prompt, "
                    "--batch, --tp to run them all on one")
     out.append("")
@@ -376,8 +380,8 @@ def render(report: dict, baseline: dict | None = None, links: int | None = LINKS
     ``links``: how many of the links that carried bytes to list, busiest first (None: every
     link, idle ones too)."""
     w = report["workload"]
-    out = [f"prefill of {w['model']}: {w['prompt']} tokens x {w['batch']}, TP {w['tp']}; weights on {w['weights']}, "
-           f"KV to {w['kv']}" + (f", exported through {w['kv_export']}" if w['kv_export'] else ""),
+    out = [f"{_prefill(w)}; weights on {w['weights']}, KV to {w['kv']}"
+           + (f", exported through {w['kv_export']}" if w['kv_export'] else ""),
            f"backend {report['backend']}{_load_line(report.get('backend_load'))}, {report['events']} events", ""]
     if baseline:
         gain = baseline["ttft_ms"] / report["ttft_ms"] if report["ttft_ms"] else 0
