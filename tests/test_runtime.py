@@ -184,6 +184,32 @@ def test_rate_decision_paces_kv_export():
     assert wire["bytes"] == export["bytes"]
 
 
+def test_data_from_the_network_is_received_at_the_nics_line_rate_before_rx(tmp_path):
+    """Weights that come in through a NIC cross its wire first, at its line rate (full duplex:
+    its own receive side), and only then is the chunk received: `rx` sees it after that."""
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 2048, "num_attention_heads": 16,
+                                 "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 32000}))
+    out = compile_text(tmp_path, f"""
+fabric f {{
+  gpu gpu0
+  cxl_switch sw0
+  dpu nic0 {{ line_rate: 8Gbps }}
+  link gpu0 <-> sw0 {{ bw: 63GB/s; latency: 600ns; kind: cxl }}
+  link nic0 <-> sw0 {{ bw: 63GB/s; latency: 600ns; kind: pcie }}
+}}
+workload w {{ model: "{model}"; prompt: 256; weights: nic0; kv: hbm; chunk: 1MiB }}
+movement w_in = weights : nic0 -> gpu0
+map first : hash<u32, time>[1]
+policy p {{ on w_in.rx {{ first[0] min= now }} }}""")
+    report, _ = run_engine(out, model=str(model), prompt=256, tp=1)
+    weights = next(m for m in report["movements"] if m["name"] == "w_in")
+    wire = next(link for link in report["links"] if link["name"] == "wire->nic0")
+    assert wire["bytes"] == weights["bytes"] > 0
+    assert report["ttft_ms"] * 1e6 >= weights["bytes"] / 1e9 * 1e9       # 8 Gbps: 1 GB/s
+    assert int(report["maps"]["first"]["0"]) >= 2**20                     # the first MiB, received at 1 B/ns
+
+
 def test_cross_island_map_written_on_the_switch_read_on_the_gpus(tmp_path):
     out = compile_text(tmp_path, """
 import "fabrics/dgx_cxl.fx"

@@ -341,7 +341,7 @@ class Engine:
         self.site.remembered.settle()      # the chunks standing decisions served
         self._run_observers()               # (a run stopped early, or simulated by hand)
         servers = list(dict.fromkeys([*self.fabric.servers.values(), *self.fabric.wires.values(),
-                                      *self.fabric.host_memory.values()]))
+                                      *self.fabric.sources.values()]))
         attached = self.opts.attach
         return RunRecord(
             policy=str(self.folder), backend=self.backend.name, backend_load=self.backend.load_stats() if attached else {},

@@ -199,10 +199,11 @@ class Explainer:
 
     def _first_servers(self, t) -> list:
         """What a copy engine's chunk goes through before the engine is free for the next:
-        the source host's memory where it has one (read first), then the path's first link."""
+        the source's memory or receive wire where it has one (`Fabric.sources`), then the
+        path's first link."""
         path = t.path
-        memory = self.fabric.host_memory.get(path[0])
-        return ([memory] if memory is not None else []) + \
+        source = self.fabric.sources.get(path[0])
+        return ([source] if source is not None else []) + \
             ([self.fabric.server(path[0], path[1])] if len(path) > 1 else [None])
 
     @staticmethod

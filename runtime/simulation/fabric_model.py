@@ -4,7 +4,8 @@ Every directed link is a server (`servers.Server`: strict priority between class
 round robin between flows within one); a chunk is sent whole and arrives after the
 link's latency.  The two directions of the link to switch-attached memory share one
 server: a memory device's bandwidth is shared by reads and writes.  A chunk that ends
-at a DPU/NIC leaves on its wire (line rate, plus a per-chunk overhead).  A GPU moves
+at a DPU/NIC leaves on its wire (line rate, plus a per-chunk overhead); one that starts
+there is received on it first, as one from host memory is read first.  A GPU moves
 its transfers' chunks with its copy engines, one chunk at a time per engine
 (`servers.CopyEngine`).
 
@@ -144,7 +145,7 @@ class Fabric:
         server's round robin over copy engines' streams ahead inside one event (`trains`;
         not with evidence, which it does not record, nor with ``per_chunk_events``).
         ``host_memory``: the bandwidth (B/s) of each host's memory that has one: a chunk is read
-        from it before its first link, and written to it as it arrives (`_forward`).  ``room``:
+        from it as it starts (`_enter_fabric`), and written to it as it arrives (`_forward`).  ``room``:
         what each memory has free, which a `tier` takes from (none: every memory has room)."""
         self.sim, self.g = sim, graph
         self.room = room or Room()
@@ -174,8 +175,14 @@ class Fabric:
                             for dev, bw in (host_memory or {}).items()}
         for dev, srv in self.host_memory.items():
             srv.ends = (dev, "memory")
+        # what a chunk goes through at the first device of its path, before it enters there: a
+        # host's memory, read; a DPU/NIC's wire, received from the network (full duplex: its own)
+        self.sources = dict(self.host_memory)
+        for dev, spec in specs.items():
+            self.sources[dev] = Server(sim, f"wire->{dev}", spec.bw, spec.overhead)
+            self.sources[dev].ends = (dev, "wire in")
         if evidence:
-            for srv in [*self.servers.values(), *self.wires.values(), *self.host_memory.values()]:
+            for srv in [*self.servers.values(), *self.wires.values(), *self.sources.values()]:
                 srv.occupants = []
         self.trains = Trains(self) if trains and not evidence and not per_chunk_events else None
         if self.trains is not None:
@@ -296,7 +303,7 @@ class Fabric:
                 if chunk is None:
                     continue
             if t.driver is None:
-                self.sim.at(release, self._arrive, chunk)
+                self.sim.at(release, self._enter_fabric, chunk)
                 continue
             stream = stream or CLASS_STREAM.get(t.cls, 1)
             engine = t.engine(stream)
@@ -308,7 +315,7 @@ class Fabric:
 
     def _taken(self, chunk: Chunk) -> None:
         """A copy engine took a chunk: it enters the fabric, and the next one is issued."""
-        self._arrive(chunk)
+        self._enter_fabric(chunk)
         self._issue(chunk.transfer)
 
     @staticmethod
@@ -435,11 +442,8 @@ class Fabric:
 
     def _forward(self, chunk: Chunk) -> None:
         path, hop = chunk.path, chunk.hop
-        if hop + 1 < len(path):
-            if hop == 0 and self.host_memory and path[0] in self.host_memory:
-                self.host_memory[path[0]].enqueue(chunk, self._send_on)      # read from it first
-            else:       # (`_send_on`, inline: every hop of every chunk comes here)
-                self.servers[(path[hop], path[hop + 1])].enqueue(chunk, self._sent, self._handed_on)
+        if hop + 1 < len(path):     # on to the next device (every hop of every chunk comes here)
+            self.servers[(path[hop], path[hop + 1])].enqueue(chunk, self._sent, self._handed_on)
         elif path[hop] in self.wires and chunk.island is not None:
             chunk.island = None  # leaves on the wire once
             self.wires[path[hop]].enqueue(chunk, self._off_the_wire)
@@ -448,10 +452,25 @@ class Fabric:
         else:
             self._delivered(chunk)
 
-    def _send_on(self, chunk: Chunk) -> None:
-        """Queue the chunk on the link to the next device of its path."""
-        path, hop = chunk.path, chunk.hop
-        self.servers[(path[hop], path[hop + 1])].enqueue(chunk, self._sent, self._handed_on)
+    def _enter_fabric(self, chunk: Chunk) -> None:
+        """A chunk starts on its path: read from its host's memory, or received off its NIC's
+        wire, first where its source has one (`sources`), then it enters the source's island."""
+        source = self.sources.get(chunk.path[0]) if self.sources else None
+        if source is None:
+            self._arrive(chunk)
+        else:
+            source.enqueue(chunk, self._from_source)
+
+    def _from_source(self, chunk: Chunk) -> None:
+        """Read, or received (there after the device's latency, where it has one)."""
+        latency = self.wire_latency.get(chunk.path[0])
+        if not latency:
+            self._arrive(chunk)
+            return
+        now = self.sim.now
+        if chunk.trail is not None:
+            chunk.trail.append(("latency", now, now + latency, ("wire", chunk.path[0])))
+        self.sim.at(now + latency, self._arrive, chunk)
 
     def _off_the_wire(self, chunk: Chunk) -> None:
         """The chunk's end of transmission on its NIC's wire: it has left on the network once

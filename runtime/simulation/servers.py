@@ -169,7 +169,7 @@ class Server:
         self.lane = 0
         self.occupants: list | None = None        # with evidence on, per interval: (transfer, priority,
                                                   # chunk index, when the chunk was enqueued)
-        self.ends = ("", "")                      # (device, what it leads to: a device, "memory", "wire")
+        self.ends = ("", "")                      # (device, what it leads to: a device, "memory", "wire"; "wire in": from it)
         self.train = None                         # callable(server, chunk, done) -> bool, asked first at
                                                   # every end of transmission (`trains`)
 

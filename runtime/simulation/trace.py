@@ -62,7 +62,7 @@ def trace(record: RunRecord, baseline: RunRecord | None = None) -> dict:
 
 def _link_row(srv) -> tuple[str, str]:
     device, to = srv.ends
-    return device, "memory channel" if to == "memory" else f"-> {to}"
+    return device, {"memory": "memory channel", "wire in": "<- wire"}.get(to, f"-> {to}")
 
 
 def _run(events: list, tracks: _Tracks, r: RunRecord) -> None:

@@ -174,7 +174,7 @@ class Trains:
     def _fits(self, t) -> _Flow | None:
         fabric = self.fabric
         path = t.path
-        if t.driver is None or not t.fixed_cost or len(path) != 3:
+        if t.driver is None or not t.fixed_cost or len(path) != 3 or path[0] in fabric.sources:
             return None
         island = fabric.device_island.get(path[0])
         link = fabric.servers[path[1], path[2]]
