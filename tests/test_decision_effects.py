@@ -38,7 +38,8 @@ MODEL = {"num_hidden_layers": 2, "hidden_size": 2048, "num_attention_heads": 16,
 POOL = ("weights: pool0; kv: pool0",
         "movement w = weights : pool0 -> gpu* { chunk: 64KiB }\nmovement kv = kv : gpu* -> pool0")
 EXPORT = ("weights: hbm; kv: hbm; kv_export: nic0", "movement e = kv : gpu* -> nic0 { chunk: 64KiB }")
-FROM_NIC = ("weights: nic0; kv: hbm", "movement w = weights : nic0 -> gpu* { chunk: 64KiB }")
+# weights and the KV a chunked prefill reads back come in from the network, and meet after nic0
+FROM_NIC = ("weights: nic0; kv: nic0; prefill_chunk: 1024; chunk: 64KiB", "movement w = weights : nic0 -> gpu* { chunk: 64KiB }")
 
 #: hook -> (workload, movements, the handler with {d} for the decision, the movement to watch)
 SCENARIOS = {
@@ -51,6 +52,10 @@ SCENARIOS = {
     ("dpu", "rx"): FROM_NIC + ("on w.rx at nic0 {{ {d} }}", "w"),
     ("host", "alloc"): POOL + ("on cpu0.alloc {{ {d} }}", "w"),
 }
+
+#: hook -> its scenario's fabric where not `FABRIC`: what arrives from the network is received at the
+#: line rate, so a decision at rx (which comes after) shows where the NIC's link is the slower
+FABRICS = {("dpu", "rx"): FABRIC.replace("link nic0 <-> sw0 { bw: 63GB/s", "link nic0 <-> sw0 { bw: 16GB/s")}
 
 #: a value for each decision that must show, and where only one flow of two should take it
 VALUES = {"priority": "if ev.src == gpu0 || ev.dst == gpu0 {{ priority = 7 }}", "rate": "rate = 1GB/s",
@@ -66,8 +71,8 @@ PAIRS = [(kind, name, f.name) for (kind, name), h in HOOKS.items() for f in h.de
 def _policy(kind, name, decision):
     workload, movements, handler, _ = SCENARIOS[(kind, name)]
     body = handler.format(d=VALUES[decision[0]].format() if decision[1] else BESIDE.get(decision[0], ""))
-    return (f"{FABRIC}\nworkload w {{ model: \"MODEL\"; prompt: 2048; tp: 2; {workload} }}\n{movements}\n"
-            f"policy p {{ {body} }}\n")
+    return (f"{FABRICS.get((kind, name), FABRIC)}\nworkload w {{ model: \"MODEL\"; prompt: 2048; tp: 2; {workload} }}\n"
+            f"{movements}\npolicy p {{ {body} }}\n")
 
 
 def _run(tmp_path, text, tag):

@@ -145,7 +145,7 @@ def _check_architecture(c: dict, kind) -> None:
     experts = next((k for k in EXPERT_KEYS if type(c.get(k)) is int and c[k] > 1), None)
     if experts:
         raise ValueError(f"'{experts}' is {c[experts]}: a mixture of experts, and the model times dense "
-                         "FFN layers only (it would take the experts' weights for one FFN's)")
+                         "FFN layers only (it would move one expert's weights and time one expert's work)")
     if kind is not None and kind != "bloom" and kind not in LLAMA_STYLE:
         raise ValueError(f"'model_type' {kind!r} is not one the model times: it times BLOOM and Llama-style "
                          f"layers ({', '.join(LLAMA_STYLE)}: a gated FFN, rotary positions); if this model's "
