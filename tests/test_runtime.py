@@ -321,7 +321,8 @@ policy p { on kv.mem_access at sw0 when ev.layer % 2 == 1 { tier = pool1 } }""")
 
 
 @pytest.mark.parametrize("placement", ["weights: pool0; kv: pool0; kv_export: nic0",
-                                       "weights: hbm; kv: hbm", "weights: nic0; kv: pool0"])
+                                       "weights: hbm; kv: hbm", "weights: nic0; kv: pool0",
+                                       "weights: gpu1; kv: gpu1"])
 def test_the_transfers_a_run_makes_are_the_ones_the_compiler_warns_with(tmp_path, placement):
     """The compiler's movement warnings (`lint`) read `prefill_flows`; the engine must make
     exactly those kinds of transfer, or a movement warned about might move data after all."""
@@ -338,6 +339,21 @@ workload w {{ model: "llama3-8b"; prompt: 1024; prefill_chunk: 512; tp: 2; {plac
     made = {(t.cls, t.operator or None, t.src, t.dst) for t in whole.fabric.transfers}
     assert made == set(prefill_flows(eng.gpus, w.weights, w.kv, w.kv_export, 1)) < set(prefill_flows(
         eng.gpus, w.weights, w.kv, w.kv_export, 2)) or w.kv == "hbm"
+
+
+def test_a_gpu_of_the_group_that_keeps_the_data_moves_none_of_it_to_itself(tmp_path):
+    """With the weights and KV kept on gpu1, gpu0 reads its shard from gpu1 and writes its KV
+    there; gpu1's own are in its HBM already, and no transfer (or copy engine) stands for them."""
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 1024; prefill_chunk: 512; tp: 2; weights: gpu1; kv: gpu1 }""")
+    report, eng = run_engine(out, prompt=1024)
+    assert all(t.src != t.dst for t in eng.fabric.transfers)
+    w = eng.workload
+    moved = {(t.cls, t.src, t.dst) for t in eng.fabric.transfers if t.cls != "activations"}
+    assert moved == {("weights", "gpu1", "gpu0"), ("kv", "gpu0", "gpu1"), ("kv", "gpu1", "gpu0")}
+    weights = sum(t.bytes for t in eng.fabric.transfers if t.cls == "weights")
+    assert weights == (w.weight_bytes("attention") + w.weight_bytes("ffn")) * w.model.layers * 2   # gpu0's, each pass
 
 
 def test_prefetch_decision_deepens_the_weight_stream(tmp_path):

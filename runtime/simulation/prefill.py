@@ -119,6 +119,7 @@ class Prefill:
             if op == "attention" and first_token and w.kv not in ("hbm", "none"):
                 inputs += [("kv", "attention", where, n)
                            for where, n in self._kv_lies(g, layer, w.attended_kv_bytes(first_token))]
+            inputs = [i for i in inputs if i[2] != g]     # what g keeps itself is in its HBM
             if not inputs:
                 self.ready[g][u] = 0.0
                 continue
@@ -246,7 +247,7 @@ class Prefill:
             n = w.passes()[p][1]
             for g in self.gpus:
                 for where in (w.kv, w.kv_export):
-                    if where and where not in ("hbm", "none"):
+                    if where and where not in ("hbm", "none", g):
                         t = self.site.transfer("kv", None, g, where, w.kv_bytes(n), layer, self._kv_done,
                                                kept=where == w.kv)
                         if t.kept:

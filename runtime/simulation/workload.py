@@ -310,4 +310,4 @@ def prefill_flows(gpus: list[str], weights: str, kv: str, kv_export: str | None,
             out.append(("kv", "attention", kv, g))
         if len(gpus) > 1:
             out.append(("activations", "collective", g, gpus[(i + 1) % len(gpus)]))
-    return out
+    return [flow for flow in out if flow[2] != flow[3]]     # a GPU keeping data has it in its HBM
