@@ -85,6 +85,7 @@ def warn(analysis, diags: Diagnostics) -> None:
         diags.warning(modules[0].span, "this file declares nothing (no import, fabric, workload, movement, map "
                                        "or policy): its bundle has no programs and no fabric to run on",
                       'start from a bundled policy, e.g. import "fabrics/dgx_cxl.fx"')
+    _export_to_where_kv_goes(sym, diags)
     _handlers_outside_the_tp_group(analysis, sym, diags)
     transfers = _prefill_transfers(analysis, sym)
     _movements_without_transfers(analysis, sym, transfers, diags)
@@ -240,6 +241,15 @@ def _sets(handler: A.Handler, decisions: set[str]) -> bool:
     for stmt in handler.body:
         finder.visit(stmt)
     return bool(finder.found)
+
+
+def _export_to_where_kv_goes(sym, diags) -> None:
+    """`kv_export` naming the device `kv` sends the KV to already sends it once, not twice."""
+    w = _workload(sym)
+    if w["kv_export"] is not None and w["kv_export"] == w["kv"]:
+        prop = next(p for p in sym.workload.props if p.name.name == "kv_export")
+        diags.warning(prop.value.span, f"kv_export: {w['kv']} is where kv sends the KV already: it goes there once",
+                      "leave kv_export out, or keep the KV elsewhere (kv: hbm, or a memory) and export it")
 
 
 def _handlers_outside_the_tp_group(analysis, sym, diags) -> None:

@@ -182,6 +182,20 @@ def test_alloc_on_any_host_but_the_first_is_warned_and_indeed_never_runs(tmp_pat
     assert int(counts.get("0", 0)) == 0 and int(counts["1"]) > 0
 
 
+def test_an_export_to_where_kv_goes_already_is_warned_and_sent_once(tmp_path):
+    import fabric_ext
+    from conftest import POLICIES
+    text = (f'import "{POLICIES}/fabrics/dgx_cxl.fx"\n'
+            'workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: hbm; kv: nic0; kv_export: nic0 }\n')
+    path = tmp_path / "x.fx"
+    path.write_text(text)
+    warnings = {f"{d.span.line}:{d.span.col}": d.message for d in analyze(path).diags.items}
+    assert warnings == {"2:89": "kv_export: nic0 is where kv sends the KV already: it goes there once"}
+    report = fabric_ext.run(fabric_ext.compile(text)).to_dict()
+    wire = next(link for link in report["links"] if link["name"] == "nic0->wire")
+    assert wire["bytes"] == 2 * 512 * 8 * 128 * 2 * 32          # K and V of 512 tokens, 8 KV heads, 32 layers
+
+
 def test_warnings_for_decisions_that_can_never_take_effect(tmp_path):
     """A constant decision no event can act on: coalescing to no more than the chunk size, a
     prefetch with the weights in HBM, a route to a device not linked to the island, a tier

@@ -246,7 +246,7 @@ class Prefill:
         if op == "attention":
             n = w.passes()[p][1]
             for g in self.gpus:
-                for where in (w.kv, w.kv_export):
+                for where in dict.fromkeys((w.kv, w.kv_export)):      # (an export to kv's own device: once)
                     if where and where not in ("hbm", "none", g):
                         t = self.site.transfer("kv", None, g, where, w.kv_bytes(n), layer, self._kv_done,
                                                kept=where == w.kv)

@@ -303,7 +303,7 @@ def prefill_flows(gpus: list[str], weights: str, kv: str, kv_export: str | None,
     for i, g in enumerate(gpus):
         if placed(weights):
             out += [("weights", op, weights, g) for op in ("attention", "ffn")]
-        for where in (kv, kv_export):
+        for where in dict.fromkeys((kv, kv_export)):
             if where and placed(where):
                 out.append(("kv", None, g, where))
         if placed(kv) and passes > 1:
