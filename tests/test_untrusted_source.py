@@ -36,6 +36,8 @@ def fabricc(*args, cwd=None):
     ("deep_parens", HANDLER.format("priority = " + "(" * 3000 + "1" + ")" * 3000), f"{LINE}:", "nest more than"),
     ("tiny_chunk", FABRIC.replace("movement kv = kv : gpu* -> pool0", "movement kv = kv : gpu* -> pool0 { chunk: 1B }"),
      "11:43", "'chunk' must be a whole size from 4 KiB"),
+    ("no_prefetch", 'workload w { weights: pool0; prefetch: 0 }\n', f"{LINE}:40",
+     "'prefetch' must be a whole count from 1"),      # the runtime issues a layer ahead at least
     ("import_device", 'import "/dev/zero"\n', f"{LINE}:1", "imports name .fx policy sources"),
     ("import_secret", 'import "/etc/passwd"\n', f"{LINE}:1", "imports name .fx policy sources"),
     ("nul_byte", FABRIC.encode() + b"map m\x00 : array<u32, u64>[4]\n", f"{LINE}:6", "unexpected character U+0000"),

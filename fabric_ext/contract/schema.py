@@ -52,7 +52,7 @@ REMOVED_PROPS = {
 #: the values a workload or movement property may take (base units), so that no run is endless:
 #: a chunk is at least a page (a 1-byte chunk is ~10^10 events), a prompt at most 2^20 tokens
 PROP_RANGES = {"prompt": (1, 1 << 20), "batch": (1, 1 << 16), "tp": (1, 1 << 16),
-               "chunk": (4096, 1 << 40), "prefill_chunk": (0, 1 << 20), "prefetch": (0, 1 << 16)}
+               "chunk": (4096, 1 << 40), "prefill_chunk": (0, 1 << 20), "prefetch": (1, 1 << 16)}
 
 MAP_KINDS = ("array", "hash", "percpu_array", "percpu_hash", "lru_hash", "ringbuf")
 #: histograms a policy declares (`map lat : hist<time>`): an array of counts underneath
