@@ -311,7 +311,7 @@ def describe(c: Cause, nbytes: int = 0) -> str:
     at = f" ({c.file}:{c.line})" if c.line is not None else " (no program decided it)" \
         if c.cause in ("defer", "rate") else ""
     if c.cause == "prefetch":
-        return f"issued late: {c.decision}{at}"
+        return f"issued late to {c.where}: {c.decision}{at}"
     if c.cause == "collective":
         return c.decision
     if c.cause in ("defer", "rate"):
