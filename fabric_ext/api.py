@@ -136,10 +136,12 @@ class Report:
         return [Record(x) for x in self.data["islands"]]
 
     def movement(self, name: str) -> Record:
-        return next(m for m in self.movements if m["name"] == name)
+        """The movement ``name``; KeyError, naming those the run moved, where it moved none."""
+        return _named(self.movements, name, "movement")
 
     def link(self, name: str) -> Record:
-        return next(x for x in self.links if x["name"] == name)
+        """The link (or memory, or wire) ``name``, e.g. ``gpu0->sw0``; KeyError where there is none."""
+        return _named(self.links, name, "link")
 
     def to_dict(self) -> dict:
         """The report as `fabric-run --json` writes it."""
@@ -207,3 +209,10 @@ def run(bundle: Bundle | str | Path, *, model: str | None = None, prompt: int | 
     if baseline:
         report.baseline = reports[1]
     return report
+
+
+def _named(records: list[Record], name: str, what: str) -> Record:
+    found = next((r for r in records if r["name"] == name), None)
+    if found is None:
+        raise KeyError(f"no {what} '{name}' in this report: it has {', '.join(r['name'] for r in records) or 'none'}")
+    return found

@@ -22,6 +22,10 @@ def test_compile_text_in_memory_run_and_write(tmp_path):
     assert report.ttft_ms > 0 and report.baseline.ttft_ms > 0
     w_in = report.movement("w_in")
     assert w_in.bytes == w_in["bytes"] > 0 and w_in.name == "w_in"
+    with pytest.raises(KeyError, match="no movement 'w_on' in this report: it has .*w_in"):
+        report.movement("w_on")
+    with pytest.raises(KeyError, match="no link 'gpu0->gpu9'"):
+        report.link("gpu0->gpu9")
     assert report.to_dict()["policy_speedup"] == round(report.baseline.ttft_ms / report.ttft_ms, 4)
     assert json.loads(report.to_json())["ttft_ms"] == report.ttft_ms
     out = bundle.write(tmp_path / "out")
