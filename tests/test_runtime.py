@@ -356,6 +356,18 @@ workload w { model: "llama3-8b"; prompt: 1024; prefill_chunk: 512; tp: 2; weight
     assert weights == (w.weight_bytes("attention") + w.weight_bytes("ffn")) * w.model.layers * 2   # gpu0's, each pass
 
 
+def test_an_all_reduce_moves_in_the_chunks_its_movement_asks_for(tmp_path):
+    """Without a `chunk` of its own an all-reduce moves in at most 8 chunks (finer ones change
+    no timing, only the events); with one, in chunks of that size, and the same time."""
+    text = ('import "fabrics/dgx_cxl.fx"\nworkload w { model: "llama3-8b"; prompt: 2048; tp: 2; weights: hbm; '
+            'kv: hbm; stack: "none" }\nmovement ar = activations(collective) : gpu* <-> gpu*')
+    runs = [run_engine(compile_text(tmp_path, text + props, tag), prompt=2048)[0]
+            for props, tag in (("", "default"), (" { chunk: 64KiB }", "fine"))]
+    sent = [next(link for link in r["links"] if link["name"] == "gpu0->gpu1") for r in runs]
+    assert sent[0]["bytes"] == sent[1]["bytes"] == sent[1]["chunks"] * 64 * 2**10
+    assert sent[0]["chunks"] == 8 * 32 * 2 and runs[0]["ttft_ms"] == runs[1]["ttft_ms"]
+
+
 def test_prefetch_decision_deepens_the_weight_stream(tmp_path):
     text = """
 import "fabrics/dgx_cxl.fx"

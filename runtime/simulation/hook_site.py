@@ -66,7 +66,7 @@ class ShimHookSite(HookSite):
         hit = self.movements.match(cls, operator, src, dst)
         m = hit.movement if hit else None
         chunk = int(m["chunk"]) if m and m.get("chunk") else self.transfer_chunk
-        if operator == "collective":
+        if operator == "collective" and not (m and m.get("chunk")):    # (its movement's chunk: as asked)
             chunk = max(chunk, -(-int(nbytes) // figures()["defaults"]["collective_chunks"]))
         t = Transfer(m["name"] if m else f"({cls}{'/' + operator if operator else ''})",
                      m["id"] if m else 0, cls, operator or "", src, dst, int(nbytes), layer,
