@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from . import ast as A
 from .checker import const_value, exact_value
+from .contract import topology
 from .contract.flows import MovementTable
 from .contract.hooks import TIER_KINDS
 from .contract.topology import island_roles, route
@@ -47,6 +48,26 @@ class _Updates(A.Visitor):
     def visit_MapUpdate(self, node):
         self.found.append(node)
         self.generic_visit(node)
+
+
+class _CountedKeys(A.Visitor):
+    """Every map access keyed by a context field numbered from 0 (`COUNTED`): (the
+    access, its map, the field)."""
+
+    def __init__(self):
+        self.found: list[tuple[A.Node, str, str]] = []
+
+    def _access(self, node):
+        key = node.key
+        if isinstance(key, A.FieldRef) and key.obj == "ev" and key.name.name in COUNTED:
+            self.found.append((node, node.map.name, key.name.name))
+        self.generic_visit(node)
+
+    visit_MapGet = visit_MapUpdate = _access
+
+
+#: context fields numbered from 0: a model's layers, an island's ports
+COUNTED = ("layer", "port", "in_port", "out_port")
 
 
 class _Variables(A.Visitor):
@@ -92,6 +113,7 @@ def warn(analysis, diags: Diagnostics) -> None:
     _island_handlers_no_transfer_meets(analysis, sym, transfers, diags)
     _decisions_without_effect(analysis, sym, transfers, diags)
     _updates_that_keep_zero(analysis, sym, diags)
+    _arrays_shorter_than_their_keys(analysis, sym, diags)
     _variables_cut_to_whole_numbers(analysis, diags)
     uses = _MapUses()
     for policy in analysis.program.policies:
@@ -130,6 +152,45 @@ def _updates_that_keep_zero(analysis, sym, diags) -> None:
             diags.warning(u.map.span, f"'{u.op}' on array '{u.map.name}' keeps its entries 0: an array's "
                           "entries start at 0", f"declare '{u.map.name}' a hash map (a key it does not hold takes "
                           "the first value), or set its entries with '=' first")
+
+
+def _arrays_shorter_than_their_keys(analysis, sym, diags) -> None:
+    """An array indexed by ``ev.layer`` with fewer entries than the model has layers, or by a
+    port with fewer than the island's device has ports: updates past its end are dropped and
+    reads give 0, as in the kernel."""
+    layers = _model_layers(sym)
+    g, islands = analysis.graph.g, analysis.graph.islands
+    warned = set()
+    for pl in analysis.placements:
+        keys = _CountedKeys()
+        for stmt in pl.handler.body:
+            keys.visit(stmt)
+        for node, name, field in keys.found:
+            info = sym.maps.get(name)
+            if info is None or info.kind not in ("array", "percpu_array") or id(node) in warned:
+                continue
+            if field == "layer":
+                count, what = layers, f"the workload's model has {layers} layers"
+            else:
+                count = max(len(topology.ports(g, d)) + (sym.devices[d].kind in ("dpu", "nic"))
+                            for d in islands[pl.island].devices)
+                what = f"{pl.island} has {count} ports"
+            if count and info.max_entries < count:
+                warned.add(id(node))
+                diags.warning(node.key.span, f"'{name}' holds {info.max_entries} entries and {what}: updates at "
+                              f"ev.{field} {info.max_entries} and above are dropped, and reads there give 0",
+                              f"declare '{name}' with [{count}] entries or more")
+
+
+def _model_layers(sym) -> int | None:
+    """The layers of the workload's model (None where it is no model the runtime loads)."""
+    from fabric_ext.runtime.simulation.workload import WorkloadError, load_model
+    prop = next((p for p in sym.workload.props if p.name.name == "model"), None) if sym.workload else None
+    name = getattr(prop.value, "value", None) if prop is not None else "llama3-8b"
+    try:
+        return load_model(name).layers if isinstance(name, str) else None
+    except WorkloadError:
+        return None
 
 
 def _workload(sym) -> dict:

@@ -196,6 +196,29 @@ def test_an_export_to_where_kv_goes_already_is_warned_and_sent_once(tmp_path):
     assert wire["bytes"] == 2 * 512 * 8 * 128 * 2 * 32          # K and V of 512 tokens, 8 KV heads, 32 layers
 
 
+def test_an_array_shorter_than_the_layers_or_ports_that_index_it_is_warned(tmp_path):
+    """Llama-3-8B has 32 layers and sw0 11 ports: arrays of 16 and 8 entries indexed by them
+    lose what is past their end (run: the layers past 16 are not counted); arrays as long as
+    those are not warned about."""
+    import fabric_ext
+    from conftest import POLICIES
+    text = (f'import "{POLICIES}/fabrics/dgx_cxl.fx"\n'
+            'workload w { model: "llama3-8b"; prompt: 256; tp: 2; weights: pool0; kv: hbm }\n'
+            "movement wt = weights : pool0 -> gpu*\n"
+            "map layers : array<u32, count>[16]\nmap util : array<u32, percent>[8]\n"
+            "map whole : array<u32, count>[32]\nmap ports : array<u32, percent>[11]\n"
+            "policy p { on wt.issue at gpu* { layers[ev.layer] += 1\n whole[ev.layer] += 1 }\n"
+            "           on sw0.tick(10us) { util[ev.port] = ev.util_pct\n ports[ev.port] = ev.util_pct } }\n")
+    path = tmp_path / "a.fx"
+    path.write_text(text)
+    warnings = {f"{d.span.line}:{d.span.col}": d.message for d in analyze(path).diags.items}
+    assert warnings.pop("8:41").startswith("'layers' holds 16 entries and the workload's model has 32 layers")
+    assert warnings.pop("10:37").startswith("'util' holds 8 entries and sw0 has 11 ports")
+    assert warnings == {}, warnings
+    counts = fabric_ext.run(fabric_ext.compile(text, werror=False)).to_dict()["maps"]
+    assert len(counts["layers"]) == 16 and len(counts["whole"]) == 32
+
+
 def test_warnings_for_decisions_that_can_never_take_effect(tmp_path):
     """A constant decision no event can act on: coalescing to no more than the chunk size, a
     prefetch with the weights in HBM, a route to a device not linked to the island, a tier
