@@ -171,7 +171,7 @@ def _arrays_shorter_than_their_keys(analysis, sym, diags) -> None:
                 continue
             if field == "layer":
                 count, what = layers, f"the workload's model has {layers} layers"
-            else:
+            else:       # (a DPU/NIC's network is a port after its links)
                 count = max(len(topology.ports(g, d)) + (sym.devices[d].kind in ("dpu", "nic"))
                             for d in islands[pl.island].devices)
                 what = f"{pl.island} has {count} ports"
