@@ -25,6 +25,7 @@ from .units import (
     DEVICE,
     DIM_ARITH,
     DIM_NAMES,
+    FLOPS,
     PERCENT,
     SIZE,
     TIME,
@@ -127,7 +128,11 @@ def const_value(e: A.Node) -> int | None:
 
 
 # ---- declarations ---------------------------------------------------------------------
-def _check_props(props, table, what, diags, devices=None):
+def _check_props(props, table, what, diags, devices=None, positive=False):
+    """Each property of ``props`` known to ``table`` and of its kind; ``positive``: a size,
+    bandwidth, compute rate or count is more than 0, and a count whole (a device's or a
+    link's: 0 would mean no memory, no bandwidth, no engine, where leaving it out means the
+    default)."""
     seen = {}
     for p in props:
         name = p.name.name
@@ -172,6 +177,11 @@ def _check_props(props, table, what, diags, devices=None):
             if v.value != int(v.value) or not lo <= v.value <= hi:
                 diags.error(v.span, f"'{name}' must be a whole {dim_name(kind)[2:]} from "
                             f"{format_quantity(lo, kind)} to {format_quantity(hi, kind)}")
+        elif positive and kind in (SIZE, BANDWIDTH, FLOPS, COUNT) and \
+                (v.value <= 0 or (kind == COUNT and v.value != int(v.value))):
+            diags.error(v.span, f"'{name}' of {what} must be {'a whole number' if kind == COUNT else 'more than 0'}"
+                        f"{' from 1' if kind == COUNT else ''}, not {format_quantity(v.value, kind)}",
+                        "leave it out for the default (runtime/simulation/data/figures.json)")
     return seen
 
 
@@ -195,7 +205,7 @@ def _check_fabric(prog: Program, sym: Symbols, diags: Diagnostics) -> None:
             continue
         sym.devices[d.name.name] = d
     for d in fab.devices:
-        _check_props(d.props, S.DEVICE_PROPS[d.kind], f"a {d.kind}", diags)
+        _check_props(d.props, S.DEVICE_PROPS[d.kind], f"a {d.kind}", diags, positive=True)
         if d.kind == "cxl_mem":
             if d.at is None:
                 diags.error(d.name.span, f"cxl_mem '{d.name.name}' must say which switch it is attached to",
@@ -221,7 +231,7 @@ def _check_fabric(prog: Program, sym: Symbols, diags: Diagnostics) -> None:
                         f"the first is at {first.span}; give one link the bandwidth of both")
         for w in ways:
             declared.setdefault(w, link)
-        props = _check_props(link.props, S.LINK_PROPS, "a link", diags)
+        props = _check_props(link.props, S.LINK_PROPS, "a link", diags, positive=True)
         kind = props.get("kind")
         if kind is not None and isinstance(kind.value, A.Name) and kind.value.id not in S.LINK_KINDS:
             diags.error(kind.value.span, f"unknown link kind '{kind.value.id}'",
@@ -234,7 +244,7 @@ def _check_switch_ports(fab, declared: dict, diags: Diagnostics) -> None:
     for d in fab.devices:
         ports = next((p for p in d.props if p.name.name == "ports"), None) if d.kind == "cxl_switch" else None
         n = const_value(ports.value) if ports is not None else None
-        if n is None:
+        if n is None or n < 1:      # (no ports at all: `_check_props`)
             continue
         peers = {b for a, b in declared if a == d.name.name} | {a for a, b in declared if b == d.name.name} | \
             {m.name.name for m in fab.devices if m.kind == "cxl_mem" and m.at is not None and m.at.name == d.name.name}

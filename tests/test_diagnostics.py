@@ -286,10 +286,26 @@ def test_a_switch_linking_more_devices_than_its_ports_is_an_error(tmp_path):
     errors = {f"{d.span.line}:{d.span.col}": d.message for d in analyze(path).diags.errors}
     assert errors == {"3:26": "switch 's0' has 3 ports but links 4 devices (g0, g1, g2, m0)"}
     path.write_text(path.read_text().replace("ports: 3", "ports: 0"))
-    assert [d.message for d in analyze(path).diags.errors] == ["switch 's0' has 0 ports but links 4 devices "
-                                                               "(g0, g1, g2, m0)"]
+    assert [d.message for d in analyze(path).diags.errors] == ["'ports' of a cxl_switch must be a whole number "
+                                                               "from 1, not 0"]
     path.write_text(path.read_text().replace("ports: 0", "ports: 4"))
     assert not analyze(path).diags.errors
+
+
+def test_a_device_or_link_figure_of_0_is_an_error_not_the_default(tmp_path):
+    """A size, bandwidth, compute rate or count of 0 (or a fraction of an engine) meant the
+    figure left out: each is an error; latencies and hops of 0 are times like any other."""
+    path = tmp_path / "z.fx"
+    path.write_text("fabric f {\n gpu g0 { copy_engines: 2.5; hbm: 0GB; bf16: 0TFLOPs }\n"
+                    " cxl_switch s0 { hop: 0ns }\n cxl_mem m0 at s0 { bw: 0GB/s; capacity: 0GB; latency: 0ns }\n"
+                    " dpu n0 { line_rate: 0Gbps }\n host h0 { dram_bw: 0GB/s }\n"
+                    " link g0 <-> s0 { bw: 0GB/s; latency: 0ns }\n link n0 <-> s0\n link h0 <-> s0\n}\n")
+    errors = [d.message for d in analyze(path).diags.errors]
+    assert errors == ["'copy_engines' of a gpu must be a whole number from 1, not 2.5",
+                      "'hbm' of a gpu must be more than 0, not 0 B", "'bf16' of a gpu must be more than 0, not 0 FLOPs",
+                      "'bw' of a cxl_mem must be more than 0, not 0 B/s", "'capacity' of a cxl_mem must be more than 0, "
+                      "not 0 B", "'line_rate' of a dpu must be more than 0, not 0 B/s",
+                      "'dram_bw' of a host must be more than 0, not 0 B/s", "'bw' of a link must be more than 0, not 0 B/s"]
 
 
 def test_min_and_and_on_an_array_that_nothing_sets_are_warned(tmp_path):
