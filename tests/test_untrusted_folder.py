@@ -86,6 +86,7 @@ def test_tampered_manifests_give_one_clear_error(tmp_path, capsys, original):
     (("workload", "prompt"), 10 ** 14, "key workload.prompt"),
     (("movements", 0, "chunk"), 1.5, "key movements[0].chunk"),
     (("fabric", "devices", 0, "props", "hbm_bw"), "fast", "key fabric.devices[0].props.hbm_bw: expected a number"),
+    (("fabric", "devices", 0, "props", "hbm"), 0, "key fabric.devices[0].props.hbm: expected a number > 0"),
     (("workload", "weights"), "sw0", "key workload.weights: 'weights' cannot name sw0, a cxl_switch"),
     (("workload", "kv_export"), "pool0", "key workload.kv_export: 'kv_export' cannot name pool0, a cxl_mem"),
 ])

@@ -15,6 +15,8 @@ import re
 from fabric_ext.runtime.machine.elf import MapSpec, total_problem
 from fabric_ext.runtime.machine.errors import ArtifactError
 from fabric_ext.runtime.machine.maptypes import KIND_TYPE
+from fabric_ext.units import BANDWIDTH, FLOPS, SIZE
+from fabric_ext.units import COUNT as COUNT_DIM
 
 from .hooks import DEVICE_ISLAND_KIND, HOOKS, ISLAND_RUNTIME
 from .schema import (
@@ -133,6 +135,7 @@ def record(required: dict, optional: dict | None = None):
 
 ID = integer(0, 1 << 31)
 PROP_NUMBER = number(0, 1e30)
+POSITIVE = number(0, 1e30, above=True)     # a size, bandwidth, rate or count: 0 would be none (the checker's rule)
 COUNT = integer(0, 1 << 31)
 COUNT64 = integer(0, (1 << 64) - 1)
 NAMES = list_of(text(NAME))
@@ -216,7 +219,9 @@ def _references(man: dict) -> None:
         kinds = DEVICE_PROPS.get(d["kind"], {})
         for name, value in d.get("props", {}).items():       # the engine reads them as numbers
             if name in kinds:
-                (text() if kinds[name] == STRING else PROP_NUMBER)(value, f"fabric.devices[{i}].props.{name}")
+                check = text() if kinds[name] == STRING else POSITIVE if kinds[name] in (SIZE, BANDWIDTH, FLOPS, COUNT_DIM) \
+                    else PROP_NUMBER
+                check(value, f"fabric.devices[{i}].props.{name}")
     linked = set()
     for i, link in enumerate(fabric["links"]):
         for end in ("src", "dst"):
