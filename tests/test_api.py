@@ -193,7 +193,9 @@ def test_a_comparison_says_when_the_policies_workloads_differ():
     assert "workloads differ" in text
     assert "kv_tiering: prefill of llama3-8b: 128 tokens" in text and "other: prefill of llama3-8b: 256 tokens" in text
     same = stats.render_comparison([run, dict(run, policy="same.fx")])
-    assert "workloads differ" not in same and same.startswith("prefill of llama3-8b: 128 tokens")
+    assert "workloads differ" not in same and same.startswith("prefill of llama3-8b: 128 tokens x 1, TP 4")
+    chunked = fabric_ext.run(fabric_ext.compile(POLICIES / "kv_tiering.fx"), prompt=4096).to_dict()
+    assert stats.render(chunked).startswith("prefill of llama3-8b: 4096 tokens x 1 in passes of 2048, TP 4")
 
 
 def test_a_comparisons_columns_tell_apart_policies_that_share_a_name():

@@ -127,6 +127,7 @@ def test_a_shallow_prefetch_blocks_and_a_deeper_one_removes_it(tmp_path):
     chain, step = _top(shallow)
     assert chain["kind"] == "blocked"
     assert step["cause"] == "prefetch" and step["decision"] == "prefetch depth 1 (the workload's)"
+    assert step["text"] == f"issued late to {chain['gpu']}: prefetch depth 1 (the workload's)"
     assert "line" not in step
     deep = _explain(tmp_path, _policy("weights: pool0; kv: hbm; prefetch: 4", WEIGHTS, fabric=FAR_GPUS), "deep")
     assert _time(deep, cause="prefetch") < 0.1 * _time(shallow, cause="prefetch")
