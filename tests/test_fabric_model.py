@@ -889,3 +889,32 @@ def test_what_stops_standing_ends_the_trains_that_took_it():
 
     on, off = run(True), run(False)
     assert on[:2] == off[:2] and on[2] > 0
+
+
+def test_a_chunk_tiered_twice_gives_back_the_room_it_took_first():
+    """A tier takes the chunk's bytes from the room of the memory it sends it to and gives
+    them back to the one it was going to: tiered from m0 to m2 at s1, then to m1 at s2, the
+    chunk leaves m2's room as it was, takes from m1's, and counts as gone to m1 (`elsewhere`)."""
+    from fabric_ext.runtime.simulation.fabric_model import Room
+    g = DiGraph()
+    for a, b, kind in (("d0", "s1", "pcie"), ("s1", "s2", "pcie"), ("s1", "m0", "internal"),
+                       ("s2", "m1", "internal"), ("s2", "m2", "internal")):
+        g.add_edge(a, b, bw=10 * GBps, latency=0.0, kind=kind)
+        g.add_edge(b, a, bw=10 * GBps, latency=0.0, kind=kind)
+
+    class Tiers(HookSite):
+        def on_enter(self, chunk, island):
+            return {"s1": {"tier": "m2"}, "s2": {"tier": "m1"}}.get(island)
+    room = Room({"m1": 10 * MiB, "m2": 10 * MiB})
+    sim = Sim()
+    f = Fabric(sim, g, {n: n for n in g}, {n: "cxl_switch" for n in g}, {}, {"m0": 10 * GBps, "m1": 10 * GBps,
+               "m2": 10 * GBps}, Tiers(), room=room)
+    t = transfer("d0", "m0", MiB, kept=True)
+    f.start(t)
+    sim.run()
+    assert room.free == {"m1": 9 * MiB, "m2": 10 * MiB}
+    assert t.elsewhere == {"m2": 0, "m1": MiB} and f.refused["tier"] == 0
+    weights = transfer("d0", "m0", MiB, name="w")      # not kept where it lands: no tier moves it
+    f.start(weights)
+    sim.run()
+    assert f.refused["tier"] == 1 and room.free == {"m1": 9 * MiB, "m2": 10 * MiB}

@@ -132,6 +132,19 @@ def test_a_sliding_window_bounds_what_each_query_attends_to(tmp_path):
         {k: v for k, v in long_windowed.items() if k != "attn"}
 
 
+def test_a_windowed_attention_sees_the_window_as_its_context(tmp_path):
+    """Beyond the window each query attends to the window's keys: the kernel's FLOPs are the
+    window's, its rate that of a context as long as the window, and a later pass reads the
+    window's KV, not all of the earlier tokens'."""
+    config = tmp_path / "mistral.json"
+    config.write_text(json.dumps({**MISTRAL, "sliding_window": 2048}))
+    m = load_model(str(config))
+    attn = next(op for op in attention_block(m, 1, 8192, 1024, 1) if op.name == "attn")
+    heads, kv, d = 32, 8, 128
+    assert attn.context == 2048 and attn.flops == 4.0 * 1024 * 2048 * heads * d
+    assert attn.bytes == 2 * (1024 * 2 * (heads + kv) * d + 2048 * 2 * kv * d)
+
+
 def test_a_chunked_prefill_reads_back_only_the_windows_kv(tmp_path):
     """Each later pass reads the earlier passes' KV from the pool: all of it, or the latest
     `sliding_window` tokens' of it."""

@@ -210,6 +210,29 @@ policy p {{ on w_in.rx {{ first[0] min= now }} }}""")
     assert int(report["maps"]["first"]["0"]) >= 2**20                     # the first MiB, received at 1 B/ns
 
 
+def test_receiving_from_the_network_takes_the_nics_latency_and_has_its_trace_row(tmp_path):
+    """A NIC's `latency` holds for what it receives as for what it sends: the first chunk from
+    the network reaches `rx` a latency after its last byte came off the wire.  The trace shows
+    the receive side as a row of its own (`<- wire`)."""
+    from fabric_ext import api
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 2048, "num_attention_heads": 16,
+                                 "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 32000}))
+    firsts = []
+    for latency in ("", " latency: 50us;"):
+        text = (f'fabric f {{ gpu gpu0\n cxl_switch sw0\n dpu nic0 {{ line_rate: 8Gbps;{latency} }}\n'
+                ' link gpu0 <-> sw0 { bw: 63GB/s; kind: cxl }\n link nic0 <-> sw0 { bw: 63GB/s; kind: pcie } }\n'
+                f'workload w {{ model: "{model}"; prompt: 256; weights: nic0; kv: hbm; chunk: 1MiB }}\n'
+                "movement w_in = weights : nic0 -> gpu0\nmap first : hash<u32, time>[1]\n"
+                "policy p { on w_in.rx { first[0] min= now } }\n")
+        report = api.run(api.compile(text), model=str(model), prompt=256, tp=1, trace=not latency)
+        firsts.append(int(report.data["maps"]["first"]["0"]))
+        if not latency:
+            rows = {e["args"]["name"] for e in report.trace()["traceEvents"] if e["name"] == "thread_name"}
+            assert {"<- wire", "-> sw0"} <= rows
+    assert firsts[1] - firsts[0] == 50_000
+
+
 def test_cross_island_map_written_on_the_switch_read_on_the_gpus(tmp_path):
     out = compile_text(tmp_path, """
 import "fabrics/dgx_cxl.fx"
