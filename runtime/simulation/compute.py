@@ -79,7 +79,6 @@ class Timer:
     def __init__(self, gpu: GpuProfile, model, tp: int):
         self.gpu, self.tp = gpu, tp
         self.table = _table(gpu, model, tp)
-        self.windowed = bool(model.window)     # its attention is not the profiled one
 
     def time(self, op: Operator) -> float:
         measured = self._measured(op)
@@ -87,8 +86,7 @@ class Timer:
 
     def _measured(self, op: Operator) -> float | None:
         t = self.table
-        if t is None or op.name not in t["ms"] or not t["tokens"][0] <= op.tokens <= t["tokens"][-1] or \
-                (op.kind == ATTENTION and self.windowed):
+        if t is None or op.name not in t["ms"] or not t["tokens"][0] <= op.tokens <= t["tokens"][-1]:
             return None
         return float(np.interp(op.tokens, t["tokens"], t["ms"][op.name])) * 1e-3
 
