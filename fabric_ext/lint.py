@@ -223,7 +223,7 @@ class _Transfer(NamedTuple):
 def _prefill_transfers(analysis, sym) -> list[_Transfer]:
     """Each kind of transfer the declared prefill makes, matched to its movement as the runtime
     will."""
-    from fabric_ext.runtime.simulation.workload import prefill_flows
+    from fabric_ext.runtime.simulation.workload import kept_where_it_lands, prefill_flows
     w = _workload(sym)
     gpus = [name for name, d in sym.devices.items() if d.kind == "gpu"][:w["tp"]]
     table = MovementTable(to_json(analysis)["movements"])
@@ -231,7 +231,7 @@ def _prefill_transfers(analysis, sym) -> list[_Transfer]:
     for cls, operator, src, dst in prefill_flows(gpus, w["weights"], w["kv"], w["kv_export"], _passes(w)):
         hit = table.match(cls, operator, src, dst)
         out.append(_Transfer(hit, hit.path if hit is not None else route(analysis.graph.g, src, dst),
-                             cls == "kv" and not operator and dst == w["kv"]))
+                             kept_where_it_lands(cls, operator, dst, w["kv"])))
     return out
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import NamedTuple
 
+from .workload import kept_where_it_lands
+
 
 class Progress(NamedTuple):
     """How far a run is, as the schedule reports it after each block."""
@@ -113,13 +115,12 @@ class Prefill:
             p, layer, op = self.units[u]
             inputs = []
             where = self.weight_src[(layer, op)]
-            if where not in ("hbm", "none"):
+            if where not in ("hbm", "none", g):       # (what g keeps itself is in its HBM)
                 inputs.append(("weights", op, where, w.weight_bytes(op)))
             first_token = w.passes()[p][0]
             if op == "attention" and first_token and w.kv not in ("hbm", "none"):
                 inputs += [("kv", "attention", where, n)
-                           for where, n in self._kv_lies(g, layer, w.attended_kv_bytes(first_token))]
-            inputs = [i for i in inputs if i[2] != g]     # what g keeps itself is in its HBM
+                           for where, n in self._kv_lies(g, layer, w.attended_kv_bytes(first_token)) if where != g]
             if not inputs:
                 self.ready[g][u] = 0.0
                 continue
@@ -249,7 +250,7 @@ class Prefill:
                 for where in dict.fromkeys((w.kv, w.kv_export)):      # (an export to kv's own device: once)
                     if where and where not in ("hbm", "none", g):
                         t = self.site.transfer("kv", None, g, where, w.kv_bytes(n), layer, self._kv_done,
-                                               kept=where == w.kv)
+                                               kept=kept_where_it_lands("kv", None, where, w.kv))
                         if t.kept:
                             self.kv_written[(g, layer)].append(t)
         if u + 1 < len(self.units) and self.units[u + 1][0] == p:

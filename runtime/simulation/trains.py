@@ -174,6 +174,8 @@ class Trains:
     def _fits(self, t) -> _Flow | None:
         fabric = self.fabric
         path = t.path
+        # (a source's memory or receive wire comes before its first link: no step goes past it;
+        # its island is its own, so only a manifest without islands would get this far)
         if t.driver is None or not t.fixed_cost or len(path) != 3 or path[0] in fabric.sources:
             return None
         island = fabric.device_island.get(path[0])

@@ -303,7 +303,7 @@ def prefill_flows(gpus: list[str], weights: str, kv: str, kv_export: str | None,
     for i, g in enumerate(gpus):
         if placed(weights):
             out += [("weights", op, weights, g) for op in ("attention", "ffn")]
-        for where in dict.fromkeys((kv, kv_export)):
+        for where in (kv, kv_export):
             if where and placed(where):
                 out.append(("kv", None, g, where))
         if placed(kv) and passes > 1:
@@ -311,3 +311,9 @@ def prefill_flows(gpus: list[str], weights: str, kv: str, kv_export: str | None,
         if len(gpus) > 1:
             out.append(("activations", "collective", g, gpus[(i + 1) % len(gpus)]))
     return [flow for flow in out if flow[2] != flow[3]]     # a GPU keeping data has it in its HBM
+
+
+def kept_where_it_lands(cls: str, operator: str | None, dst: str, kv: str) -> bool:
+    """Whether a transfer's bytes stay where it ends, what a `tier` may move: KV written back
+    to the workload's kv memory (not KV read back, exported, nor weights)."""
+    return cls == "kv" and not operator and dst == kv
