@@ -12,10 +12,9 @@ first's but for the names (`same_object`), the island compiles on its own.
 from __future__ import annotations
 
 import dataclasses
-import io
 import struct
 
-from elftools.elf.elffile import ELFFile
+from fabric_ext.runtime.machine.elfread import SHT_STRTAB, ElfFile
 
 from . import ir
 
@@ -59,13 +58,13 @@ def renamed(obj: bytes, names: dict[str, str]) -> bytes | None:
 
 def _string_tables(obj: bytes):
     """(start, end, whether it names the symbols) of each string table in the object."""
-    elf = ELFFile(io.BytesIO(obj))
-    symtab = elf.get_section_by_name(".symtab")
-    names = symtab["sh_link"] if symtab is not None else -1
-    for i, sec in enumerate(elf.iter_sections()):
-        start, size = sec["sh_offset"], sec["sh_size"]
-        if sec["sh_type"] == "SHT_STRTAB" or sec["sh_flags"] & SHF_STRINGS:
-            yield start, start + size, i == names
+    elf = ElfFile(obj)
+    symtab = elf.symtab
+    names = symtab.link if symtab is not None else -1
+    for sec in elf.sections:
+        start, size = sec.offset, sec.size
+        if sec.type == SHT_STRTAB or sec.flags & SHF_STRINGS:
+            yield start, start + size, sec.index == names
         elif sec.name == ".BTF" and size >= BTF_HEADER.size:
             _, _, _, hdr_len, _, _, str_off, str_len = BTF_HEADER.unpack_from(obj, start)
             lo = start + hdr_len + str_off

@@ -150,3 +150,54 @@ def test_an_object_whose_maps_are_too_large_together_is_refused(tmp_path):
     subprocess.run([CLANG, "-O2", "-g", "-target", "bpf", "-c", str(src), "-o", str(obj)], check=True)
     with pytest.raises(ObjectError, match="bytes together; the runtime allows 1024 MiB"):
         load_object(obj.read_bytes(), "rings.o")
+
+
+def _objects():
+    """Each fixture's object, and each island's object of the bundled reference policy."""
+    from fabric_ext.codegen.driver import build
+    objects = {f"{n}.bpf.o": (FIX / f"{n}.bpf.o").read_bytes() for n in ("counter", "globals", "ringbuf")}
+    compiled = build(Path(__file__).resolve().parent.parent / "policies" / "prefill_qos.fx")
+    return objects | {n: b for n, b in compiled.files.items() if n.endswith(".bpf.o")}
+
+
+def test_the_elf_reader_reads_what_pyelftools_reads():
+    """Differential: `elfread` against pyelftools, an ELF reader of its own, on clang's
+    objects and ours: the same sections, symbols and relocations."""
+    import io
+
+    from elftools.elf.elffile import ELFFile
+    from elftools.elf.enums import ENUM_ST_INFO_BIND, ENUM_ST_INFO_TYPE, ENUM_ST_SHNDX
+    from elftools.elf.relocation import RelocationSection
+
+    from fabric_ext.runtime.machine.elfread import ElfFile
+    for name, data in _objects().items():
+        ours, theirs = ElfFile(data), ELFFile(io.BytesIO(data))
+        assert [(s.name, s.offset, s.size, s.link, s.info, s.flags) for s in ours.sections] == \
+            [(s.name, s["sh_offset"], s["sh_size"], s["sh_link"], s["sh_info"], s["sh_flags"])
+             for s in theirs.iter_sections()], name
+        assert [ours.content(s) for s in ours.sections if s.type != 8] == \
+            [s.data() for s in theirs.iter_sections() if s["sh_type"] != "SHT_NOBITS"], name
+        symtab = theirs.get_section_by_name(".symtab")
+        info = [s.entry["st_info"] for s in symtab.iter_symbols()]
+        assert [(s.name, s.value, s.size, s.type, s.bind, s.shndx) for s in ours.symbols] == \
+            [(s.name, s["st_value"], s["st_size"], ENUM_ST_INFO_TYPE[i["type"]], ENUM_ST_INFO_BIND[i["bind"]],
+              ENUM_ST_SHNDX.get(s["st_shndx"], s["st_shndx"])) for s, i in zip(symtab.iter_symbols(), info)], name
+        relocated = [s for s in theirs.iter_sections() if isinstance(s, RelocationSection)]
+        assert relocated, name
+        for rel in relocated:
+            target = ours.sections[rel["sh_info"]]
+            assert [(r.offset, r.type, r.symbol) for r in ours.relocations_of(target)] == \
+                [(r["r_offset"], r["r_info_type"], r["r_info_sym"]) for r in rel.iter_relocations()], name
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda b: b[:40] + struct.pack("<Q", 1 << 62) + b[48:], "section header table"),
+    (lambda b: b[:4] + b"\x02\x02" + b[6:], "big-endian"),
+    (lambda b: b[:62] + struct.pack("<H", 0xffff), "extended section numbering"),
+])
+def test_hostile_elf_headers_are_named(mutate, msg):
+    """The ELF header's own fields: the section header table's place, byte order, the names'
+    table's index (each a message of its own, not a traceback)."""
+    data = (FIX / "counter.bpf.o").read_bytes()
+    with pytest.raises(ObjectError, match=msg):
+        load_object(mutate(data), "bad.o")

@@ -36,7 +36,7 @@ def test_the_machine_imports_nothing_of_the_simulation_or_the_front_end():
             if module.startswith(".") or (top in PROJECT and not inside):
                 bad.append(f"{path.relative_to(ROOT)}:{line}: imports {module}")
             elif top not in PROJECT and top not in sys.stdlib_module_names:
-                assert top in ("numpy", "llvmlite", "elftools"), f"{path.name}:{line}: {module}"
+                assert top in ("numpy", "llvmlite"), f"{path.name}:{line}: {module}"
     assert not bad, "\n".join(bad)
 
 

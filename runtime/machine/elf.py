@@ -8,18 +8,14 @@ as one-entry array maps, ``license``, and line info from ``.BTF.ext``.
 """
 from __future__ import annotations
 
-import io
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
-from elftools.elf.sections import SymbolTableSection
-
 from . import isa as I
 from .btf import BTFError, map_def, parse_btf, parse_btf_ext_lines
+from .elfread import SHF_EXECINSTR, SHT_NOBITS, SHT_PROGBITS, STB_GLOBAL, STT_FUNC, STT_SECTION, ElfError, ElfFile
 from .errors import ArtifactError
 from .fsutil import UnreadableFile, read_bounded
 from .isa import MAX_MAP_BYTES, MAX_TOTAL_MAP_BYTES, map_bytes
@@ -152,7 +148,7 @@ def load_object(source: str | Path | bytes, name: str | None = None) -> ElfObjec
         return _Loader(path, data).load()
     except ObjectError:
         raise
-    except (ELFError, BTFError, ValueError, KeyError, IndexError, AssertionError, TypeError, struct.error,
+    except (ElfError, BTFError, ValueError, KeyError, IndexError, AssertionError, TypeError, struct.error,
             OverflowError) as e:
         raise ObjectError(f"{path}: corrupt or unsupported object: {e}") from None
 
@@ -160,31 +156,21 @@ def load_object(source: str | Path | bytes, name: str | None = None) -> ElfObjec
 class _Loader:
     def __init__(self, path: str, data: bytes):
         self.path = path
-        try:
-            self.elf = ELFFile(io.BytesIO(data))
-        except ELFError as e:
-            raise ObjectError(f"{path}: not an ELF file ({e})") from None
-        if self.elf["e_machine"] not in ("EM_BPF", EM_BPF):
-            raise ObjectError(f"{path}: not a BPF object (machine {self.elf['e_machine']})")
-        if self.elf.little_endian is False:
-            raise ObjectError(f"{path}: big-endian BPF objects are not supported")
-        self.symtab = self.elf.get_section_by_name(".symtab")
-        if not isinstance(self.symtab, SymbolTableSection):
+        self.elf = ElfFile(data)
+        if self.elf.machine != EM_BPF:
+            raise ObjectError(f"{path}: not a BPF object (machine {self.elf.machine})")
+        if self.elf.symtab is None:
             raise ObjectError(f"{path}: no symbol table")
-        self.sections = {i: s for i, s in enumerate(self.elf.iter_sections())}
-        for i, s in self.sections.items():      # before any is read: a size past the file is no read
-            if s["sh_type"] != "SHT_NOBITS" and s["sh_offset"] + s["sh_size"] > len(data):
-                raise ObjectError(f"{path}: section {i} ({s['sh_size']} bytes at offset {s['sh_offset']}) "
-                                  f"extends past the end of the {len(data)}-byte file")
+        self.sections = self.elf.sections
 
     def err(self, msg):
         raise ObjectError(f"{self.path}: {msg}")
 
     def load(self) -> ElfObject:
-        btf_sec = self.elf.get_section_by_name(".BTF")
-        self.btf = parse_btf(btf_sec.data()) if btf_sec is not None else None
-        ext = self.elf.get_section_by_name(".BTF.ext")
-        self.lines = parse_btf_ext_lines(ext.data(), self.btf) if ext is not None and self.btf else {}
+        btf_sec = self.elf.section(".BTF")
+        self.btf = parse_btf(self.elf.content(btf_sec)) if btf_sec is not None else None
+        ext = self.elf.section(".BTF.ext")
+        self.lines = parse_btf_ext_lines(self.elf.content(ext), self.btf) if ext is not None and self.btf else {}
         maps = self._maps()
         for m in maps:
             why = m.problem()
@@ -193,31 +179,30 @@ class _Loader:
         why = total_problem(sum(m.bytes for m in maps))
         if why:
             self.err(why)
-        lic = self.elf.get_section_by_name("license")
-        license = lic.data().split(b"\0", 1)[0].decode() if lic is not None else ""
+        lic = self.elf.section("license")
+        license = self.elf.content(lic).split(b"\0", 1)[0].decode() if lic is not None else ""
         progs = []
-        text_idx = next((i for i, s in self.sections.items() if s.name == ".text"), None)
-        for idx, sec in self.sections.items():
-            if sec["sh_type"] != "SHT_PROGBITS" or not sec["sh_flags"] & 0x4 or sec.name == ".text":
+        text = self.elf.section(".text")
+        text_idx = text.index if text is not None else None
+        for sec in self.sections:
+            if sec.type != SHT_PROGBITS or not sec.flags & SHF_EXECINSTR or sec.name == ".text":
                 continue
-            if sec["sh_size"] % 8:
-                self.err(f"section {sec.name}: size {sec['sh_size']} is not a multiple of 8")
-            for sym in self._funcs(idx):
-                progs.append(self._program(sym, idx, sec, text_idx, maps))
+            if sec.size % 8:
+                self.err(f"section {sec.name}: size {sec.size} is not a multiple of 8")
+            for sym in self._funcs(sec.index):
+                progs.append(self._program(sym, sec.index, sec, text_idx, maps))
         return ElfObject(self.path, progs, maps, license)
 
     def _funcs(self, sec_idx):
-        out = [s for s in self.symtab.iter_symbols()
-               if s["st_shndx"] == sec_idx and s["st_info"]["type"] == "STT_FUNC"
-               and s["st_info"]["bind"] == "STB_GLOBAL"]
-        return sorted(out, key=lambda s: s["st_value"])
+        out = [s for s in self.elf.symbols if s.shndx == sec_idx and s.type == STT_FUNC and s.bind == STB_GLOBAL]
+        return sorted(out, key=lambda s: s.value)
 
     # -- maps -------------------------------------------------------------------------
     def _maps(self) -> list[MapSpec]:
         self.map_index: dict[tuple[int, int], int] = {}   # (section index, offset) -> map
         self.data_maps: dict[int, int] = {}                # data section index -> map
         out: list[MapSpec] = []
-        maps_idx = next((i for i, s in self.sections.items() if s.name == ".maps"), None)
+        maps_idx = next((s.index for s in self.sections if s.name == ".maps"), None)
         if maps_idx is not None:
             if self.btf is None:
                 self.err("section .maps needs .BTF to describe the maps")
@@ -225,7 +210,7 @@ class _Loader:
             if ds is None:
                 self.err("section .BTF has no DATASEC for .maps")
             # the symbol table, not the DATASEC (whose offsets libbpf fixes up), says where each map is
-            offsets = {s.name: s["st_value"] for s in self.symtab.iter_symbols() if s["st_shndx"] == maps_idx}
+            offsets = {s.name: s.value for s in self.elf.symbols if s.shndx == maps_idx}
             for var_id, _off, _size in ds.members:
                 var = self.btf.types[var_id]
                 if var.name not in offsets:
@@ -240,43 +225,34 @@ class _Loader:
                 self.map_index[(maps_idx, off)] = len(out)
                 out.append(MapSpec(var.name, d["type"], d.get("key_size", 0),
                                    d.get("value_size", 0), d.get("max_entries", 0), d.get("map_flags", 0)))
-        for idx, sec in self.sections.items():
+        for sec in self.sections:
             if sec.name in DATA_SECTIONS or any(sec.name.startswith(n + ".") for n in DATA_SECTIONS):
-                if sec["sh_size"] == 0:
+                if sec.size == 0:
                     continue
-                if sec["sh_size"] > I.MAX_MAP_BYTES:        # (a .bss's size is the file's word: nothing backs it)
-                    self.err(f"section {sec.name} is {sec['sh_size']:,} bytes; global data is a map's "
+                if sec.size > I.MAX_MAP_BYTES:        # (a .bss's size is the file's word: nothing backs it)
+                    self.err(f"section {sec.name} is {sec.size:,} bytes; global data is a map's "
                              f"value, at most {I.MAX_MAP_BYTES:,}")
-                data = bytes(sec["sh_size"]) if sec["sh_type"] == "SHT_NOBITS" else sec.data()
-                self.data_maps[idx] = len(out)
+                data = bytes(sec.size) if sec.type == SHT_NOBITS else self.elf.content(sec)
+                self.data_maps[sec.index] = len(out)
                 out.append(MapSpec(sec.name, ARRAY, 4, len(data), 1, data=data))
         return out
 
     # -- programs ------------------------------------------------------------------------
-    def _relocs(self, sec_idx):
-        for s in self.sections.values():
-            if s["sh_type"] == "SHT_REL" and s["sh_info"] == sec_idx:
-                return s
-        return None
-
     def _program(self, sym, sec_idx, sec, text_idx, maps) -> ProgramSpec:
-        start, size = sym["st_value"], sym["st_size"] or sec["sh_size"] - sym["st_value"]
-        data = sec.data()
+        start, size = sym.value, sym.size or sec.size - sym.value
+        data = self.elf.content(sec)
         if start + size > len(data):
             self.err(f"section {sec.name}: symbol '{sym.name}' runs past the section end")
         code = bytearray(data[start:start + size])
-        text = self.sections[text_idx].data() if text_idx is not None else b""
-        relocs = [(r["r_offset"], r["r_info_type"], r["r_info_sym"], sec_idx)
-                  for r in (self._relocs(sec_idx).iter_relocations() if self._relocs(sec_idx) else [])
-                  if start <= r["r_offset"] < start + size]
-        relocs = [(o - start, t, s, si) for o, t, s, si in relocs]
+        text = self.elf.content(self.sections[text_idx]) if text_idx is not None else b""
+        relocs = [(r.offset - start, r.type, r.symbol, sec_idx)
+                  for r in self.elf.relocations_of(sec) if start <= r.offset < start + size]
         text_base = None
         if any(self._is_text_call(t, s, text_idx) for _, t, s, _ in relocs) and text:
             text_base = len(code)
             code += text
-            tr = self._relocs(text_idx)
-            relocs += [(r["r_offset"] + text_base, r["r_info_type"], r["r_info_sym"], text_idx)
-                       for r in (tr.iter_relocations() if tr else [])]
+            relocs += [(r.offset + text_base, r.type, r.symbol, text_idx)
+                       for r in self.elf.relocations_of(self.sections[text_idx])]
         try:
             insns = I.decode(bytes(code))
         except I.DecodeError as e:
@@ -295,7 +271,7 @@ class _Loader:
         return ProgramSpec(sym.name, sec.name, insns, lines)
 
     def _is_text_call(self, rtype, symi, text_idx):
-        return rtype == R_BPF_64_32 and self.symtab.get_symbol(symi)["st_shndx"] == text_idx
+        return rtype == R_BPF_64_32 and self.elf.symbol(symi).shndx == text_idx
 
     def _apply(self, slots, off, rtype, symi, from_sec, sec, text_base, text_idx):
         where = f"relocation at offset {off:#x} in {sec.name}"
@@ -304,28 +280,28 @@ class _Loader:
         pc = off // 8
         ins = slots[pc]
         try:
-            sym = self.symtab.get_symbol(symi)
-        except Exception:  # noqa: BLE001
+            sym = self.elf.symbol(symi)
+        except ElfError:
             self.err(f"{where}: symbol {symi} does not exist")
-        target = sym["st_shndx"]
+        target = sym.shndx
         if rtype == R_BPF_64_64:
             if not ins.is_lddw:
                 self.err(f"{where}: R_BPF_64_64 on a non-lddw instruction")
-            if (target, sym["st_value"]) in self.map_index:
-                slots[pc] = I.Insn(ins.opcode, ins.dst, I.PSEUDO_MAP_FD, ins.off, self.map_index[(target, sym["st_value"])])
+            if (target, sym.value) in self.map_index:
+                slots[pc] = I.Insn(ins.opcode, ins.dst, I.PSEUDO_MAP_FD, ins.off, self.map_index[(target, sym.value)])
             elif target in self.data_maps:
                 addend = ins.imm & I.MASK32
                 slots[pc] = I.Insn(ins.opcode, ins.dst, I.PSEUDO_MAP_VALUE, ins.off, self.data_maps[target],
-                                   sym["st_value"] + addend)
+                                   sym.value + addend)
             else:
                 self.err(f"{where}: reference to '{sym.name}', which is not a map or global data")
         elif rtype == R_BPF_64_32:
             if ins.opcode != I.JMP | I.CALL:
                 self.err(f"{where}: R_BPF_64_32 on a non-call instruction")
-            if sym["st_info"]["type"] == "STT_SECTION":
+            if sym.type == STT_SECTION:
                 dest_in_sec = (ins.imm + 1) * 8
             else:
-                dest_in_sec = sym["st_value"]
+                dest_in_sec = sym.value
             if target == text_idx and from_sec != text_idx:
                 dest = text_base + dest_in_sec
             elif target == text_idx:
