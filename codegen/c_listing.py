@@ -17,6 +17,7 @@ from . import ir
 _ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).with_name("templates")),
                           keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
                           undefined=jinja2.StrictUndefined)
+_ENV.filters["c_comment"] = lambda text: text.replace("*/", "*\\/")    # (a path may hold "*/")
 C_TYPES = {1: "__u8", 2: "__u16", 4: "__u32", 8: "__u64"}
 MAP_TYPES = {"hash": "BPF_MAP_TYPE_HASH", "array": "BPF_MAP_TYPE_ARRAY", "percpu_hash": "BPF_MAP_TYPE_PERCPU_HASH",
              "percpu_array": "BPF_MAP_TYPE_PERCPU_ARRAY", "lru_hash": "BPF_MAP_TYPE_LRU_HASH",

@@ -16,6 +16,7 @@ from fabric_ext.frontend import analyze
 from fabric_ext.loader import display_path
 from fabric_ext.runtime.machine import isa
 from fabric_ext.runtime.machine.elf import ObjectError, load_object
+from fabric_ext.runtime.machine.fsutil import printable
 from fabric_ext.runtime.machine.verifier import VerifierError, verify
 
 from . import artifacts
@@ -75,7 +76,7 @@ def _build(path, opt, mcpu, emit, kernel_verify, diags, text=None, include=(), d
         by_island.setdefault(p.island, []).append(p)
     compiled = []
     bpftime_fds = rj.BpftimeFds()
-    source = str(path)
+    source = printable(str(path))
     objects: dict[str, tuple] = {}      # island -> (object, read back), compiled on its own
     for island, progs in by_island.items():
         twin = _twin_object(progs, objects, by_island) if "llvm" not in emit else None

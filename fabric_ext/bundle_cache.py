@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import struct
 from functools import lru_cache
 from pathlib import Path
@@ -54,7 +55,7 @@ def compile_cached(path: Path, cache: CodeCache | None = None, **options) -> tup
     except (OSError, ValueError):       # not a source the compiler reads (compiling says why): no entry
         source = None
     cache = cache if cache is not None else open_cache()
-    key = cache.key(str(path).encode(), source, json.dumps(options, sort_keys=True).encode()) \
+    key = cache.key(os.fsencode(path), source, json.dumps(options, sort_keys=True).encode()) \
         if source is not None else None
     hit = _unpack(cache.get(key), str(path)) if key else None
     if hit is not None and all(state == "same" for _, state in source_states(hit[0].manifest)):
@@ -72,7 +73,8 @@ def open_cache() -> CodeCache:
 
 
 def _pack(bundle: Bundle, warnings: str) -> bytes:
-    parts = [("#warnings", warnings.encode()), ("#summary", "\n".join(bundle.summary).encode()),
+    # (warnings name the policy's path: bytes of it that are not UTF-8 kept as they are)
+    parts = [("#warnings", warnings.encode(errors="surrogateescape")), ("#summary", "\n".join(bundle.summary).encode()),
              *sorted(bundle.files.items())]
     return b"".join(struct.pack("<II", len(n.encode()), len(d)) + n.encode() + d for n, d in parts)
 
@@ -88,7 +90,7 @@ def _unpack(blob: bytes | None, name: str) -> tuple[Bundle, str] | None:
             at += 8
             files[blob[at:at + n].decode()] = blob[at + n:at + n + d]
             at += n + d
-        warnings, summary = files.pop("#warnings").decode(), files.pop("#summary").decode()
+        warnings, summary = files.pop("#warnings").decode(errors="surrogateescape"), files.pop("#summary").decode()
         manifest = json.loads(files["manifest.json"])
     except (struct.error, KeyError, UnicodeDecodeError, ValueError):
         return None

@@ -1,5 +1,7 @@
 """fabricc's exit codes, diagnostics format and outputs."""
 import json
+import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -334,3 +336,32 @@ def test_fabric_run_help_names_the_serving_stack_a_run_takes_by_default():
                                 'workload w { model: "llama3-8b"; prompt: 512; tp: 2 }\n', werror=False)
     assert fabric_ext.run(bundle).ttft_ms == fabric_ext.run(bundle, stack=default).ttft_ms \
         != fabric_ext.run(bundle, stack="none").ttft_ms
+
+
+def test_a_policy_in_a_folder_of_any_name_compiles_and_runs(tmp_path):
+    """A folder name with a byte that is not UTF-8 and a C comment's end (`*/`): the name goes
+    into LLVM's debug info, the C listing's comments, the compiled-policy cache and the
+    reports, shown with U+FFFD where it is not UTF-8 (it was an internal error in each), and
+    the listing still builds."""
+    folder = tmp_path / os.fsdecode(b"x\xff*")
+    folder.mkdir()
+    shutil.copytree(POLICIES / "fabrics", folder / "fabrics")
+    shutil.copy(POLICIES / "kv_tiering.fx", folder / "p.fx")
+    r = subprocess.run([sys.executable, "-m", "fabric_ext.cli", "compile", folder / "p.fx", "-o", folder / "out"],
+                       capture_output=True)    # (it names the folder as the file system has it: not UTF-8)
+    assert r.returncode == 0, r.stderr
+    listing = (folder / "out" / "sw0.bpf.c").read_text()
+    assert "x\ufffd*\\/p.fx" in listing.splitlines()[1] and "*/p.fx" not in listing
+    if shutil.which("clang"):
+        built = subprocess.run(["clang", "-target", "bpf", "-O2", f"-I/usr/include/{platform.machine()}-linux-gnu",
+                                "-c", "sw0.bpf.c", "-o", str(tmp_path / "sw0.o")],
+                               cwd=folder / "out", capture_output=True, text=True)
+        assert built.returncode == 0, built.stderr
+    env = {"FABRIC_EXT_BUNDLE_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    runs = [subprocess.run([sys.executable, "-m", "fabric_ext.runtime.simulation.cli", "--policy", folder / "p.fx",
+                            "--prompt", "2048", "--html", folder / "r.html", "--json", folder / "r.json"],
+                           capture_output=True, env=env) for _ in range(2)]   # the second from the cache
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr.decode(errors="replace")
+    assert list((tmp_path / "cache").glob("*.bundle")) and runs[1].stderr == runs[0].stderr
+    assert "x\ufffd*/p.fx" in (folder / "r.html").read_text()
+    assert json.loads((folder / "r.json").read_text())["policy"]

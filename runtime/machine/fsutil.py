@@ -11,8 +11,20 @@ from pathlib import Path
 from .errors import InputError, OutputError
 
 
+def printable(text: str) -> str:
+    """``text`` as any file can hold it in UTF-8 (LLVM's debug info, a listing, a report): the
+    bytes of a file name in it that are not UTF-8, which Python keeps as lone surrogates,
+    shown as U+FFFD."""
+    try:
+        text.encode()
+        return text
+    except UnicodeEncodeError:
+        return text.encode(errors="surrogateescape").decode(errors="replace")
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
+    """`atomic_write_bytes` of ``text`` in UTF-8 (`printable`)."""
+    atomic_write_bytes(path, printable(text).encode())
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
