@@ -53,7 +53,6 @@ class MapInfo:
     value_dim: str | None = None
     value_size: int = 8
     max_entries: int = 1
-    signed_value: bool = False
     records: list = field(default_factory=list)    # a ringbuf's: each emit's line and fields (`s_Emit`)
     hist: dict | None = None    # a histogram's: {"kind": hist|lhist, "dim", and an lhist's "lo", "hi", "step"}
 
@@ -330,13 +329,18 @@ def _check_maps(prog: Program, sym: Symbols, diags: Diagnostics) -> None:
             info.key_size, info.value_size, info.max_entries = 0, 0, int(size or 4096)
             sym.maps[name] = info
             continue
-        if m.key_type is None:
-            diags.error(m.kind.span, f"map '{name}' needs key and value types",
+        if m.key_type is None or m.value_type is None:
+            diags.error((m.key_type or m.kind).span, f"map '{name}' needs key and value types",
                         f"write 'map {name} : {kind}<u32, u64>[N]'")
             continue
         for t, role in ((m.key_type, "key"), (m.value_type, "value")):
             ti = S.type_info(t.name)
-            if ti is None:
+            if ti is None and t.name in ("i8", "i16", "i32", "i64"):
+                diags.error(t.span, f"a map holds no signed values: the language's values are unsigned "
+                                    f"(subtraction stops at 0), so '{t.name}' would hold what 'u{t.name[1:]}' does",
+                            f"write 'u{t.name[1:]}'")
+                ti = (None, S.INT_TYPES.get(f"u{t.name[1:]}", 8))
+            elif ti is None:
                 diags.error(t.span, f"unknown {role} type '{t.name}'",
                             did_you_mean(t.name, list(S.INT_TYPES) + list(S.DIM_TYPES)))
                 ti = (None, 8)
@@ -344,7 +348,6 @@ def _check_maps(prog: Program, sym: Symbols, diags: Diagnostics) -> None:
                 info.key_dim, info.key_size = ti
             else:
                 info.value_dim, info.value_size = ti
-                info.signed_value = t.name.startswith("i")
         if kind in ("array", "percpu_array") and info.key_size != 4:
             diags.error(m.key_type.span, f"an {kind} map is indexed by a u32 key, not '{m.key_type.name}'",
                         f"write '{kind}<u32, {m.value_type.name}>'")

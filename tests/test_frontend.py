@@ -173,6 +173,8 @@ DECL_BAD = [
     ("fabric f { gpu a, b link a <-> b }\nmovement m = weight : a -> b", "unknown data class 'weight'"),
     ("fabric f { gpu a, b link a <-> b }\nmovement m = kv : a -> c*", "pattern 'c*' matches no device"),
     ("fabric f { gpu a }\nmap m : array<u64, u64>[4]", "indexed by a u32 key"),
+    ("fabric f { gpu a }\nmap m : array<u64>[4]", "map 'm' needs key and value types"),    # (was a crash)
+    ("fabric f { gpu a }\nmap m : hash<u32, i32>[4]", "'i32' would hold what 'u32' does"),  # (it did, silently)
     ("fabric f { gpu a }\nmap m : hash<u32, u64>[100000000]", "too large"),
     ("fabric f { gpu a }\nmap m : hashh<u32, u64>[4]", "unknown map kind 'hashh'"),
     ("fabric f { gpu a }\nmap m : ringbuf[1000]", "power of two"),

@@ -60,7 +60,7 @@ HISTOGRAM_KINDS = ("hist", "lhist")
 HIST_BUCKETS = 64              # a hist's: bucket k counts values in [2^k, 2^(k+1)), bucket 0 also 0
 MAX_LHIST_BUCKETS = 1024
 #: integer types and the byte size they are stored in
-INT_TYPES = {"u8": 1, "u16": 2, "u32": 4, "u64": 8, "i32": 4, "i64": 8}
+INT_TYPES = {"u8": 1, "u16": 2, "u32": 4, "u64": 8}     # (no signed ones: values are unsigned)
 #: dimension names usable as map key or value types, stored as u64 (device as u32)
 DIM_TYPES = {"size": (SIZE, 8), "bandwidth": (BANDWIDTH, 8), "time": (TIME, 8),
              "percent": (PERCENT, 8), "count": (COUNT, 8), "flops": (FLOPS, 8),
