@@ -113,7 +113,7 @@ def warn(analysis, diags: Diagnostics) -> None:
     _island_handlers_no_transfer_meets(analysis, sym, transfers, diags)
     _decisions_without_effect(analysis, sym, transfers, diags)
     _updates_that_keep_zero(analysis, sym, diags)
-    _arrays_shorter_than_their_keys(analysis, sym, diags)
+    _maps_smaller_than_their_keys(analysis, sym, diags)
     _variables_cut_to_whole_numbers(analysis, diags)
     uses = _MapUses()
     for policy in analysis.program.policies:
@@ -154,10 +154,11 @@ def _updates_that_keep_zero(analysis, sym, diags) -> None:
                           "the first value), or set its entries with '=' first")
 
 
-def _arrays_shorter_than_their_keys(analysis, sym, diags) -> None:
-    """An array indexed by ``ev.layer`` with fewer entries than the model has layers, or by a
-    port with fewer than the island's device has ports: updates past its end are dropped and
-    reads give 0, as in the kernel."""
+def _maps_smaller_than_their_keys(analysis, sym, diags) -> None:
+    """An array or hash map indexed by ``ev.layer`` with fewer entries than the model has
+    layers, or by a port with fewer than the island's device has ports: as in the kernel,
+    updates past an array's end are dropped and reads there give 0, and a hash map with
+    every entry in use refuses new keys (an lru_hash evicts instead)."""
     layers = _model_layers(sym)
     g, islands = analysis.graph.g, analysis.graph.islands
     warned = set()
@@ -167,7 +168,8 @@ def _arrays_shorter_than_their_keys(analysis, sym, diags) -> None:
             keys.visit(stmt)
         for node, name, field in keys.found:
             info = sym.maps.get(name)
-            if info is None or info.kind not in ("array", "percpu_array") or id(node) in warned:
+            if info is None or info.kind not in ("array", "percpu_array", "hash", "percpu_hash") \
+                    or id(node) in warned:
                 continue
             if field == "layer":
                 count, what = layers, f"the workload's model has {layers} layers"
@@ -177,8 +179,10 @@ def _arrays_shorter_than_their_keys(analysis, sym, diags) -> None:
                 what = f"{pl.island} has {count} ports"
             if count and info.max_entries < count:
                 warned.add(id(node))
-                diags.warning(node.key.span, f"'{name}' holds {info.max_entries} entries and {what}: updates at "
-                              f"ev.{field} {info.max_entries} and above are dropped, and reads there give 0",
+                lost = f"updates at ev.{field} {info.max_entries} and above are dropped, and reads there give 0" \
+                    if info.kind.endswith("array") else \
+                    f"once {info.max_entries} keys are in it, updates of another are refused (the run counts them)"
+                diags.warning(node.key.span, f"'{name}' holds {info.max_entries} entries and {what}: {lost}",
                               f"declare '{name}' with [{count}] entries or more")
 
 

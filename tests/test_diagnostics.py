@@ -196,10 +196,11 @@ def test_an_export_to_where_kv_goes_already_is_warned_and_sent_once(tmp_path):
     assert wire["bytes"] == 2 * 512 * 8 * 128 * 2 * 32          # K and V of 512 tokens, 8 KV heads, 32 layers
 
 
-def test_an_array_shorter_than_the_layers_or_ports_that_index_it_is_warned(tmp_path):
+def test_a_map_smaller_than_the_layers_or_ports_that_index_it_is_warned(tmp_path):
     """Llama-3-8B has 32 layers and sw0 11 ports: arrays of 16 and 8 entries indexed by them
-    lose what is past their end (run: the layers past 16 are not counted); arrays as long as
-    those are not warned about."""
+    lose what is past their end, and a hash of 16 entries refuses layers once full (run: the
+    layers past 16 are not counted); maps as large as those, and an lru_hash, which evicts,
+    are not warned about."""
     import fabric_ext
     from conftest import POLICIES
     text = (f'import "{POLICIES}/fabrics/dgx_cxl.fx"\n'
@@ -208,15 +209,21 @@ def test_an_array_shorter_than_the_layers_or_ports_that_index_it_is_warned(tmp_p
             "map layers : array<u32, count>[16]\nmap util : array<u32, percent>[8]\n"
             "map whole : array<u32, count>[32]\nmap ports : array<u32, percent>[11]\n"
             "policy p { on wt.issue at gpu* { layers[ev.layer] += 1\n whole[ev.layer] += 1 }\n"
-            "           on sw0.tick(10us) { util[ev.port] = ev.util_pct\n ports[ev.port] = ev.util_pct } }\n")
+            "           on sw0.tick(10us) { util[ev.port] = ev.util_pct\n ports[ev.port] = ev.util_pct }\n"
+            "           on wt.forward at sw0 { h[ev.layer] += 1\n lru[ev.layer] += 1 } }\n"
+            "map h : hash<u32, count>[16]\nmap lru : lru_hash<u32, count>[16]\n")
     path = tmp_path / "a.fx"
     path.write_text(text)
     warnings = {f"{d.span.line}:{d.span.col}": d.message for d in analyze(path).diags.items}
     assert warnings.pop("8:41").startswith("'layers' holds 16 entries and the workload's model has 32 layers")
     assert warnings.pop("10:37").startswith("'util' holds 8 entries and sw0 has 11 ports")
+    assert warnings.pop("12:37") == ("'h' holds 16 entries and the workload's model has 32 layers: once 16 "
+                                     "keys are in it, updates of another are refused (the run counts them)")
     assert warnings == {}, warnings
-    counts = fabric_ext.run(fabric_ext.compile(text, werror=False)).to_dict()["maps"]
-    assert len(counts["layers"]) == 16 and len(counts["whole"]) == 32
+    report = fabric_ext.run(fabric_ext.compile(text, werror=False)).to_dict()
+    counts = report["maps"]
+    assert len(counts["layers"]) == 16 and len(counts["whole"]) == 32 and len(counts["h"]) == 16
+    assert report["map_full"]["h"] > 0 and "lru" not in report["map_full"]
 
 
 def test_warnings_for_decisions_that_can_never_take_effect(tmp_path):

@@ -498,6 +498,26 @@ policy p { on w_in.forward at sw0 { emit ring(now, ev.bytes) } }""")
     assert f"ringbuf ring: {ring['dropped']} records dropped, {kept} kept" in stats.render(report)
 
 
+@pytest.mark.parametrize("vm", ["interp", "jit"])
+def test_updates_a_full_hash_map_refuses_are_counted_and_reported(tmp_path, vm):
+    """A hash map with every entry in use refuses new keys, as the kernel's does: the report
+    counts the refusals (they were lost in silence), where an lru_hash evicts instead."""
+    from fabric_ext.runtime.machine.backends import get_backend
+    from fabric_ext.runtime.simulation import stats
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0 }
+movement w_in = weights(ffn) : pool0 -> gpu*
+map h : hash<u32, count>[4]
+map l : lru_hash<u32, count>[4]
+policy p { on w_in.forward at sw0 { h[ev.layer] += 1; l[ev.layer] += 1 } }""")
+    report, _ = run_engine(out, backend=get_backend(vm))
+    per_layer = report["maps"]["h"]["0"]
+    assert sorted(report["maps"]["h"]) == ["0", "1", "2", "3"] and sorted(report["maps"]["l"]) == ["28", "29", "30", "31"]
+    assert report["map_full"] == {"h": per_layer * 28}          # layers 4-31 of Llama-3-8B: each chunk's update
+    assert f"map h: {per_layer * 28:,} updates of a new key refused" in stats.render(report)
+
+
 def test_ringbuf_records_are_decoded_into_their_emits_fields(tmp_path):
     """Each record comes back as the fields of the emit that wrote it (named after what it
     records, with units and device names), told apart by length, in the JSON and the summary."""

@@ -100,6 +100,7 @@ class Map:
         self.records: list[bytes] = []  # ringbuf output, oldest first
         self.ring_used = 0              # ... and the bytes it holds, 8-byte headers included
         self.dropped = 0                # ringbuf records refused for want of room
+        self.full = 0                   # hash updates of a new key refused: every entry in use
         hashed = map_type in (HASH, PERCPU_HASH, LRU_HASH)
         self.cap = 1 << (2 * max_entries - 1).bit_length() if hashed else max_entries
         if map_type == RINGBUF:
@@ -199,6 +200,7 @@ class Map:
                 return -errno.ENOENT
             if self.count >= self.max_entries:
                 if self.type != LRU_HASH:
+                    self.full += 1
                     return -errno.E2BIG
                 self._evict()
                 _, free = self._probe(key)

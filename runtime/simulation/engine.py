@@ -352,6 +352,7 @@ class Engine:
             stall_by_movement=self.prefill.stall_by_movement, transfers=self.fabric.transfers, servers=servers,
             islands=[s.summary() for s in self.shims.values()], faults=[f for s in self.shims.values() for f in s.faults],
             maps={name: m.dump() for name, m in sorted(self.maps.items())} if attached else {},
+            map_full={name: m.full for name, m in sorted(self.maps.items()) if m.full},
             map_types={m["name"]: (m["kind"], m.get("key_type"), m.get("value_type")) for m in self.man["maps"]},
             record_layouts={m["name"]: m["records"] for m in self.man["maps"] if m.get("records")},
             histograms={m["name"]: m["hist"] for m in self.man["maps"] if m.get("hist")},

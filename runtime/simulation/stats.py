@@ -58,6 +58,7 @@ class RunRecord:
     maps: dict                          # final map contents (empty with no programs attached)
     copy_engines: list[dict]
     refused: dict[str, int]             # decisions the fabric refused, by reason
+    map_full: dict[str, int] = field(default_factory=dict)  # hash map -> new keys refused, every entry in use
     spans: list[tuple] = field(default_factory=list)   # (track, name, start ns, dur ns, args or None)
     map_types: dict[str, tuple] = field(default_factory=dict)   # name -> (kind, key type, value type), as declared
     record_layouts: dict[str, list] = field(default_factory=dict)   # ringbuf name -> its emits' fields (manifest)
@@ -110,7 +111,7 @@ def collect(r: RunRecord) -> dict:
             "operators": {name: round(ms, 4) for name, ms in r.operator_ms.items()},
             "events": r.events, "layers": layers, "movements": movements,
             "links": sorted(links, key=lambda x: x["name"]), "islands": r.islands,
-            "copy_engines": r.copy_engines, "maps": _jsonable(r.maps), "map_entries": decoded_maps(r),
+            "copy_engines": r.copy_engines, "maps": _jsonable(r.maps), "map_full": r.map_full, "map_entries": decoded_maps(r),
             "map_records": decoded_records(r), "map_histograms": decoded_histograms(r),
             "faults": r.faults, "refused": r.refused, **({"explain": r.explain} if r.explain_asked else {})}
 
@@ -417,6 +418,12 @@ def render(report: dict, baseline: dict | None = None, links: int | None = LINKS
     for name, m in drops:
         out.append(f"ringbuf {name}: {m['dropped']} records dropped, {len(m['records'])} kept: it was full "
                    "(nothing consumes it during a run); make it larger or emit less")
+    full = report.get("map_full", {})
+    if full:
+        out.append("")
+    for name, n in full.items():
+        out.append(f"map {name}: {n:,} updates of a new key refused: all its entries were in use (as the kernel "
+                   "refuses them); make it larger, or an lru_hash, which evicts the least recently used")
     refused = {k: v for k, v in report.get("refused", {}).items() if v}
     if refused:
         out.append("")
