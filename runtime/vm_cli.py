@@ -15,10 +15,10 @@ from fabric_ext.exits import EXIT_INPUT, EXIT_OK, EXIT_USAGE, stdout_closed
 from fabric_ext.runtime.machine.fsutil import UnreadableFile, read_bounded
 
 from .machine import isa
-from .machine.asm import assemble
+from .machine.asm import AsmError, assemble
 from .machine.backends import get_backend
 from .machine.elf import MAX_OBJECT, load_object
-from .machine.errors import FabricError, UsageError
+from .machine.errors import FabricError, InputError, UsageError
 from .machine.program import JIT_CHECKS, Program
 from .machine.verifier import verify
 
@@ -67,7 +67,10 @@ def _load(path: str, program: str | None) -> Program:
             raise SystemExit(_fail(f"fabric-vm: {path} has no programs", 1))
         spec = obj.program(program) if program else obj.programs[0]
         return next(pr for pr in obj.instantiate() if pr.name == spec.name)
-    return Program(p.stem, assemble(data.decode(errors="replace")))
+    try:
+        return Program(p.stem, assemble(data.decode(errors="replace")))
+    except AsmError as e:
+        raise InputError(f"{path}:{e.line}: {e.msg}") from None
 
 
 def cmd_run(args) -> int:

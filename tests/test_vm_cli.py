@@ -104,7 +104,10 @@ def test_fabric_vm_disasm_and_errors(tmp_path):
     bad = tmp_path / "bad.asm"
     bad.write_text("mov %r0, 1\nbogus\n")
     r = vm("run", bad)
-    assert r.returncode == 1 and "line 2: unknown instruction 'bogus'" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 1 and f"{bad}:2: unknown instruction 'bogus'" in r.stderr and "Traceback" not in r.stderr
+    bad.write_text("mov r0, 1\nexit\n")
+    r = vm("run", bad)
+    assert r.returncode == 1 and f"{bad}:1: expected a register %r0..%r10, got 'r0' (write '%r0')" in r.stderr
     r = vm("run", tmp_path / "missing.o")
     assert r.returncode == 2 and "no such file" in r.stderr
 

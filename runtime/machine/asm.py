@@ -38,7 +38,7 @@ MOVSX = {"movsx864": (8, I.ALU64), "movsx832": (8, I.ALU), "movsx1664": (16, I.A
 
 class AsmError(InputError):
     def __init__(self, line: int, msg: str):
-        self.line = line
+        self.line, self.msg = line, msg
         super().__init__(f"line {line}: {msg}")
 
 
@@ -48,7 +48,8 @@ _MEM = re.compile(r"^\[\s*%r(\d+)\s*(?:([+-])\s*(0x[0-9a-fA-F]+|\d+))?\s*\]$")
 def _reg(tok: str, line: int) -> int:
     m = re.fullmatch(r"%r(\d+)", tok.strip())
     if not m or int(m[1]) > 10:
-        raise AsmError(line, f"expected a register %r0..%r10, got '{tok}'")
+        hint = f" (write '%{tok.strip()}')" if re.fullmatch(r"r(10|\d)", tok.strip()) else ""
+        raise AsmError(line, f"expected a register %r0..%r10, got '{tok}'{hint}")
     return int(m[1])
 
 
