@@ -332,6 +332,11 @@ def _check_maps(prog: Program, sym: Symbols, diags: Diagnostics) -> None:
         if m.key_type is None or m.value_type is None:
             diags.error((m.key_type or m.kind).span, f"map '{name}' needs key and value types",
                         f"write 'map {name} : {kind}<u32, u64>[N]'")
+            # still a map (u32 to u64, of its size or the largest): its uses are checked without
+            # more errors about it
+            n = m.max_entries.value if m.max_entries else None
+            info.max_entries = n if isinstance(n, int) and 0 < n <= S.MAX_ENTRIES else S.MAX_ENTRIES
+            sym.maps[name] = info
             continue
         for t, role in ((m.key_type, "key"), (m.value_type, "value")):
             ti = S.type_info(t.name)

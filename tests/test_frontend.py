@@ -354,3 +354,8 @@ def test_an_import_found_nowhere_names_where_it_looked_and_the_closest_bundled_n
     [e] = analyze(tmp_path / "p.fx").diags.errors
     assert "no dgx_h10.fx in" in e.message and "dgx_h100" in e.message
     assert e.hints == ["did you mean 'dgx_h100'?"] and (e.span.line, e.span.col) == (1, 1)
+
+
+def test_a_map_declared_without_its_types_is_one_error_not_one_per_use(analyze_src):
+    a = analyze_src("map m2 : array<u64>[4]\npolicy p { on w.forward { m2[1] = 2\n m2[2] += 1 } }")
+    assert [d.message for d in a.diags.errors] == ["map 'm2' needs key and value types"]
