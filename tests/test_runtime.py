@@ -343,6 +343,19 @@ policy p { on kv.mem_access at sw0 when ev.layer % 2 == 1 { tier = pool1 } }""")
     assert report["refused"]["tier"] == 0
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 1 << 20), st.integers(0, 1 << 20))
+def test_a_prompts_passes_tile_it_in_order(prompt, chunk_tokens):
+    """`Workload.pass_of` (asked per block) gives the passes one by one: each starts where the
+    one before ended, all but the last of the chunk's tokens, together the whole prompt."""
+    from fabric_ext.runtime.simulation.workload import Workload, load_model
+    w = Workload(load_model("llama3-8b"), prompt=prompt, chunk_tokens=chunk_tokens)
+    passes = [w.pass_of(p) for p in range(w.pass_count())]
+    assert passes == w.passes() and sum(n for _, n in passes) == prompt
+    assert all(start == p * (chunk_tokens or prompt) for p, (start, _) in enumerate(passes))
+    assert all(n == (chunk_tokens or prompt) for _, n in passes[:-1]) and 0 < passes[-1][1] <= (chunk_tokens or prompt)
+
+
 @pytest.mark.parametrize("placement", ["weights: pool0; kv: pool0; kv_export: nic0",
                                        "weights: hbm; kv: hbm", "weights: nic0; kv: pool0",
                                        "weights: gpu1; kv: gpu1"])

@@ -55,7 +55,7 @@ class Prefill:
     def start(self) -> None:
         """Issue the first inputs and begin the first block at time 0."""
         w = self.workload
-        self.units = [(p, layer, op) for p, _ in enumerate(w.passes()) for layer in range(w.model.layers)
+        self.units = [(p, layer, op) for p in range(w.pass_count()) for layer in range(w.model.layers)
                       for op in ("attention", "ffn")]
         self.ready = {g: {} for g in self.gpus}       # unit -> arrival time of its inputs
         self.inputs_left: dict[tuple, int] = {}       # (gpu, unit) -> inputs still moving
@@ -117,7 +117,7 @@ class Prefill:
             where = self.weight_src[(layer, op)]
             if where not in ("hbm", "none", g):       # (what g keeps itself is in its HBM)
                 inputs.append(("weights", op, where, w.weight_bytes(op)))
-            first_token = w.passes()[p][0]
+            first_token = w.pass_of(p)[0]
             if op == "attention" and first_token and w.kv not in ("hbm", "none"):
                 inputs += [("kv", "attention", where, n)
                            for where, n in self._kv_lies(g, layer, w.attended_kv_bytes(first_token)) if where != g]
@@ -215,7 +215,7 @@ class Prefill:
         call's launch and synchronisation, less what the fabric's links add)."""
         w = self.workload
         p, layer, _ = self.units[u]
-        n = w.passes()[p][1]
+        n = w.pass_of(p)[1]
         t = len(self.gpus)
         nbytes = 2 * (t - 1) * w.activation_bytes(n) // t
         self.ar_pending = t
@@ -245,7 +245,7 @@ class Prefill:
         w = self.workload
         p, layer, op = self.units[u]
         if op == "attention":
-            n = w.passes()[p][1]
+            n = w.pass_of(p)[1]
             for g in self.gpus:
                 for where in dict.fromkeys((w.kv, w.kv_export)):      # (an export to kv's own device: once)
                     if where and where not in ("hbm", "none", g):

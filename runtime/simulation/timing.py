@@ -61,7 +61,7 @@ class Timing:
     def block(self, p: int, block: str) -> list:
         """The operators of one layer's ``block`` ("attention" or "ffn") in pass p, on one GPU."""
         if (p, block) not in self._ops:
-            start, n = self.workload.passes()[p]
+            start, n = self.workload.pass_of(p)
             self._ops.update({(p, name): ops for name, ops in self.workload.blocks(start, n).items()})
         return self._ops[p, block]
 
@@ -69,7 +69,7 @@ class Timing:
         """The embedding before pass p (``first``) and the LM head after the last pass
         (``last``), on GPU g."""
         w = self.workload
-        ops = ([embedding(w.model, w.batch, w.passes()[p][1])] if first else []) + \
+        ops = ([embedding(w.model, w.batch, w.pass_of(p)[1])] if first else []) + \
             ([lm_head(w.model, w.batch, w.tp)] if last else [])
         ns = 0.0
         for op in ops:

@@ -250,8 +250,17 @@ class Workload:
 
     def passes(self) -> list[tuple[int, int]]:
         """(first token, token count) of each prefill pass."""
+        return [self.pass_of(p) for p in range(self.pass_count())]
+
+    def pass_count(self) -> int:
         step = self.chunk_tokens or self.prompt
-        return [(s, min(step, self.prompt - s)) for s in range(0, self.prompt, step)]
+        return -(-self.prompt // step)
+
+    def pass_of(self, p: int) -> tuple[int, int]:
+        """(first token, token count) of pass ``p``: asked per block, so not the list of them all
+        (a prompt of 8,192 passes has half a million blocks)."""
+        step = self.chunk_tokens or self.prompt
+        return p * step, min(step, self.prompt - p * step)
 
     def blocks(self, start: int, n: int) -> dict[str, list[Operator]]:
         """The operators of one layer's attention and FFN blocks (on one GPU) for a pass of n
