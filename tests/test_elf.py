@@ -201,3 +201,42 @@ def test_hostile_elf_headers_are_named(mutate, msg):
     data = (FIX / "counter.bpf.o").read_bytes()
     with pytest.raises(ObjectError, match=msg):
         load_object(mutate(data), "bad.o")
+
+
+def _elf(sections: list[tuple]) -> bytes:
+    """A relocatable BPF ELF of ``sections`` (name, type, flags, data, link, info), after the
+    null section; the section names' table is added last."""
+    names, table = [], b"\0"
+    for name, *_ in [*sections, (".shstrtab",)]:
+        names.append(len(table))
+        table += name.encode() + b"\0"
+    sections = [("", 0, 0, b"", 0, 0), *sections, (".shstrtab", 3, 0, table, 0, 0)]
+    names.insert(0, 0)
+    body, offsets = b"", []
+    for _, _, _, data, _, _ in sections:
+        offsets.append(64 + len(body))
+        body += data + b"\0" * (-len(data) % 8)
+    header = struct.pack("<16sHHIQQQIHHHHHH", b"\x7fELF\x02\x01\x01", 1, 247, 1, 0, 0, 64 + len(body), 0, 64, 0, 0,
+                         64, len(sections), len(sections) - 1)
+    return header + body + b"".join(struct.pack("<IIQQQQIIQQ", names[i], t, f, 0, offsets[i], len(d), link, info, 8, 0)
+                                    for i, (_, t, f, d, link, info) in enumerate(sections))
+
+
+def test_an_object_whose_programs_each_call_a_large_subprogram_is_refused_not_loaded_for_ever():
+    """40 programs (symbols) over one 16-byte section, each calling a .text of 30,000
+    instructions, which each program takes a copy of, as libbpf does: 1.2 million
+    instructions from a 240 KB file (65,536 programs of a 64 MiB .text would be 2^39). The
+    loader stops at 2^20 together, naming the limit."""
+    call, exit_ = struct.pack("<BBhi", 0x85, 0x10, 0, -1), struct.pack("<BBhi", 0x95, 0, 0, 0)
+    text = struct.pack("<BBhi", 0xb7, 0, 0, 1) * 29_999 + exit_
+    symbols = struct.pack("<IBBHQQ", 0, 0, 0, 0, 0, 0) + struct.pack("<IBBHQQ", 0, 3, 0, 2, 0, 0)    # .text's
+    symbols += struct.pack("<IBBHQQ", 1, 0x12, 0, 1, 0, 16) * 40        # global functions 'p' in section 1
+    data = _elf([("prog", 1, 6, call + exit_, 0, 0), (".text", 1, 6, text, 0, 0),
+                 (".rel.prog", 9, 0, struct.pack("<QQ", 0, 1 << 32 | 10), 4, 1),
+                 (".symtab", 2, 0, symbols, 5, 0), (".strtab", 3, 0, b"\0p\0", 0, 0)])
+    with pytest.raises(ObjectError, match="more than 1,048,576 instructions .at program 'p'."):
+        load_object(data, "calls.o")
+    one = _elf([("prog", 1, 6, call + exit_, 0, 0), (".text", 1, 6, text, 0, 0),     # one such program loads
+                (".rel.prog", 9, 0, struct.pack("<QQ", 0, 1 << 32 | 10), 4, 1),
+                (".symtab", 2, 0, symbols[:72], 5, 0), (".strtab", 3, 0, b"\0p\0", 0, 0)])
+    assert [len(p.insns) for p in load_object(one, "one.o").programs] == [2 + 30_000]

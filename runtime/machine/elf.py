@@ -9,6 +9,8 @@ as one-entry array maps, ``license``, and line info from ``.BTF.ext``.
 from __future__ import annotations
 
 import struct
+from bisect import bisect_left
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,6 +31,7 @@ R_BPF_64_64, R_BPF_64_ABS64, R_BPF_64_ABS32, R_BPF_64_NODYLD32, R_BPF_64_32 = 1,
 EM_BPF = 247
 DATA_SECTIONS = (".data", ".rodata", ".bss")
 MAX_OBJECT = 64 << 20           # an object file is read up to this size
+MAX_OBJECT_INSNS = 1 << 20      # instructions of an object's programs together, each with the subprograms it calls
 
 
 class ObjectError(ArtifactError):
@@ -184,18 +187,26 @@ class _Loader:
         progs = []
         text = self.elf.section(".text")
         text_idx = text.index if text is not None else None
+        funcs = defaultdict(list)       # section index -> its programs' symbols (every lookup below is
+        for sym in self.elf.symbols:    # indexed once: a hostile object may have 65,536 of each)
+            if sym.type == STT_FUNC and sym.bind == STB_GLOBAL:
+                funcs[sym.shndx].append(sym)
+        self.relocs: dict[int, _ByOffset] = {}
+        self.line_index = {name: _ByOffset(records) for name, records in self.lines.items()}
+        self.insns_left = MAX_OBJECT_INSNS
         for sec in self.sections:
             if sec.type != SHT_PROGBITS or not sec.flags & SHF_EXECINSTR or sec.name == ".text":
                 continue
             if sec.size % 8:
                 self.err(f"section {sec.name}: size {sec.size} is not a multiple of 8")
-            for sym in self._funcs(sec.index):
+            for sym in sorted(funcs.get(sec.index, ()), key=lambda s: s.value):
                 progs.append(self._program(sym, sec.index, sec, text_idx, maps))
         return ElfObject(self.path, progs, maps, license)
 
-    def _funcs(self, sec_idx):
-        out = [s for s in self.elf.symbols if s.shndx == sec_idx and s.type == STT_FUNC and s.bind == STB_GLOBAL]
-        return sorted(out, key=lambda s: s.value)
+    def _relocs_of(self, sec) -> _ByOffset:
+        if sec.index not in self.relocs:
+            self.relocs[sec.index] = _ByOffset([(r.offset, r.type, r.symbol) for r in self.elf.relocations_of(sec)])
+        return self.relocs[sec.index]
 
     # -- maps -------------------------------------------------------------------------
     def _maps(self) -> list[MapSpec]:
@@ -245,14 +256,16 @@ class _Loader:
             self.err(f"section {sec.name}: symbol '{sym.name}' runs past the section end")
         code = bytearray(data[start:start + size])
         text = self.elf.content(self.sections[text_idx]) if text_idx is not None else b""
-        relocs = [(r.offset - start, r.type, r.symbol, sec_idx)
-                  for r in self.elf.relocations_of(sec) if start <= r.offset < start + size]
+        relocs = [(o - start, t, s, sec_idx) for o, t, s in self._relocs_of(sec).within(start, start + size)]
         text_base = None
         if any(self._is_text_call(t, s, text_idx) for _, t, s, _ in relocs) and text:
             text_base = len(code)
             code += text
-            relocs += [(r.offset + text_base, r.type, r.symbol, text_idx)
-                       for r in self.elf.relocations_of(self.sections[text_idx])]
+            relocs += [(o + text_base, t, s, text_idx) for o, t, s in self._relocs_of(self.sections[text_idx]).all]
+        self.insns_left -= len(code) // 8
+        if self.insns_left < 0:
+            self.err(f"its programs, each with the subprograms it calls, come to more than {MAX_OBJECT_INSNS:,} "
+                     f"instructions (at program '{sym.name}'): more than the runtime loads from one object")
         try:
             insns = I.decode(bytes(code))
         except I.DecodeError as e:
@@ -262,13 +275,15 @@ class _Loader:
             self._apply(slots, off, rtype, symi, from_sec, sec, text_base, text_idx)
         insns = [s for s in slots if s is not None]
         lines = {}
-        for insn_off, file, src, line, col in self.lines.get(sec.name, []):
-            if start <= insn_off < start + size:
-                lines[(insn_off - start) // 8] = SourceLine(file, line, col, src)
+        for insn_off, file, src, line, col in self._lines(sec.name).within(start, start + size):
+            lines[(insn_off - start) // 8] = SourceLine(file, line, col, src)
         if text_base is not None:
-            for insn_off, file, src, line, col in self.lines.get(".text", []):
+            for insn_off, file, src, line, col in self._lines(".text").all:
                 lines[(insn_off + text_base) // 8] = SourceLine(file, line, col, src)
         return ProgramSpec(sym.name, sec.name, insns, lines)
+
+    def _lines(self, section: str) -> _ByOffset:
+        return self.line_index.get(section) or _ByOffset([])
 
     def _is_text_call(self, rtype, symi, text_idx):
         return rtype == R_BPF_64_32 and self.elf.symbol(symi).shndx == text_idx
@@ -313,3 +328,15 @@ class _Loader:
             return  # data relocations in debug sections
         else:
             self.err(f"{where}: unsupported relocation type {rtype}")
+
+
+class _ByOffset:
+    """Records whose first field is an offset, in order of it (a stable sort: records at one
+    offset keep their order), so that each program takes those of its own range by bisection."""
+
+    def __init__(self, records: list[tuple]):
+        self.all = sorted(records, key=lambda r: r[0])
+        self._offsets = [r[0] for r in self.all]
+
+    def within(self, lo: int, hi: int) -> list[tuple]:
+        return self.all[bisect_left(self._offsets, lo):bisect_left(self._offsets, hi)]

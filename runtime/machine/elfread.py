@@ -92,6 +92,10 @@ class ElfFile:
         self.sections = [Section(i, self._string(names[4], names[5], h[0], f"section {i}'s name"),
                                  h[1], h[2], h[4], h[5], h[6], h[7]) for i, h in enumerate(headers)]
         self._symbols: list[Symbol] | None = None
+        self._relocating: dict[int, list[Section]] = {}     # section index -> its SHT_REL sections
+        for sec in self.sections:
+            if sec.type == SHT_REL:
+                self._relocating.setdefault(sec.info, []).append(sec)
 
     def _string(self, start: int, size: int, offset: int, what: str) -> str:
         """The NUL-terminated string at ``offset`` of the string table at ``start``."""
@@ -141,10 +145,9 @@ class ElfFile:
 
     def relocations_of(self, section: Section):
         """The SHT_REL relocations that apply to ``section`` (of every such table), in order."""
-        for rel in self.sections:
-            if rel.type == SHT_REL and rel.info == section.index:
-                if rel.size % REL.size or rel.size // REL.size > MAX_RELOCATIONS:
-                    raise ElfError(f"relocation section {rel.name} is {rel.size} bytes: not a whole number "
-                                   f"of {REL.size}-byte entries, or more than {MAX_RELOCATIONS:,}")
-                for offset, info in REL.iter_unpack(self.content(rel)):
-                    yield Relocation(offset, info & 0xffffffff, info >> 32)
+        for rel in self._relocating.get(section.index, ()):
+            if rel.size % REL.size or rel.size // REL.size > MAX_RELOCATIONS:
+                raise ElfError(f"relocation section {rel.name} is {rel.size} bytes: not a whole number "
+                               f"of {REL.size}-byte entries, or more than {MAX_RELOCATIONS:,}")
+            for offset, info in REL.iter_unpack(self.content(rel)):
+                yield Relocation(offset, info & 0xffffffff, info >> 32)
