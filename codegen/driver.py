@@ -81,7 +81,10 @@ def _build(path, opt, mcpu, emit, kernel_verify, diags, text=None, include=(), d
     for island, progs in by_island.items():
         twin = _twin_object(progs, objects, by_island) if "llvm" not in emit else None
         if twin is None:
-            obj, llvm_text = compile_module(build_module(island, progs, a.symbols.maps, source), opt, mcpu)
+            module = build_module(island, progs, a.symbols.maps, source)
+            if _too_large(module, progs, island, diags):
+                continue
+            obj, llvm_text = compile_module(module, opt, mcpu)
             twin = objects[island] = obj, load_object(obj, f"{island}.bpf.o")
         obj, loaded = twin
         specs = {s.name: s for s in loaded.programs}
@@ -124,6 +127,29 @@ def _build(path, opt, mcpu, emit, kernel_verify, diags, text=None, include=(), d
     res.manifest = artifacts.manifest(a, ids, compiled, opt, mcpu, res.files)
     res.files["manifest.json"] = (json.dumps(res.manifest, indent=1) + "\n").encode()
     return res
+
+
+#: LLVM instructions of one program before optimisation, at most.  A BPF jump reaches 32,767
+#: instructions, and past that LLVM's BPF backend aborts the process ("Branch target out of insn
+#: range"), after minutes of optimising.  Programs come to at most one BPF instruction per LLVM
+#: one (a map update's helper call, the most: 1.0; a condition and a decision, 0.3): half the
+#: reach keeps them in it.
+MAX_LLVM_INSTRUCTIONS = 16_384
+
+
+def _too_large(module, progs, island: str, diags: Diagnostics) -> bool:
+    """Whether a program of the island's module is past `MAX_LLVM_INSTRUCTIONS` (an error at
+    its first handler)."""
+    sizes = {f.name: sum(len(b.instructions) for b in f.blocks) for f in module.functions}
+    large = False
+    for p in progs:
+        if sizes.get(p.name, 0) > MAX_LLVM_INSTRUCTIONS:
+            large = True
+            diags.error(p.handlers[0].span, f"the program for {island}.{p.hook.name} is too large: its "
+                        f"{len(p.handlers)} handler{'s' * (len(p.handlers) != 1)} come to {sizes[p.name]:,} LLVM "
+                        f"instructions, more than the {MAX_LLVM_INSTRUCTIONS:,} an eBPF program's jumps can span",
+                        "split them over movements or islands, or put what they compare in a map and look it up")
+    return large
 
 
 def _twin_object(progs, objects: dict[str, tuple], by_island: dict) -> tuple | None:

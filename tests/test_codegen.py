@@ -487,3 +487,26 @@ policy p {{ on kv.forward at sw0 {{ {body} }} }}""")
     (handlers,) = [p["handlers"] for p in json.loads((out / "manifest.json").read_text())["programs"]
                    if p["hook"] == "forward"]
     assert handlers[0]["map_reads"] == expect
+
+
+def test_a_program_past_the_reach_of_an_ebpf_jump_is_an_error_not_an_llvm_abort(tmp_path):
+    """12,000 handlers in one program made LLVM's BPF backend abort the process ("Branch
+    target out of insn range") after minutes of optimising; past `MAX_LLVM_INSTRUCTIONS` the
+    program is an error at its first handler, before LLVM runs. 1,000 still compile."""
+    from fabric_ext.codegen.driver import MAX_LLVM_INSTRUCTIONS
+
+    def policy(n):
+        return (f'import "{POLICIES}/fabrics/dgx_cxl.fx"\nmovement kv = kv : gpu* -> pool0\npolicy p {{\n'
+                + "".join(f"  on kv.forward at sw0 {{ if ev.bytes > {i} {{ priority = 1 }} }}\n" for i in range(n))
+                + "}\n")
+    path = tmp_path / "many.fx"
+    path.write_text(policy(1_300))
+    d = Diagnostics()
+    assert build(path, diags=d) is None
+    (e,) = d.errors
+    assert (e.span.line, e.span.col) == (4, 3) and e.message.startswith(
+        "the program for sw0.forward is too large: its 1300 handlers come to ") and \
+        e.message.endswith(f"LLVM instructions, more than the {MAX_LLVM_INSTRUCTIONS:,} an eBPF program's jumps can span")
+    path.write_text(policy(1_000))
+    res = build(path)
+    assert res is not None and load_object(res.files["sw0.bpf.o"]).programs[0].insns
