@@ -285,3 +285,17 @@ def test_hash_map_updates_agree(insns, kind, entries):
     want = run(Interpreter(), False)
     assert run(JitBackend(), False) == want, I.disasm(insns)
     assert run(JitBackend(), True) == want, I.disasm(insns)
+
+
+def test_the_jit_refuses_a_program_larger_than_it_compiles_and_the_interpreter_runs_it():
+    """LLVM's time and memory grow faster than a program (200,000 branchy instructions: 19 s
+    and 0.9 GB): past `MAX_JIT_SLOTS` the JIT says so and names the backend that runs it."""
+    from fabric_ext.runtime.machine.asm import assemble
+    from fabric_ext.runtime.machine.errors import InputError
+    from fabric_ext.runtime.machine.jit import MAX_JIT_SLOTS, JitBackend
+    prog = Program("long", assemble("mov %r0, 1\n" * MAX_JIT_SLOTS + "exit\n"))
+    with pytest.raises(InputError, match=f"long: 65,537 instructions, more than the {MAX_JIT_SLOTS:,} the JIT "
+                                         "compiles .* run it with --backend interp"):
+        JitBackend().load(prog)
+    interp = Interpreter(budget=2 * MAX_JIT_SLOTS)
+    assert interp.run(interp.load(prog)) == 1

@@ -19,6 +19,7 @@ import numpy as np
 from . import helpers as Hl
 from . import isa as I
 from .codecache import CodeCache, default_dir, host_target
+from .errors import InputError
 from .flow import acyclic
 from .lift import (
     FAULT_BUDGET,
@@ -42,6 +43,10 @@ from .semantics import ctx_write_mask
 CALLBACK = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
                             ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64)
 _tiers: dict = {}
+#: instruction slots of a program the JIT compiles, at most: LLVM's time and memory grow faster
+#: than the program (200,000 branchy instructions: 19 s and 0.9 GB), and a program may have
+#: 1,000,000.  The compiler's programs stay far below (`codegen.driver.MAX_LLVM_INSTRUCTIONS`).
+MAX_JIT_SLOTS = 1 << 16
 _native: dict[str, tuple[int, int]] = {}   # code digest -> (entry, batch entry) in this process
 _cache: CodeCache | None = None
 
@@ -251,6 +256,9 @@ class JitBackend(Backend):
 
     # -- backend interface ---------------------------------------------------------------------------------
     def load(self, prog: Program) -> _Compiled:
+        if len(prog.slots) > MAX_JIT_SLOTS:
+            raise InputError(f"{prog.name}: {len(prog.slots):,} instructions, more than the {MAX_JIT_SLOTS:,} the JIT "
+                             "compiles (LLVM would take minutes and gigabytes): run it with --backend interp")
         return self._compile(prog, prog.proof if self.checks == "unproven" else None)
 
     def _compile(self, prog: Program, proof: dict | None, short_mem: bool = False) -> _Compiled:
