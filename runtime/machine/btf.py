@@ -31,6 +31,7 @@ class BType:
 class BTF:
     types: list[BType]     # index = type id (0 is void)
     strings: bytes
+    _resolved: dict[int, BType] = field(default_factory=dict, repr=False, compare=False)
 
     def string(self, off: int) -> str:
         end = self.strings.find(b"\0", off)
@@ -38,13 +39,21 @@ class BTF:
 
     def resolve(self, tid: int) -> BType:
         """The type ``tid`` names through typedefs and qualifiers (a cycle of them is an error,
-        not a loop without end)."""
-        t = self.types[tid]
-        for _ in range(len(self.types)):
-            if t.kind not in (TYPEDEF, VOLATILE, CONST, RESTRICT, TYPE_TAG):
-                return t
-            t = self.types[t.size_or_type]
-        raise BTFError(f"type {tid} names itself through typedefs or qualifiers")
+        not a loop without end).  Each type on the way is remembered: a hostile object's maps
+        may each name the head of one long chain."""
+        path, t = [], self.types[tid]
+        while t.kind in (TYPEDEF, VOLATILE, CONST, RESTRICT, TYPE_TAG):
+            if tid in self._resolved:
+                t = self._resolved[tid]
+                break
+            if len(path) >= len(self.types):
+                raise BTFError(f"type {path[0]} names itself through typedefs or qualifiers")
+            path.append(tid)
+            tid = t.size_or_type
+            t = self.types[tid]
+        for step in path:
+            self._resolved[step] = t
+        return t
 
     def size_of(self, tid: int) -> int:
         size, seen = 1, set()
