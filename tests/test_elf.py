@@ -252,3 +252,15 @@ def test_an_object_whose_programs_each_call_a_large_subprogram_is_refused_not_lo
                 (".rel.prog", 9, 0, struct.pack("<QQ", 0, 1 << 32 | 10), 4, 1),
                 (".symtab", 2, 0, symbols[:72], 5, 0), (".strtab", 3, 0, b"\0p\0", 0, 0)])
     assert [len(p.insns) for p in load_object(one, "one.o").programs] == [2 + 30_000]
+
+
+def test_a_name_that_runs_to_the_end_of_its_table_is_an_error_read_within_a_bound():
+    """Every symbol of a hostile object may name one string that runs without a NUL to the
+    end of a large table: each read of it stops at 4,096 bytes (65,536 symbols over 64 MiB
+    were 4 TB of scanning) and the name is an error."""
+    symbols = struct.pack("<IBBHQQ", 0, 0, 0, 0, 0, 0) + struct.pack("<IBBHQQ", 1, 0x12, 0, 1, 0, 8) * 2000
+    data = _elf([("prog", 1, 6, struct.pack("<BBhi", 0x95, 0, 0, 0), 0, 0),
+                 (".symtab", 2, 0, symbols, 3, 0), (".strtab", 3, 0, b"\0" + b"x" * (1 << 20), 0, 0)])
+    with pytest.raises(ObjectError, match="symbol 1's name is not NUL-terminated in its string table, or longer "
+                                          "than 4,096 bytes"):
+        load_object(data, "names.o")

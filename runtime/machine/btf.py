@@ -17,6 +17,9 @@ class BTFError(ArtifactError):
     pass
 
 
+MAX_STRING = 4096      # bytes of a name or a source line read from the strings section
+
+
 @dataclass
 class BType:
     kind: int
@@ -34,8 +37,10 @@ class BTF:
     _resolved: dict[int, BType] = field(default_factory=dict, repr=False, compare=False)
 
     def string(self, off: int) -> str:
-        end = self.strings.find(b"\0", off)
-        return self.strings[off:end].decode(errors="replace")
+        """The string at ``off``, up to its NUL or `MAX_STRING` bytes (a hostile table's
+        strings may run to its end, and every type may name the same one)."""
+        end = self.strings.find(b"\0", off, off + MAX_STRING)
+        return self.strings[off:end if end >= 0 else off + MAX_STRING].decode(errors="replace")
 
     def resolve(self, tid: int) -> BType:
         """The type ``tid`` names through typedefs and qualifiers (a cycle of them is an error,

@@ -25,6 +25,7 @@ STB_GLOBAL = 1
 SHN_LORESERVE = 0xff00          # section indices from here on are special (or extended numbering)
 MAX_SYMBOLS = 1 << 16           # far more than a BPF object has: keeps a hostile table's parse bounded
 MAX_RELOCATIONS = 1 << 20       # ... and one of relocations (a program has at most 1M instructions)
+MAX_NAME = 4096                 # bytes of a section's or a symbol's name
 
 
 class ElfError(ArtifactError):
@@ -101,9 +102,9 @@ class ElfFile:
         """The NUL-terminated string at ``offset`` of the string table at ``start``."""
         if offset >= size:
             raise ElfError(f"{what} lies outside its string table ({offset} of {size} bytes)")
-        end = self.data.find(b"\0", start + offset, start + size)
-        if end < 0:
-            raise ElfError(f"{what} is not NUL-terminated in its string table")
+        end = self.data.find(b"\0", start + offset, min(start + size, start + offset + MAX_NAME))
+        if end < 0:     # (bounded: a hostile table's every name may run to its end)
+            raise ElfError(f"{what} is not NUL-terminated in its string table, or longer than {MAX_NAME:,} bytes")
         return self.data[start + offset:end].decode("utf-8", "replace")
 
     def content(self, section: Section) -> bytes:
