@@ -197,6 +197,12 @@ def _check_fabric(prog: Program, sym: Symbols, diags: Diagnostics) -> None:
     if not prog.fabrics:
         return
     fab = sym.fabric = prog.fabrics[0]
+    if len(fab.devices) > S.MAX_DEVICES:
+        d = fab.devices[S.MAX_DEVICES]
+        diags.error(d.name.span, f"the fabric declares {len(fab.devices):,} devices; a fabric has at most "
+                    f"{S.MAX_DEVICES:,} (each is routed, and each of its own islands compiles an object)",
+                    "model a part of the fabric, or one of many identical parts")
+        del fab.devices[S.MAX_DEVICES:]     # (the rest checked as they are, without more errors)
     for d in fab.devices:
         if d.name.name in sym.devices:
             diags.error(d.name.span, f"duplicate device '{d.name.name}'",

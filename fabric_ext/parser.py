@@ -22,7 +22,10 @@ MAX_NUMBER_CHARS = 40        # digits, point and unit: far more than any 64-bit 
 # how deep blocks and brackets may nest, and how many tokens one statement may have: the
 # passes recurse over the tree, so these bound their depth (a policy needs a handful of each)
 MAX_NESTING, MAX_STATEMENT_TOKENS = 64, 400
-EXPRESSION_ENDS = {"{", "}", "=", "+=", "-=", "|=", "&=", "max=", "min=", ",", "if", "else", "on", "at"}
+# tokens no expression holds: a run of others is one expression at most (a fabric's links with no
+# properties, `link a <-> b` line after line, are no expression)
+EXPRESSION_ENDS = {"{", "}", "=", "+=", "-=", "|=", "&=", "max=", "min=", ",", "if", "else", "on", "at", ";",
+                   "->", "<->"}
 
 # human names for the terminals lark reports as expected
 _TOKEN_NAMES = {

@@ -58,6 +58,8 @@ def _place_movement_handler(h, pol, order, sym, mg, diags) -> list[Placement]:
         diags.error(h.hook.span, f"'{hook_name}' is not an event of a movement; it fires on islands",
                     f"write 'on ISLAND.{hook_name}{'(10us)' if hook_name == 'tick' else ''}'")
         return []
+    if not mg.flows.get(name):      # its declaration is in error (no path, no pairs, too many): said there
+        return []
     sites = _movement_sites(mg, name, hook_name)
     path_islands = mg.islands_of(name)
     if h.at:

@@ -359,3 +359,25 @@ def test_an_import_found_nowhere_names_where_it_looked_and_the_closest_bundled_n
 def test_a_map_declared_without_its_types_is_one_error_not_one_per_use(analyze_src):
     a = analyze_src("map m2 : array<u64>[4]\npolicy p { on w.forward { m2[1] = 2\n m2[2] += 1 } }")
     assert [d.message for d in a.diags.errors] == ["map 'm2' needs key and value types"]
+
+
+def test_a_fabric_past_its_bounds_is_one_error_each_not_minutes_and_gigabytes(analyze_src):
+    """A 48 KB fabric of 1,000 GPUs in a ring with `gpu* <-> gpu*` routed 1,998,000 flows (more
+    than 300 s and 9.5 GB); a 44 KB one of 5,000 GPUs compiles 5,000 islands. Each bound is one
+    error where it is passed, and what follows is checked without more. (The ring's links have
+    no properties: 1,000 of them were "an expression of more than 400 tokens".)"""
+    from fabric_ext.contract.schema import MAX_DEVICES
+    from fabric_ext.graph import MAX_FLOWS
+    ring = 1_000
+    a = analyze_src("fabric f {\n  gpu " + ", ".join(f"g{i}" for i in range(ring)) + " { hbm: 80GiB }\n"
+                    + "".join(f"  link g{i} <-> g{(i + 1) % ring}\n" for i in range(ring)) + "}\n"
+                    "movement a = activations(collective) : g* <-> g*\n"
+                    "policy p { on a.issue at g* { priority = 1 } }\n", with_fabric=False)
+    assert [d.message for d in a.diags.errors] == [
+        f"movement 'a' has 1,998,000 source and destination pairs: with the movements before it, more than the "
+        f"{MAX_FLOWS:,} flows the compiler routes"]
+    a = analyze_src("fabric f {\n  gpu " + ", ".join(f"g{i}" for i in range(MAX_DEVICES + 1)) + " }\n"
+                    "map m : hash<u32, u64>[4]\npolicy p { on g*.tick(10us) { m[1] = 1 } }\n", with_fabric=False)
+    (e,) = a.diags.errors
+    assert e.message.startswith(f"the fabric declares {MAX_DEVICES + 1:,} devices; a fabric has at most "
+                                f"{MAX_DEVICES:,}") and e.span.line == 2

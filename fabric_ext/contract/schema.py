@@ -68,6 +68,7 @@ DIM_TYPES = {"size": (SIZE, 8), "bandwidth": (BANDWIDTH, 8), "time": (TIME, 8),
 MAX_SOURCE = 1 << 20       # bytes in one .fx file (here, not in the loader: the compiled-policy cache
                            # reads a source for its key without importing the parser)
 MAX_ENTRIES = 1 << 20
+MAX_DEVICES = 4096              # devices of a fabric
 MAX_LOOP_TRIPS = 1024          # bounded loops are unrolled up to this many trips
 BUILTINS = ("min", "max")
 
