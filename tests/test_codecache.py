@@ -31,6 +31,21 @@ def test_an_entry_reads_back_whole_and_a_damaged_one_reads_as_absent(tmp_path):
         assert cache.get(key) is None
 
 
+def test_past_its_size_the_cache_lets_the_least_recently_used_entries_go(tmp_path):
+    """Every program and policy ever run would stay: past ``max_bytes`` the entries least
+    recently written or read go, down to three quarters of it; the key stays."""
+    cache = CodeCache(tmp_path, max_bytes=10 * 1040)        # ten entries of 1,000 bytes and their headers
+    keys = [cache.key(bytes([i])) for i in range(14)]
+    for i, key in enumerate(keys[:10]):
+        cache.put(key, bytes(1000))
+        os.utime(tmp_path / f"{key}.o", ns=(i * 10**9, i * 10**9))     # written in turn, a second apart
+    assert cache.get(keys[0]) is not None                  # read now: the most recently used
+    cache.put(keys[10], bytes(1000))                        # eleven: past the size
+    left = {key for key in keys if (tmp_path / f"{key}.o").exists()}
+    assert left == {keys[0], *keys[5:11]} and (tmp_path / "key").exists()     # 7,280 bytes: under 7,800
+    assert all(cache.get(key) is None for key in keys[1:5])
+
+
 def test_entries_it_did_not_write_are_misses(tmp_path):
     """A planted entry runs native code as the user: only entries tagged with the user's own
     key (HMAC of name and code) are used; a valid entry of another program under this name,

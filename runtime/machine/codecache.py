@@ -36,6 +36,7 @@ import llvmlite
 import llvmlite.binding as llvm
 
 MAGIC = b"FXJITOB2"          # 2: authenticated entries
+MAX_BYTES = 256 << 20        # a cache folder's entries together, at most: past it the least recently used go
 KEY_FILE, KEY_SIZE = "key", 32
 _warned: set[tuple[str, str]] = set()    # (cache, reason) already said in this process
 _SOURCES = ("lift.py", "irtext.py", "jit.py", "maps.py", "isa.py")
@@ -114,8 +115,9 @@ class CodeCache:
     ``what`` and ``env`` name the cache in the one message that says it is not used."""
 
     def __init__(self, directory: Path | None, salt: bytes | None = None, what: str = "the JIT code cache",
-                 env: str = "FABRIC_EXT_JIT_CACHE", suffix: str = ".o"):
+                 env: str = "FABRIC_EXT_JIT_CACHE", suffix: str = ".o", max_bytes: int = MAX_BYTES):
         self.dir, self.what, self.env, self.suffix = directory, what, env, suffix
+        self.max_bytes = max_bytes
         self.salt = _compiler_salt() if salt is None else salt
         self.hits = self.misses = 0
         self.error = ""          # the last reason an entry could not be written
@@ -189,6 +191,10 @@ class CodeCache:
         head, tag, obj = data[:8], data[8:40], data[40:]
         if head == MAGIC and hmac.compare_digest(tag, self._tag(key, obj)):
             self.hits += 1
+            try:
+                os.utime(self._path(key))      # used now: the last to go (`_prune`)
+            except OSError:
+                pass
             return obj
         self.misses += 1
         return None
@@ -205,6 +211,7 @@ class CodeCache:
                 f.write(MAGIC + self._tag(key, obj) + obj)
             os.replace(tmp, self._path(key))
             tmp = None
+            self._prune()
         except OSError as e:
             self.error = f"{self.dir}: {e.strerror or e}"
         finally:
@@ -213,3 +220,25 @@ class CodeCache:
                     os.unlink(tmp)
                 except OSError:
                     pass
+
+    def _prune(self) -> None:
+        """Past ``max_bytes`` of entries, remove the least recently used (written or read)
+        until they take three quarters of it: a cache of every policy and program ever run
+        would only grow.  Another run may be reading one: it misses and compiles again."""
+        entries = []
+        with os.scandir(self.dir) as it:
+            for e in it:
+                if e.name.endswith(self.suffix) and not e.name.startswith("."):
+                    st = e.stat(follow_symlinks=False)
+                    entries.append((st.st_mtime_ns, st.st_size, e.path))
+        total = sum(size for _, size, _ in entries)
+        if total <= self.max_bytes:
+            return
+        for _, size, path in sorted(entries):
+            if total <= self.max_bytes * 3 // 4:
+                break
+            try:
+                os.unlink(path)
+                total -= size
+            except FileNotFoundError:       # (another run pruned it)
+                total -= size
