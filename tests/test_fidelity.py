@@ -476,3 +476,44 @@ def test_the_stack_fit_holds_kernel_factors_and_the_tail_at_their_floors():
     assert np.allclose(validation._at_least_zero(a, rhs, []), [-1.0, 1.0])
     held = validation._at_least_zero(a, rhs, [0])
     assert held[0] == 0.0 and np.allclose(held[1], np.linalg.lstsq(a[:, 1:], rhs, rcond=None)[0][0])
+
+
+@needs_data
+def test_a_calibration_stopped_half_way_leaves_the_stored_figures_as_they_were(tmp_path, monkeypatch):
+    """The stack's fit runs the engine on the hardware figures just refitted: they are read in
+    the process, not written over the package's until the calibration is done, so one stopped
+    during that fit (Ctrl-C here; a SIGTERM alike) leaves every stored figure as it was (the
+    NCCL profile is changed, so that the refit differs from what is stored)."""
+    from fabric_ext.runtime.simulation import calibrate
+    from fabric_ext.runtime.simulation.compute import PROFILES
+    from fabric_ext.runtime.simulation.figures import PATH, figures
+    data = tmp_path / "data"
+    shutil.copytree(DATA, data)
+    nccl = data / "vidur" / "h100_dgx_all_reduce.csv"
+    nccl.chmod(0o644)
+    header, *rows = nccl.read_text().splitlines()
+    median = header.split(",").index("time_stats.all_reduce.median")
+    nccl.write_text("\n".join([header] + [",".join(f"{float(v) * 2}" if i == median else v
+                                                    for i, v in enumerate(r.split(","))) for r in rows]) + "\n")
+    before, stored = (PATH.read_bytes(), PROFILES.read_bytes()), figures()
+
+    def stop(path):
+        assert figures() != stored       # the engine's runs would read the refit ...
+        raise KeyboardInterrupt
+    monkeypatch.setattr(validation, "fit_stack", stop)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate.main([str(data)])
+    assert (PATH.read_bytes(), PROFILES.read_bytes()) == before      # ... and the files are as they were
+    assert figures() == stored
+
+
+def test_a_measured_file_of_more_configurations_than_the_fit_runs_is_refused(tmp_path):
+    """The fit runs the engine on every configuration, twice: a file of 1,025 is an error
+    naming it, before any run (3,000 ran for more than 4 minutes)."""
+    rows = "".join(f"llama2-70b,a100-80gb,8,{128 + i},1,128,100.0,50\n" for i in range(1025))
+    path = tmp_path / "prefill_measured.csv"
+    path.write_text("model,hardware,tensor_parallel,prompt_size,batch_size,token_size,prompt_time,token_time\n" + rows)
+    from fabric_ext.runtime.simulation.calibrate import DataError
+    with pytest.raises(DataError, match="1,025 configurations .model, hardware, TP, prompt, batch.; the fit runs the engine "
+                             "on each, and takes at most 1,024"):
+        validation.measured(path)

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from ..machine.errors import InputError
-from ..machine.fsutil import read_bounded
+from ..machine.fsutil import atomic_write_text, read_bounded
+from . import figures as figure_files
 from .compute import PROFILES, gemm_time, profile_tables
 from .figures import PATH, figures
 
@@ -290,11 +291,18 @@ def refit(data: Path) -> tuple[dict, dict]:
     return doc, profiles
 
 
-def _write(texts: dict[Path, str]) -> None:
-    for path, text in texts.items():
-        path.write_text(text)
+def _read_as(texts: dict[Path, str]) -> None:
+    """Have this process read ``texts`` as the package's data files (the files stay as they
+    are: a calibration stopped half way, or a --check, changes none of them)."""
+    figure_files.override.clear()
+    figure_files.override.update(texts)
     figures.cache_clear()
     profile_tables.cache_clear()
+
+
+def _write(texts: dict[Path, str]) -> None:
+    for path, text in texts.items():
+        atomic_write_text(path, text)
 
 
 USAGE = """usage: fabric-calibrate [DATA] [--check]
@@ -327,20 +335,23 @@ def main(argv=None) -> int:
         new = {PATH: _dump(doc), PROFILES: json.dumps(profiles) + "\n"}
         if splitwise.is_file():
             # the stack is fitted over the engine's runs, which read the hardware figures just fitted
-            _write({**new, PATH: _dump({**doc, "stacks": json.loads(stored[PATH])["stacks"]})})
+            _read_as({**new, PATH: _dump({**doc, "stacks": json.loads(stored[PATH])["stacks"]})})
             doc["stacks"]["vllm"] = {"source": doc["stacks"]["vllm"].get("source", ""),
                                      **validation.fit_stack(splitwise)}
             new[PATH] = _dump(doc)
+        changed = [p for p, text in new.items() if stored[p] != text]
+        _read_as(stored if check else new)
+        for p in changed if check else ():
+            print(f"calibrate: {p} differs from a refit of {data}", file=sys.stderr)
+        if splitwise.is_file():
+            print(validation.render(validation.validate(splitwise)))
     except InputError as e:     # a data file, or a measured row the model cannot run: the figures stay
-        _write(stored)
         print(f"calibrate: {e}", file=sys.stderr)
         return 1
-    changed = [p for p, text in new.items() if stored[p] != text]
-    _write(stored if check else new)
-    for p in changed if check else ():
-        print(f"calibrate: {p} differs from a refit of {data}", file=sys.stderr)
-    if splitwise.is_file():
-        print(validation.render(validation.validate(splitwise)))
+    finally:
+        _read_as({})
+    if not check:
+        _write(new)
     return 1 if check and changed else 0
 
 

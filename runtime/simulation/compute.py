@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .figures import figures
+from .figures import data_text, figures
 from .operators import ATTENTION, GEMM, Operator
 
 PROFILES = Path(__file__).with_name("data") / "operator_profiles.json"
@@ -34,7 +34,8 @@ ATTENTION_TILE = 128         # query rows per thread block of the attention kern
 
 @lru_cache(maxsize=1)
 def profile_tables() -> list[dict]:
-    return json.loads(PROFILES.read_text())["tables"] if PROFILES.is_file() else []
+    text = data_text(PROFILES)
+    return json.loads(text)["tables"] if text else []
 
 
 def efficiency(flops: float, e_max: float, x_half: float) -> float:

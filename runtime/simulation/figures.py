@@ -7,10 +7,21 @@ from pathlib import Path
 
 PATH = Path(__file__).with_name("data") / "figures.json"
 
+#: data files the process reads in place of the package's (path -> text): what `fabric-calibrate`
+#: is fitting, which the engine's runs read while the files stay as they are until the end
+override: dict[Path, str] = {}
+
+
+def data_text(path: Path) -> str | None:
+    """The text of one of the package's data files (None where there is none)."""
+    if path in override:
+        return override[path]
+    return path.read_text() if path.is_file() else None
+
 
 @lru_cache(maxsize=1)
 def figures() -> dict:
-    return json.loads(PATH.read_text())
+    return json.loads(data_text(PATH))
 
 
 def default(kind: str) -> dict:

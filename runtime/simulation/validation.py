@@ -22,6 +22,9 @@ from .workload import load_model
 MACHINES = {"a100-80gb": "dgx_a100.fx", "h100-80gb": "dgx_h100.fx"}
 #: measured model -> built-in model
 MODELS = {"llama2-70b": "llama2-70b", "bloom-176b": "bloom-176b"}
+#: configurations of the measured file the fit runs the engine on, at most (each twice, and
+#: the stack's fit over all of them): the shared file has 64
+MAX_CONFIGURATIONS = 1024
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,10 @@ def measured(path: Path) -> tuple[list[Point], list[str]]:
     for r in read_rows(path):
         runs[(r["model"], r["hardware"], r.whole("tensor_parallel"), r.whole("prompt_size"),
               r.whole("batch_size"))].append(r.positive("prompt_time"))
+    if len(runs) > MAX_CONFIGURATIONS:
+        from .calibrate import DataError
+        raise DataError(f"{path}: {len(runs):,} configurations (model, hardware, TP, prompt, batch); the fit runs "
+                        f"the engine on each, and takes at most {MAX_CONFIGURATIONS:,}")
     points, skipped = [], []
     for (model, hw, tp, prompt, batch), times in sorted(runs.items()):
         median = statistics.median(times)
@@ -106,11 +113,15 @@ class _Runner:
     def run(self, p: Point, stack: str) -> dict:
         from fabric_ext.contract.bundle import create_maps
 
+        from ..machine.errors import InputError
         from ..machine.interp import Interpreter
         from .engine import Engine, RunOptions
         b = self.bundle(MACHINES[p.hardware], MODELS[p.model])
-        opts = RunOptions(prompt=p.prompt, batch=p.batch, tp=p.tp, stack=stack, attach=False, max_events=None)
-        return Engine(b, b.manifest, create_maps(b.manifest), Interpreter(), opts).run()
+        opts = RunOptions(prompt=p.prompt, batch=p.batch, tp=p.tp, stack=stack, attach=False)   # (bounded)
+        try:
+            return Engine(b, b.manifest, create_maps(b.manifest), Interpreter(), opts).run()
+        except InputError as e:     # a workload past the bounds, a run past its events: which row
+            raise InputError(f"{p.model} on {p.hardware}, TP {p.tp}, {p.prompt} x {p.batch}: {e}") from None
 
 
 def _hardware(points: list[Point]) -> list[dict]:
