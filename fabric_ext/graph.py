@@ -143,13 +143,15 @@ def build_graph(sym: Symbols, diags: Diagnostics) -> MovementGraph:
         srcs = [d for d in devices if m.src.matches(d)]
         dsts = [d for d in devices if m.dst.matches(d)]
         n = (len(srcs) * len(dsts) - len(set(srcs) & set(dsts))) * (2 if m.bidir else 1)
-        left -= n
-        if left < 0:
-            diags.error(m.span, f"movement '{name}' has {n:,} source and destination pairs: with the movements "
-                        f"before it, more than the {MAX_FLOWS:,} flows the compiler routes",
-                        "narrow its patterns to the devices it moves between")
+        if left - n < 0:        # (said at the first movement past the bound only)
+            if left >= 0:
+                diags.error(m.span, f"movement '{name}' has {n:,} source and destination pairs: with the movements "
+                            f"before it, more than the {MAX_FLOWS:,} flows the compiler routes (the movements "
+                            "after it are not routed)", "narrow its patterns to the devices it moves between")
+            left = -1
             mg.flows[name] = []
             continue
+        left -= n
         pairs = [(s, d) for s in srcs for d in dsts if s != d]
         if m.bidir:
             pairs += [(d, s) for s, d in pairs]

@@ -375,7 +375,7 @@ def test_a_fabric_past_its_bounds_is_one_error_each_not_minutes_and_gigabytes(an
                     "policy p { on a.issue at g* { priority = 1 } }\n", with_fabric=False)
     assert [d.message for d in a.diags.errors] == [
         f"movement 'a' has 1,998,000 source and destination pairs: with the movements before it, more than the "
-        f"{MAX_FLOWS:,} flows the compiler routes"]
+        f"{MAX_FLOWS:,} flows the compiler routes (the movements after it are not routed)"]
     a = analyze_src("fabric f {\n  gpu " + ", ".join(f"g{i}" for i in range(MAX_DEVICES + 1)) + " }\n"
                     "map m : hash<u32, u64>[4]\npolicy p { on g*.tick(10us) { m[1] = 1 } }\n", with_fabric=False)
     (e,) = a.diags.errors
