@@ -531,6 +531,27 @@ policy p { on w_in.forward at sw0 { h[ev.layer] += 1; l[ev.layer] += 1 } }""")
     assert f"map h: {per_layer * 28:,} updates of a new key refused" in stats.render(report)
 
 
+def test_a_report_keeps_the_first_entries_of_a_map_by_key_and_says_how_many_it_has(tmp_path):
+    """A policy's maps may hold 64 million entries together: a report of each, several times
+    over (raw, decoded, HTML), took tens of gigabytes. It keeps a map's first `REPORT_ENTRIES`
+    by key and says how many there are."""
+    from fabric_ext.runtime.simulation import stats
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0 }
+movement w_in = weights : pool0 -> gpu*
+map a : array<u32, count>[262144]
+policy p { on w_in.forward at sw0 { for i in 0..1024 { a[(ev.layer * 8 + ev.chunk) * 1024 + i] = 1 } } }""")
+    from fabric_ext.runtime.machine.backends import get_backend
+    report, eng = run_engine(out, backend=get_backend("jit"))
+    total = eng.maps["a"].entry_count()
+    assert total > stats.REPORT_ENTRIES and report["map_entries_past"] == {"a": total}
+    kept = [int(k) for k in report["maps"]["a"]]
+    assert len(kept) == len(report["map_entries"]["a"]) == stats.REPORT_ENTRIES and kept == sorted(kept)
+    assert kept[-1] < sorted(eng.maps["a"].dump())[stats.REPORT_ENTRIES]      # the first, by key
+    assert f"... and {total - 16:,} more entries (--json has the first 65,536 by key)" in stats.render(report)
+
+
 def test_ringbuf_records_are_decoded_into_their_emits_fields(tmp_path):
     """Each record comes back as the fields of the emit that wrote it (named after what it
     records, with units and device names), told apart by length, in the JSON and the summary."""

@@ -18,6 +18,7 @@ from pathlib import Path
 from fabric_ext.contract.bundle import Folder
 from fabric_ext.contract.digraph import DiGraph
 from fabric_ext.contract.schema import PROP_RANGES
+from fabric_ext.runtime.machine.maptypes import RINGBUF
 
 from .fabric_model import Fabric, Room
 from .figures import default, figures, link_figure, time_inside
@@ -26,7 +27,7 @@ from .observers import mark_observers
 from .prefill import Prefill, Progress  # noqa: F401  (Progress: what RunOptions.progress is called with)
 from .shims import SHIMS
 from .sim import DEFAULT_MAX_EVENTS, Sim
-from .stats import RunRecord
+from .stats import REPORT_ENTRIES, RunRecord
 from .ticks import BLOCK, TickSource, catch_up_together
 from .timing import Timing, profile_of
 from .workload import DEFAULT_PROMPT, Workload, WorkloadError, load_model, tp_problem
@@ -351,8 +352,10 @@ class Engine:
             events=self.sim.events, layer_stats=self.prefill.layer_stats,
             stall_by_movement=self.prefill.stall_by_movement, transfers=self.fabric.transfers, servers=servers,
             islands=[s.summary() for s in self.shims.values()], faults=[f for s in self.shims.values() for f in s.faults],
-            maps={name: m.dump() for name, m in sorted(self.maps.items())} if attached else {},
+            maps={name: m.dump(REPORT_ENTRIES) for name, m in sorted(self.maps.items())} if attached else {},
             map_full={name: m.full for name, m in sorted(self.maps.items()) if m.full},
+            map_entries_past={name: n for name, m in sorted(self.maps.items()) if attached and m.type != RINGBUF
+                              and (n := m.entry_count()) > REPORT_ENTRIES},
             map_types={m["name"]: (m["kind"], m.get("key_type"), m.get("value_type")) for m in self.man["maps"]},
             record_layouts={m["name"]: m["records"] for m in self.man["maps"] if m.get("records")},
             histograms={m["name"]: m["hist"] for m in self.man["maps"] if m.get("hist")},

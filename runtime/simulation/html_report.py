@@ -61,10 +61,12 @@ def _tables(data: dict, baseline: dict | None) -> list[dict]:
     headers, rows = stats.island_table(data)
     if rows:
         out.append({"id": "islands", "title": "Islands", "headers": headers, "rows": _cells(rows)})
+    past = data.get("map_entries_past", {})
     for name, entries in data.get("map_entries", {}).items():
         if entries:
             out.append({"id": f"map-{name}", "title": f"Map {name}", "headers": ["key", "value"],
-                        "rows": _cells([[e["key_text"], e["text"]] for e in entries])})
+                        "rows": _cells([[e["key_text"], e["text"]] for e in entries]),
+                        "note": f"the first {len(entries):,} of its {past[name]:,} entries, by key" if name in past else ""})
     for name, buckets in data.get("map_histograms", {}).items():
         if buckets:
             out.append({"id": f"hist-{name}", "title": f"Histogram {name}", "headers": ["bucket", "count"],

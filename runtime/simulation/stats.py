@@ -14,6 +14,9 @@ from .workload import Workload
 SCHEMA = "fabric-run/2"   # 2: islands report events and runs (invocations) apart
 COMPARE_SCHEMA = "fabric-run-compare/1"   # {"schema", "runs": [a fabric-run/2 report per policy]}
 TIMELINE_BINS = 100
+#: entries of one map the report keeps (the first by key): a policy's maps may hold 64 million
+#: together, and the report's JSON and HTML would hold each several times over
+REPORT_ENTRIES = 1 << 16
 
 
 def percentiles(values: list, qs: tuple) -> list[float]:
@@ -59,6 +62,7 @@ class RunRecord:
     copy_engines: list[dict]
     refused: dict[str, int]             # decisions the fabric refused, by reason
     map_full: dict[str, int] = field(default_factory=dict)  # hash map -> new keys refused, every entry in use
+    map_entries_past: dict[str, int] = field(default_factory=dict)  # map -> its entries, where past REPORT_ENTRIES
     spans: list[tuple] = field(default_factory=list)   # (track, name, start ns, dur ns, args or None)
     map_types: dict[str, tuple] = field(default_factory=dict)   # name -> (kind, key type, value type), as declared
     record_layouts: dict[str, list] = field(default_factory=dict)   # ringbuf name -> its emits' fields (manifest)
@@ -111,7 +115,7 @@ def collect(r: RunRecord) -> dict:
             "operators": {name: round(ms, 4) for name, ms in r.operator_ms.items()},
             "events": r.events, "layers": layers, "movements": movements,
             "links": sorted(links, key=lambda x: x["name"]), "islands": r.islands,
-            "copy_engines": r.copy_engines, "maps": _jsonable(r.maps), "map_full": r.map_full, "map_entries": decoded_maps(r),
+            "copy_engines": r.copy_engines, "maps": _jsonable(r.maps), "map_full": r.map_full, "map_entries_past": r.map_entries_past, "map_entries": decoded_maps(r),
             "map_records": decoded_records(r), "map_histograms": decoded_histograms(r),
             "faults": r.faults, "refused": r.refused, **({"explain": r.explain} if r.explain_asked else {})}
 
@@ -404,7 +408,9 @@ def render(report: dict, baseline: dict | None = None, links: int | None = LINKS
         if entries:
             out += ["", f"map {name}:", _table([[e["key_text"], e["text"]] for e in entries[:MAP_ROWS]], ["key", "value"])]
             if len(entries) > MAP_ROWS:
-                out.append(f"... and {len(entries) - MAP_ROWS} more entries (--json has them all)")
+                total = report.get("map_entries_past", {}).get(name)
+                out.append(f"... and {len(entries) - MAP_ROWS} more entries (--json has them all)" if total is None else
+                           f"... and {total - MAP_ROWS:,} more entries (--json has the first {len(entries):,} by key)")
     for name, rows in report.get("map_histograms", {}).items():
         if rows:
             out += ["", f"hist {name}:", *_hist_table(rows)]
