@@ -115,7 +115,8 @@ def collect(r: RunRecord) -> dict:
             "operators": {name: round(ms, 4) for name, ms in r.operator_ms.items()},
             "events": r.events, "layers": layers, "movements": movements,
             "links": sorted(links, key=lambda x: x["name"]), "islands": r.islands,
-            "copy_engines": r.copy_engines, "maps": _jsonable(r.maps), "map_full": r.map_full, "map_entries_past": r.map_entries_past, "map_entries": decoded_maps(r),
+            "copy_engines": r.copy_engines, "maps": _jsonable(r.maps), "map_full": r.map_full,
+            "map_entries_past": r.map_entries_past, "map_entries": decoded_maps(r),
             "map_records": decoded_records(r), "map_histograms": decoded_histograms(r),
             "faults": r.faults, "refused": r.refused, **({"explain": r.explain} if r.explain_asked else {})}
 
