@@ -403,13 +403,9 @@ def test_fits_refuse_data_too_thin_or_backwards_to_fit(tmp_path):
         validation.measured(measured)
 
 
-@needs_data
-def test_a_bad_measured_row_leaves_the_stored_figures_as_they_were(tmp_path):
-    """The stack is fitted after the hardware figures are written for its runs: a measured row
-    that is no number then stops the calibration with the row named, and every stored figure
-    is back as it was (the NCCL profile changed here too, so that the refit written for the
-    stack's runs differs from what is stored)."""
-    import shutil
+def _data_with_slower_allreduces(tmp_path):
+    """A copy of the shared data whose H100 NCCL profile takes twice as long: a refit of it
+    differs from the stored figures."""
     data = tmp_path / "data"
     shutil.copytree(DATA, data)
     nccl = data / "vidur" / "h100_dgx_all_reduce.csv"
@@ -418,6 +414,16 @@ def test_a_bad_measured_row_leaves_the_stored_figures_as_they_were(tmp_path):
     median = header.split(",").index("time_stats.all_reduce.median")
     nccl.write_text("\n".join([header] + [",".join(f"{float(v) * 2}" if i == median else v
                                                     for i, v in enumerate(r.split(","))) for r in rows]) + "\n")
+    return data
+
+
+@needs_data
+def test_a_bad_measured_row_leaves_the_stored_figures_as_they_were(tmp_path):
+    """The stack is fitted after the hardware figures are refitted for its runs: a measured row
+    that is no number then stops the calibration with the row named, and every stored figure
+    is as it was (the NCCL profile changed here too, so that the refit the stack's runs read
+    differs from what is stored)."""
+    data = _data_with_slower_allreduces(tmp_path)
     measured = data / "splitwise" / "prefill_measured.csv"
     measured.chmod(0o644)
     lines = measured.read_text().splitlines(keepends=True)
@@ -487,14 +493,7 @@ def test_a_calibration_stopped_half_way_leaves_the_stored_figures_as_they_were(t
     from fabric_ext.runtime.simulation import calibrate
     from fabric_ext.runtime.simulation.compute import PROFILES
     from fabric_ext.runtime.simulation.figures import PATH, figures
-    data = tmp_path / "data"
-    shutil.copytree(DATA, data)
-    nccl = data / "vidur" / "h100_dgx_all_reduce.csv"
-    nccl.chmod(0o644)
-    header, *rows = nccl.read_text().splitlines()
-    median = header.split(",").index("time_stats.all_reduce.median")
-    nccl.write_text("\n".join([header] + [",".join(f"{float(v) * 2}" if i == median else v
-                                                    for i, v in enumerate(r.split(","))) for r in rows]) + "\n")
+    data = _data_with_slower_allreduces(tmp_path)
     before, stored = (PATH.read_bytes(), PROFILES.read_bytes()), figures()
 
     def stop(path):
