@@ -56,6 +56,9 @@ def _read(path: str, limit: int, what: str) -> bytes:
         raise SystemExit(_fail(f"fabric-vm: {what}: {e.strerror or e}")) from None
 
 
+MAP_ENTRIES_SHOWN = 1024      # of each map after a run (an array may hold a million)
+
+
 def _load(path: str, program: str | None) -> Program:
     p = Path(path)
     if not p.exists():
@@ -123,7 +126,9 @@ def cmd_run(args) -> int:
     if mem is not None:
         print(f"mem = {bytes(mem).hex()}")
     for m in prog.maps:
-        print(f"map {m.name} ({m.kind}): {m.dump()}")
+        shown = m.dump(MAP_ENTRIES_SHOWN)
+        more = m.entry_count() - len(shown) if m.kind != "ringbuf" else 0
+        print(f"map {m.name} ({m.kind}): {shown}" + (f" and {more:,} more entries" if more > 0 else ""))
     return 0
 
 

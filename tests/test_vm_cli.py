@@ -200,3 +200,19 @@ def test_a_disassembled_program_runs_as_its_object_does(tmp_path):
     ran = [vm("run", f, "--hook", "dpu.tx", "--ctx", f"bytes=4KiB,movement={movement}") for f in (obj, listing)]
     assert all(r.returncode == 0 for r in ran), [r.stderr for r in ran]
     assert ran[0].stdout == ran[1].stdout and "decision rate = 25000000000" in ran[0].stdout
+
+
+def test_fabric_vm_shows_a_large_maps_first_entries_and_how_many_more(tmp_path):
+    """A program may fill an array of a million entries: the run prints the first 1,024 of
+    each map and the count of the rest (it printed them all)."""
+    import fabric_ext
+    from conftest import POLICIES
+    bundle = fabric_ext.compile(f'import "{POLICIES}/fabrics/dgx_cxl.fx"\nmovement kv = kv : gpu* -> pool0\n'
+                                "map a : array<u32, count>[4096]\n"
+                                "policy p { on kv.forward at sw0 { for i in 0..1024 { a[i] = 1\n a[i + 1024] = 2 } } }\n",
+                                werror=False)
+    bundle.write(tmp_path / "out")
+    r = vm("run", tmp_path / "out" / "sw0.bpf.o", "--hook", "cxl_switch.forward", "--ctx", "movement=kv")
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("map a (array): "))
+    assert line.endswith("1023: 1} and 1,024 more entries") and line.count(": 1") == 1024
