@@ -286,7 +286,7 @@ class Map:
 
     def entry_count(self) -> int:
         """How many entries `dump` would show without a limit."""
-        return int(self.meta[0]) if self.hashed else len(self._entry_keys())
+        return self.count if self.hashed else len(self._entry_keys())
 
     def dump(self, limit: int | None = None) -> dict:
         """Non-zero entries as {key: value} integers (keys ≤ 8 bytes) in key order (not the
