@@ -516,3 +516,17 @@ def test_a_measured_file_of_more_configurations_than_the_fit_runs_is_refused(tmp
     with pytest.raises(DataError, match="1,025 configurations .model, hardware, TP, prompt, batch.; the fit runs the engine "
                              "on each, and takes at most 1,024"):
         validation.measured(path)
+
+
+@needs_data
+def test_a_calibration_that_cannot_write_its_figures_says_so(monkeypatch, capsys):
+    """The figures are written only at the end, each whole (`atomic_write_text`): where that
+    fails (no space, no permission) the calibration says so and exits 1, no traceback."""
+    from fabric_ext.runtime.machine.errors import OutputError
+    from fabric_ext.runtime.simulation import calibrate
+
+    def refuse(path, text):
+        raise OutputError(f"cannot write {path}: No space left on device")
+    monkeypatch.setattr(calibrate, "atomic_write_text", refuse)
+    assert calibrate.main([str(DATA)]) == 1
+    assert "figures.json: No space left on device" in capsys.readouterr().err

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..machine.errors import InputError
+from ..machine.errors import InputError, OutputError
 from ..machine.fsutil import atomic_write_text, read_bounded
 from . import figures as figure_files
 from .compute import PROFILES, gemm_time, profile_tables
@@ -351,7 +351,11 @@ def main(argv=None) -> int:
     finally:
         _read_as({})
     if not check:
-        _write(new)
+        try:
+            _write(new)
+        except OutputError as e:       # (each file whole or not at all: `atomic_write_text`)
+            print(f"calibrate: {e}", file=sys.stderr)
+            return 1
     return 1 if check and changed else 0
 
 
