@@ -264,3 +264,15 @@ def test_a_name_that_runs_to_the_end_of_its_table_is_an_error_read_within_a_boun
     with pytest.raises(ObjectError, match="symbol 1's name is not NUL-terminated in its string table, or longer "
                                           "than 4,096 bytes"):
         load_object(data, "names.o")
+
+
+def test_an_elf_symbol_table_past_its_bound_and_a_btf_string_without_end_are_bounded():
+    """A symbol table of more than 65,536 entries is an error (each is parsed into an object);
+    a BTF string that runs without a NUL to the end of its table is read up to 4,096 bytes."""
+    from fabric_ext.runtime.machine.btf import BTF, MAX_STRING
+    symbols = struct.pack("<IBBHQQ", 0, 0, 0, 0, 0, 0) * (65_536 + 1)
+    data = _elf([(".symtab", 2, 0, symbols, 2, 0), (".strtab", 3, 0, b"\0", 0, 0)])
+    with pytest.raises(ObjectError, match="the symbol table is 1572888 bytes: .*or more than 65,536"):
+        load_object(data, "symbols.o")
+    btf = BTF([], b"\0" + b"x" * (1 << 20))
+    assert btf.string(1) == "x" * MAX_STRING and btf.string(0) == ""

@@ -550,6 +550,9 @@ policy p { on w_in.forward at sw0 { for i in 0..1024 { a[(ev.layer * 8 + ev.chun
     assert len(kept) == len(report["map_entries"]["a"]) == stats.REPORT_ENTRIES and kept == sorted(kept)
     assert kept[-1] < sorted(eng.maps["a"].dump())[stats.REPORT_ENTRIES]      # the first, by key
     assert f"... and {total - 16:,} more entries (--json has the first 65,536 by key)" in stats.render(report)
+    from fabric_ext.runtime.simulation import html_report
+    page, _ = html_report.render(report, eng.man)
+    assert f"the first 65,536 of its {total:,} entries, by key" in page
 
 
 def test_ringbuf_records_are_decoded_into_their_emits_fields(tmp_path):
