@@ -248,11 +248,8 @@ class Workload:
     transfer_chunk: int = field(default_factory=lambda: figures()["defaults"]["transfer_chunk"])
     prefetch: int = field(default_factory=lambda: figures()["defaults"]["prefetch"])
 
-    def passes(self) -> list[tuple[int, int]]:
-        """(first token, token count) of each prefill pass."""
-        return [self.pass_of(p) for p in range(self.pass_count())]
-
     def pass_count(self) -> int:
+        """How many prefill passes the prompt takes (`pass_of` each)."""
         step = self.chunk_tokens or self.prompt
         return -(-self.prompt // step)
 
