@@ -230,6 +230,30 @@ def test_a_batch_keeps_what_its_runs_return():
     assert b.batch_r0 == sum(b.run(h, bytearray(row.tobytes())) for row in ctxs) == 3 * 999 * 1000 // 2
 
 
+
+def test_one_batch_driver_runs_every_program_s_batches():
+    """The batch loop is compiled once per process and calls the entry it is given: batches of
+    two programs, interleaved, each run their own program; a program's module holds only its
+    own code."""
+    import numpy as np
+
+    from fabric_ext.runtime.machine import jit
+    from fabric_ext.runtime.machine.lift import Lifter
+    triple = Program("x3", assemble("ldxdw %r0, [%r1+0]\nmul %r0, 3\nexit"))
+    plus = Program("p7", assemble("ldxdw %r0, [%r1+0]\nadd %r0, 7\nexit"))
+    ctxs = np.arange(100, dtype=np.uint64).reshape(100, 1).view(np.uint8).copy()
+    b = jit.JitBackend()
+    sums = []
+    for prog in (triple, plus, triple):
+        verify(prog)
+        b.run_batch(b.load(prog), ctxs)
+        sums.append(b.batch_r0)
+    assert sums == [3 * 4950, 4950 + 700, 3 * 4950]
+    driver = jit._driver
+    b.run_batch(b.load(plus), ctxs)
+    assert jit._driver is driver
+    assert "batch" not in str(Lifter(plus, "fxp", plus.proof, counted=False).build())
+
 def test_fault_then_continue():
     """A faulting run raises; the same interpreter runs the next program normally."""
     vm = Interpreter()

@@ -22,6 +22,7 @@ from .codecache import CodeCache, default_dir, host_target
 from .errors import InputError
 from .flow import acyclic
 from .lift import (
+    BATCH_DRIVER,
     FAULT_BUDGET,
     FAULT_HELPER,
     FAULT_OOB,
@@ -33,6 +34,7 @@ from .lift import (
     Env,
     Lifter,
     address_table,
+    batch_driver,
     map_slot,
     mem_need,
 )
@@ -40,6 +42,8 @@ from .maps import RINGBUF
 from .program import JIT_CHECKS, Backend, Program, VMFault
 from .semantics import ctx_write_mask
 
+_BATCH = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
+                          ctypes.c_void_p)     # `lift.batch_driver`
 CALLBACK = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
                             ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64)
 _tiers: dict = {}
@@ -47,8 +51,9 @@ _tiers: dict = {}
 #: than the program (200,000 branchy instructions: 19 s and 0.9 GB), and a program may have
 #: 1,000,000.  The compiler's programs stay far below (`codegen.driver.MAX_LLVM_INSTRUCTIONS`).
 MAX_JIT_SLOTS = 1 << 16
-_native: dict[str, tuple[int, int]] = {}   # code digest -> (entry, batch entry) in this process
+_native: dict[str, int] = {}   # code digest -> entry address in this process
 _cache: CodeCache | None = None
+_driver = None      # the batch driver (`_batch_driver`)
 
 
 class _Tier:
@@ -107,9 +112,9 @@ def _code_key(cache: CodeCache, prog: Program, proof: dict | None, counted: bool
 
 
 def _native_code(prog: Program, proof: dict | None, budget: int, stats: dict,
-                 short_mem: bool = False) -> tuple[int, int]:
-    """Entry and batch-entry addresses of the program's native code: made in this process
-    already, read from the code cache, or lifted, optimised and compiled (then cached)."""
+                 short_mem: bool = False) -> int:
+    """The entry address of the program's native code: made in this process already, read
+    from the code cache, or lifted, optimised and compiled (then cached)."""
     loops = not acyclic(prog)
     counted = loops or len(prog.slots) > budget
     cache = code_cache()
@@ -131,13 +136,36 @@ def _native_code(prog: Program, proof: dict | None, budget: int, stats: dict,
         stats["compile_s"] += time.perf_counter() - t
     else:
         stats["cached"] += 1
+    _native[key] = _add_object(tier, obj, f"{name}_f0")
+    return _native[key]
+
+
+def _add_object(tier: _Tier, obj: bytes, symbol: str) -> int:
+    """Load object code into the tier's engine; the address of its function ``symbol``."""
     tier.engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
     tier.engine.finalize_object()
-    entries = (tier.engine.get_function_address(f"{name}_f0"), tier.engine.get_function_address(f"{name}_batch"))
-    if not all(entries):
-        raise RuntimeError(f"{prog.name}: native code for {name} lacks its entry points")
-    _native[key] = entries
-    return entries
+    addr = tier.engine.get_function_address(symbol)
+    if not addr:
+        raise RuntimeError(f"native code lacks its entry point {symbol}")
+    return addr
+
+
+def _batch_driver():
+    """`lift.batch_driver`'s function, compiled (or read from the code cache) once per process,
+    at its first batch."""
+    global _driver
+    if _driver is None:
+        cache = code_cache()
+        key = cache.key(BATCH_DRIVER.encode())
+        tier = _tier(True)      # its loop is the batch's: the code generator's best
+        obj = cache.get(key)
+        if obj is None:
+            mod = llvm.parse_assembly(str(batch_driver()))
+            tier.optimise(mod)
+            obj = tier.tm.emit_object(mod)
+            cache.put(key, obj)
+        _driver = _BATCH(_add_object(tier, obj, BATCH_DRIVER))
+    return _driver
 
 
 class _NativeMemory:
@@ -192,11 +220,10 @@ class _NativeMemory:
 class _Compiled:
     """One load of a program: shared native code with this load's environment and address table."""
 
-    def __init__(self, prog, fn_addr, batch_addr, callback):
+    def __init__(self, prog, fn_addr, callback):
         self.prog = prog
+        self.fn_addr = fn_addr
         self.fn = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_void_p)(fn_addr)
-        self.batch = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64,
-                                      ctypes.c_uint64)(batch_addr)
         self.callback = callback
         table = address_table(prog, ctypes.cast(callback, ctypes.c_void_p).value)
         self.table = (ctypes.c_uint64 * len(table))(*table)
@@ -267,7 +294,7 @@ class JitBackend(Backend):
         if key in self.compiled:
             return self.compiled[key]
         t = time.perf_counter()
-        compiled = _Compiled(prog, *_native_code(prog, proof, self.budget, self.stats, short_mem),
+        compiled = _Compiled(prog, _native_code(prog, proof, self.budget, self.stats, short_mem),
                              CALLBACK(self._callback))
         self.stats["load_s"] += time.perf_counter() - t
         compiled.proof = proof
@@ -358,7 +385,7 @@ class JitBackend(Backend):
         e = c.env
         e.fault, e.ctx_len, e.r0_sum = 0, ctxs.shape[1], 0
         base = ctypes.addressof(ctypes.c_char.from_buffer(ctxs))     # a third of ctxs.ctypes.data's cost
-        n = c.batch(c.env_addr, base, ctxs.shape[0], ctxs.shape[1])
+        n = (_driver or _batch_driver())(c.env_addr, base, ctxs.shape[0], ctxs.shape[1], c.fn_addr)
         self.batch_r0 = e.r0_sum          # what the rows' runs returned, summed (mod 2^64)
         if e.fault:
             try:

@@ -134,7 +134,6 @@ class Lifter:
             self.funcs[e] = fn
         for e in entries:
             self._function(e, entries)
-        self._batch()
         return self.m
 
     def _reachable(self, entry, entries):
@@ -638,34 +637,43 @@ class Lifter:
                 shift += width
         return word
 
-    # -- batch entry ------------------------------------------------------------------------------------
-    def _batch(self):
-        """``batch(env, base, n, stride)``: run the program on n contexts, stop at the first fault;
-        what the runs return is summed into the env's ``r0_sum`` (kept, so that no run's work is
-        dead code to LLVM)."""
-        fn = L.Function(self.m, L.FunctionType(I64, [PTR, I64, I64, I64]), name=f"{self.name}_batch")
-        env, base, n, stride = fn.args
-        b = L.IRBuilder(fn.append_basic_block("entry"))
-        head, body, out = (fn.append_basic_block(x) for x in ("head", "body", "out"))
-        pre = b.block
-        b.branch(head)
-        b.position_at_end(head)
-        i = b.phi(I64)
-        i.add_incoming(I64(0), pre)
-        b.cbranch(b.icmp_unsigned("<", i, n), body, out)
-        b.position_at_end(body)
-        ctx_p = b.gep(env, [I64(ENV_INDEX["ctx"] * 8)], source_etype=I8)
-        b.store(b.add(base, b.mul(i, stride)), ctx_p)
-        b.store(I64(0), b.gep(env, [I64(ENV_INDEX["executed"] * 8)], source_etype=I8))  # a budget per run
-        r0 = b.call(self.funcs[0], [env])
-        sum_p = b.gep(env, [I64(ENV_INDEX["r0_sum"] * 8)], source_etype=I8)
-        b.store(b.add(b.load(sum_p, typ=I64), r0), sum_p)
-        fault = b.load(b.gep(env, [I64(ENV_INDEX["fault"] * 8)], source_etype=I8), typ=I64)
-        nxt = b.add(i, I64(1))
-        i.add_incoming(nxt, body)
-        b.cbranch(b.icmp_unsigned("!=", fault, I64(0)), out, head)
-        b.position_at_end(out)
-        res = b.phi(I64)
-        res.add_incoming(i, head)
-        res.add_incoming(i, body)
-        b.ret(res)
+
+BATCH_DRIVER = "fx_batch"
+
+
+def batch_driver() -> L.Module:
+    """``fx_batch(env, base, n, stride, fn)``: run the program whose entry is ``fn`` on n
+    contexts, ``stride`` bytes apart from ``base``, and stop at the first fault; what the runs
+    return is summed into the env's ``r0_sum`` (kept, so that no run's work is dead code to
+    LLVM).  One function serves every program (it calls the entry it is given), so it is
+    compiled once per process, not with each program (about 1 ms of LLVM's code generation)."""
+    m = L.Module(name=BATCH_DRIVER)
+    m.triple = llvm.get_default_triple()
+    entry_type = L.FunctionType(I64, [PTR])
+    fn = L.Function(m, L.FunctionType(I64, [PTR, I64, I64, I64, entry_type.as_pointer()]), name=BATCH_DRIVER)
+    env, base, n, stride, entry = fn.args
+    b = L.IRBuilder(fn.append_basic_block("entry"))
+    head, body, out = (fn.append_basic_block(x) for x in ("head", "body", "out"))
+    pre = b.block
+    b.branch(head)
+    b.position_at_end(head)
+    i = b.phi(I64)
+    i.add_incoming(I64(0), pre)
+    b.cbranch(b.icmp_unsigned("<", i, n), body, out)
+    b.position_at_end(body)
+    ctx_p = b.gep(env, [I64(ENV_INDEX["ctx"] * 8)], source_etype=I8)
+    b.store(b.add(base, b.mul(i, stride)), ctx_p)
+    b.store(I64(0), b.gep(env, [I64(ENV_INDEX["executed"] * 8)], source_etype=I8))  # a budget per run
+    r0 = b.call(entry, [env])
+    sum_p = b.gep(env, [I64(ENV_INDEX["r0_sum"] * 8)], source_etype=I8)
+    b.store(b.add(b.load(sum_p, typ=I64), r0), sum_p)
+    fault = b.load(b.gep(env, [I64(ENV_INDEX["fault"] * 8)], source_etype=I8), typ=I64)
+    nxt = b.add(i, I64(1))
+    i.add_incoming(nxt, body)
+    b.cbranch(b.icmp_unsigned("!=", fault, I64(0)), out, head)
+    b.position_at_end(out)
+    res = b.phi(I64)
+    res.add_incoming(i, head)
+    res.add_incoming(i, body)
+    b.ret(res)
+    return m
