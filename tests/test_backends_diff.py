@@ -245,43 +245,56 @@ def test_the_code_compiled_with_the_proof_faults_rather_than_read_past_short_mem
 
 @st.composite
 def map_ops(draw):
-    """A program of hash-map operations on keys 0-5 (more than the map holds), updates with every
-    flag (an invalid one too), whose return codes and values found it sums into r0."""
+    """A program of hash-map operations on keys 0-5 (more than the map holds) of a drawn key and
+    value size (partial 8-byte words of both included), updates with every flag (an invalid one
+    too), whose return codes and values found it sums into r0: (instructions, key size, value size)."""
+    ks, vs = draw(st.sampled_from([4, 6, 12, 16])), draw(st.sampled_from([8, 11, 16]))
+    key_at, value_at = -64, -32
+
+    def fill(at, size, first, seed):
+        """``size`` bytes at r10 + at: a word ``first``, then bytes from ``seed``."""
+        return [I.Insn(I.ST | I.MEM | I.W, dst=10, off=at, imm=first)] + \
+            [I.Insn(I.ST | I.MEM | I.B, dst=10, off=at + j, imm=(seed * 7 + j) & 0x7F) for j in range(4, size)]
     out = [I.Insn(I.ALU64 | I.MOV | I.K, dst=7, imm=0)]
     for _ in range(draw(st.integers(1, 14))):
         op = draw(st.sampled_from(["update", "update", "lookup", "delete"]))
-        out += [I.Insn(I.ST | I.MEM | I.W, dst=10, off=-8, imm=draw(st.integers(0, 5))),
-                I.Insn(I.LD | I.IMM | I.DW, dst=1, src=I.PSEUDO_MAP_FD, imm=0),
-                I.Insn(I.ALU64 | I.MOV | I.X, dst=2, src=10), I.Insn(I.ALU64 | I.ADD | I.K, dst=2, imm=-8)]
+        k = draw(st.integers(0, 5))
+        out += fill(key_at, ks, k, k) + [
+            I.Insn(I.LD | I.IMM | I.DW, dst=1, src=I.PSEUDO_MAP_FD, imm=0),
+            I.Insn(I.ALU64 | I.MOV | I.X, dst=2, src=10), I.Insn(I.ALU64 | I.ADD | I.K, dst=2, imm=key_at)]
         if op == "update":
-            out += [I.Insn(I.ST | I.MEM | I.DW, dst=10, off=-16, imm=draw(imm)),
-                    I.Insn(I.ALU64 | I.MOV | I.X, dst=3, src=10), I.Insn(I.ALU64 | I.ADD | I.K, dst=3, imm=-16),
-                    I.Insn(I.ALU64 | I.MOV | I.K, dst=4, imm=draw(st.integers(0, 3))), I.Insn(I.JMP | I.CALL, imm=2)]
-        elif op == "lookup":      # the value found, or 0
+            out += fill(value_at, vs, draw(imm), draw(st.integers(0, 99))) + [
+                I.Insn(I.ALU64 | I.MOV | I.X, dst=3, src=10), I.Insn(I.ALU64 | I.ADD | I.K, dst=3, imm=value_at),
+                I.Insn(I.ALU64 | I.MOV | I.K, dst=4, imm=draw(st.integers(0, 3))), I.Insn(I.JMP | I.CALL, imm=2)]
+        elif op == "lookup":      # the value found (its first 8 bytes), or 0
             out += [I.Insn(I.JMP | I.CALL, imm=1), I.Insn(I.JMP | I.JEQ | I.K, dst=0, imm=0, off=1),
                     I.Insn(I.LDX | I.MEM | I.DW, dst=0, src=0, off=0)]
         else:
             out += [I.Insn(I.JMP | I.CALL, imm=3)]
         out += [I.Insn(I.ALU64 | I.MUL | I.K, dst=7, imm=31), I.Insn(I.ALU64 | I.ADD | I.X, dst=7, src=0)]
-    return out + [I.Insn(I.ALU64 | I.MOV | I.X, dst=0, src=7), I.Insn(I.JMP | I.EXIT)]
+    return out + [I.Insn(I.ALU64 | I.MOV | I.X, dst=0, src=7), I.Insn(I.JMP | I.EXIT)], ks, vs
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(map_ops(), st.sampled_from(["hash", "lru_hash"]), st.integers(2, 8))
-def test_hash_map_updates_agree(insns, kind, entries):
-    """The JIT updates a key a hash or LRU map holds in place and sends the rest (new keys,
-    evictions, other flags) to maps.py: return codes, values and the maps' contents (which
-    entries an LRU map keeps) are the interpreter's, over two runs."""
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(map_ops(), st.sampled_from(["hash", "lru_hash"]), st.integers(1, 8))
+def test_hash_map_updates_agree(ops, kind, entries):
+    """The JIT's own hash update (`native_lib`: a key the map holds, a new key where there is
+    room) and what it leaves to maps.py (a full map, an LRU map's evictions, flags the kernel
+    refuses): return codes, values, the maps' contents (which entries an LRU map keeps, their
+    stamps) and the refusals counted are the interpreter's, over two runs."""
     from fabric_ext.runtime.machine.jit import JitBackend
     from fabric_ext.runtime.machine.maps import HASH, LRU_HASH, Map
+    insns, ks, vs = ops
 
     def run(backend, verified):
-        maps = [Map("m", HASH if kind == "hash" else LRU_HASH, 4, 8, entries)]
+        maps = [Map("m", HASH if kind == "hash" else LRU_HASH, ks, vs, entries)]
         prog = Program("ops", insns, maps, ctx_size=CTX)
         if verified:
             verify(prog)
         handle = backend.load(prog)
-        return [backend.run(handle, bytearray(CTX)) for _ in range(2)], maps[0].dump(), bytes(maps[0].stamp)
+        m = maps[0]
+        return ([backend.run(handle, bytearray(CTX)) for _ in range(2)], m.dump(), bytes(m.stamp), bytes(m.state),
+                m.count, m.full)
     want = run(Interpreter(), False)
     assert run(JitBackend(), False) == want, I.disasm(insns)
     assert run(JitBackend(), True) == want, I.disasm(insns)

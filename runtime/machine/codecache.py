@@ -39,7 +39,7 @@ MAGIC = b"FXJITOB2"          # 2: authenticated entries
 MAX_BYTES = 256 << 20        # a cache folder's entries together, at most: past it the least recently used go
 KEY_FILE, KEY_SIZE = "key", 32
 _warned: set[tuple[str, str]] = set()    # (cache, reason) already said in this process
-_SOURCES = ("lift.py", "irtext.py", "jit.py", "maps.py", "isa.py")
+_SOURCES = ("lift.py", "native_lib.py", "irtext.py", "jit.py", "maps.py", "isa.py")
 
 
 def default_dir(env: str = "FABRIC_EXT_JIT_CACHE", name: str = "jit",

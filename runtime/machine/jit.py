@@ -18,11 +18,11 @@ import numpy as np
 
 from . import helpers as Hl
 from . import isa as I
+from . import native_lib
 from .codecache import CodeCache, default_dir, host_target
 from .errors import InputError
 from .flow import acyclic
 from .lift import (
-    BATCH_DRIVER,
     FAULT_BUDGET,
     FAULT_HELPER,
     FAULT_OOB,
@@ -34,16 +34,15 @@ from .lift import (
     Env,
     Lifter,
     address_table,
-    batch_driver,
     map_slot,
     mem_need,
 )
-from .maps import RINGBUF
+from .maps import HASH, LRU_HASH, RINGBUF
 from .program import JIT_CHECKS, Backend, Program, VMFault
 from .semantics import ctx_write_mask
 
 _BATCH = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
-                          ctypes.c_void_p)     # `lift.batch_driver`
+                          ctypes.c_void_p)     # `native_lib`'s batch driver
 CALLBACK = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64,
                             ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64)
 _tiers: dict = {}
@@ -53,7 +52,7 @@ _tiers: dict = {}
 MAX_JIT_SLOTS = 1 << 16
 _native: dict[str, int] = {}   # code digest -> entry address in this process
 _cache: CodeCache | None = None
-_driver = None      # the batch driver (`_batch_driver`)
+_lib = None         # `native_lib`'s functions in this process (`_library`)
 
 
 class _Tier:
@@ -150,22 +149,25 @@ def _add_object(tier: _Tier, obj: bytes, symbol: str) -> int:
     return addr
 
 
-def _batch_driver():
-    """`lift.batch_driver`'s function, compiled (or read from the code cache) once per process,
-    at its first batch."""
-    global _driver
-    if _driver is None:
+def _library():
+    """`native_lib`'s functions (the batch driver and the hash update), compiled (or read from
+    the code cache) once per process, when a batch or a program with a hash map first needs
+    them: (batch driver, hash update's address)."""
+    global _lib
+    if _lib is None:
         cache = code_cache()
-        key = cache.key(BATCH_DRIVER.encode())
-        tier = _tier(True)      # its loop is the batch's: the code generator's best
+        key = cache.key(b"runtime library")
+        tier = _tier(True)      # the batch's loop and the probe: the code generator's best
         obj = cache.get(key)
         if obj is None:
-            mod = llvm.parse_assembly(str(batch_driver()))
+            mod = llvm.parse_assembly(str(native_lib.module()))
+            mod.verify()
             tier.optimise(mod)
             obj = tier.tm.emit_object(mod)
             cache.put(key, obj)
-        _driver = _BATCH(_add_object(tier, obj, BATCH_DRIVER))
-    return _driver
+        batch = _BATCH(_add_object(tier, obj, native_lib.BATCH))
+        _lib = (batch, tier.engine.get_function_address(native_lib.HASH_UPDATE))
+    return _lib
 
 
 class _NativeMemory:
@@ -225,7 +227,8 @@ class _Compiled:
         self.fn_addr = fn_addr
         self.fn = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_void_p)(fn_addr)
         self.callback = callback
-        table = address_table(prog, ctypes.cast(callback, ctypes.c_void_p).value)
+        hashed = any(m.type in (HASH, LRU_HASH) for m in prog.maps)
+        table = address_table(prog, ctypes.cast(callback, ctypes.c_void_p).value, _library()[1] if hashed else 0)
         self.table = (ctypes.c_uint64 * len(table))(*table)
         self.values = [table[map_slot(i, "values")] for i in range(len(prog.maps))]   # by map index
         self.map_regions = [(a, m.values.nbytes) for a, m in zip(self.values, prog.maps) if m.type != RINGBUF]
@@ -385,7 +388,7 @@ class JitBackend(Backend):
         e = c.env
         e.fault, e.ctx_len, e.r0_sum = 0, ctxs.shape[1], 0
         base = ctypes.addressof(ctypes.c_char.from_buffer(ctxs))     # a third of ctxs.ctypes.data's cost
-        n = (_driver or _batch_driver())(c.env_addr, base, ctxs.shape[0], ctxs.shape[1], c.fn_addr)
+        n = (_lib or _library())[0](c.env_addr, base, ctxs.shape[0], ctxs.shape[1], c.fn_addr)
         self.batch_r0 = e.r0_sum          # what the rows' runs returned, summed (mod 2^64)
         if e.fault:
             try:

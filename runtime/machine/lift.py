@@ -10,8 +10,9 @@ did not prove (all of them for a program that was not verified): an address
 must lie in the stack, the context (writes only to decision bytes), the given
 memory, a map's value buffer or the reserved ringbuf record, so compiled code
 can never touch anything else.  Array lookups and updates are address
-arithmetic, hash and LRU lookups a native probe of the map's own buffers;
-other helpers call back into Python.  An instruction budget holds as in the
+arithmetic, hash and LRU lookups a native probe of the map's own buffers, their
+updates a call of `native_lib`'s hash update (which leaves what it does not do
+to Python); other helpers call back into Python.  An instruction budget holds as in the
 interpreter: every block adds its instructions to the count, which is compared with the
 budget where a backward jump lands (every cycle passes one) and at each exit, so a run over
 the budget faults as the interpreter's does, at the next loop head or exit.
@@ -52,17 +53,22 @@ class Env(ctypes.Structure):
 
 ENV_INDEX = {name: i for i, (name, _) in enumerate(Env._fields_)}
 MAP_ADDRS = ("values", "state", "keys", "meta", "stamp")   # a map's buffers in the address table
+#: the address table's first slots: the helper callback, `native_lib`'s hash update
+CALLBACK_SLOT, HASH_UPDATE_SLOT, FIRST_MAP_SLOT = 0, 1, 2
+#: what `native_lib`'s hash update answers where `maps.Map.update` must decide (it never returns 1)
+ASK_PYTHON = 1
 
 
 def map_slot(index: int, buffer: str) -> int:
     """Where map ``index``'s ``buffer`` (one of MAP_ADDRS) is in the address table."""
-    return 1 + index * len(MAP_ADDRS) + MAP_ADDRS.index(buffer)
+    return FIRST_MAP_SLOT + index * len(MAP_ADDRS) + MAP_ADDRS.index(buffer)
 
 
-def address_table(prog: Program, callback_addr: int) -> list[int]:
-    """The addresses compiled code reads at run time: the helper callback (slot 0), then
-    each map's buffers in `MAP_ADDRS` order (0 where the map has none)."""
-    table = [callback_addr]
+def address_table(prog: Program, callback_addr: int, hash_update_addr: int) -> list[int]:
+    """The addresses compiled code reads at run time: the helper callback, `native_lib`'s hash
+    update (0 where the program updates no hash map natively), then each map's buffers in
+    `MAP_ADDRS` order (0 where the map has none)."""
+    table = [callback_addr, hash_update_addr]
     for m in prog.maps:
         table += [0 if (buf := getattr(m, b)) is None else buf.ctypes.data for b in MAP_ADDRS]
     return table
@@ -491,7 +497,7 @@ class Lifter:
         """Call helper ``hid`` (a number, or an IR value for callx) in Python."""
         b = self.b
         ty = L.FunctionType(I64, [I64] * 6)
-        fn = b.inttoptr(self.addr(0), ty.as_pointer())   # a typed pointer: the call reads its type
+        fn = b.inttoptr(self.addr(CALLBACK_SLOT), ty.as_pointer())   # a typed pointer: the call reads its type
         return b.call(fn, [I64(hid) if isinstance(hid, int) else hid] + [self.reg(i) for i in range(1, 6)])
 
     def _helper(self, pc, hid):
@@ -507,8 +513,9 @@ class Lifter:
         return r0
 
     def _native_map_op(self, pc, hid):
-        """Array lookup/update as address arithmetic, hash/LRU lookup as a native probe;
-        hash updates go to the callback.  Dispatches on the map index in r1."""
+        """Array lookup/update as address arithmetic, hash/LRU lookup as a native probe, hash/LRU
+        update a call of `native_lib`'s (the callback where it answers ASK_PYTHON); per-CPU hash
+        updates go to the callback.  Dispatches on the map index in r1."""
         b = self.b
         maps = self.p.maps
         if not maps:
@@ -522,8 +529,8 @@ class Lifter:
         # where the verifier proved which map r1 references, only that map's code
         only = self.p.call_maps.get(pc) if self.proof is not None else None
         for i, m in enumerate(maps):
-            native = m.type in (ARRAY, PERCPU_ARRAY) or \
-                (hid == Hl.MAP_LOOKUP_ELEM and m.type in (HASH, PERCPU_HASH, LRU_HASH))
+            native = m.type in (ARRAY, PERCPU_ARRAY, HASH, LRU_HASH) or \
+                (hid == Hl.MAP_LOOKUP_ELEM and m.type == PERCPU_HASH)
             if not native or only is not None and i != only:
                 continue
             bb = self.fn.append_basic_block(f"map{pc}_{i}")
@@ -538,8 +545,13 @@ class Lifter:
                     v = b.select(inb, addr, I64(0))
                 else:
                     v = self._array_update(pc, m, inb, addr)
-            else:
+            elif hid == Hl.MAP_LOOKUP_ELEM:
                 v = self._hash_lookup(i, m, key_ptr)
+            else:
+                v = self._hash_update(pc, i, m)
+                incoming.append((v, b.block))
+                b.cbranch(b.icmp_unsigned("==", v, I64(ASK_PYTHON)), dflt, done)
+                continue
             incoming.append((v, b.block))
             b.branch(done)
         b.position_at_end(dflt)
@@ -568,6 +580,17 @@ class Lifter:
         e2big = I64((-7) & I.MASK64)
         eexist = I64((-17) & I.MASK64)
         return b.select(inb, b.select(ok, I64(0), eexist), e2big)
+
+    def _hash_update(self, pc, index, m):
+        """`native_lib`'s hash update on map ``index``: its key and value checked here, its
+        buffers' addresses read from the address table, its shape passed."""
+        b = self.b
+        self.checked(pc, self.reg(3), m.value_size, False)
+        ty = L.FunctionType(I64, [I64] * 9)
+        fn = b.inttoptr(self.addr(HASH_UPDATE_SLOT), ty.as_pointer())
+        bufs = b.add(self._invariant_load(self.env_ptr("addrs")), I64(map_slot(index, "values") * 8))
+        shape = (m.key_size, m.value_size, m.cap, m.max_entries, int(m.type == LRU_HASH))
+        return b.call(fn, [bufs, self.reg(2), self.reg(3), self.reg(4)] + [I64(x) for x in shape])
 
     def _hash_lookup(self, index, m, key_ptr):
         """Linear probe of the map's open-addressing table, hashing the key as maps.py does
@@ -637,43 +660,3 @@ class Lifter:
                 shift += width
         return word
 
-
-BATCH_DRIVER = "fx_batch"
-
-
-def batch_driver() -> L.Module:
-    """``fx_batch(env, base, n, stride, fn)``: run the program whose entry is ``fn`` on n
-    contexts, ``stride`` bytes apart from ``base``, and stop at the first fault; what the runs
-    return is summed into the env's ``r0_sum`` (kept, so that no run's work is dead code to
-    LLVM).  One function serves every program (it calls the entry it is given), so it is
-    compiled once per process, not with each program (about 1 ms of LLVM's code generation)."""
-    m = L.Module(name=BATCH_DRIVER)
-    m.triple = llvm.get_default_triple()
-    entry_type = L.FunctionType(I64, [PTR])
-    fn = L.Function(m, L.FunctionType(I64, [PTR, I64, I64, I64, entry_type.as_pointer()]), name=BATCH_DRIVER)
-    env, base, n, stride, entry = fn.args
-    b = L.IRBuilder(fn.append_basic_block("entry"))
-    head, body, out = (fn.append_basic_block(x) for x in ("head", "body", "out"))
-    pre = b.block
-    b.branch(head)
-    b.position_at_end(head)
-    i = b.phi(I64)
-    i.add_incoming(I64(0), pre)
-    b.cbranch(b.icmp_unsigned("<", i, n), body, out)
-    b.position_at_end(body)
-    ctx_p = b.gep(env, [I64(ENV_INDEX["ctx"] * 8)], source_etype=I8)
-    b.store(b.add(base, b.mul(i, stride)), ctx_p)
-    b.store(I64(0), b.gep(env, [I64(ENV_INDEX["executed"] * 8)], source_etype=I8))  # a budget per run
-    r0 = b.call(entry, [env])
-    sum_p = b.gep(env, [I64(ENV_INDEX["r0_sum"] * 8)], source_etype=I8)
-    b.store(b.add(b.load(sum_p, typ=I64), r0), sum_p)
-    fault = b.load(b.gep(env, [I64(ENV_INDEX["fault"] * 8)], source_etype=I8), typ=I64)
-    nxt = b.add(i, I64(1))
-    i.add_incoming(nxt, body)
-    b.cbranch(b.icmp_unsigned("!=", fault, I64(0)), out, head)
-    b.position_at_end(out)
-    res = b.phi(I64)
-    res.add_incoming(i, head)
-    res.add_incoming(i, body)
-    b.ret(res)
-    return m
