@@ -17,6 +17,7 @@ from fabric_ext.loader import display_path
 from fabric_ext.runtime.machine import isa
 from fabric_ext.runtime.machine.elf import ObjectError, load_object
 from fabric_ext.runtime.machine.fsutil import printable
+from fabric_ext.runtime.machine.gcutil import fewer_collections
 from fabric_ext.runtime.machine.verifier import VerifierError, verify
 
 from . import artifacts
@@ -52,7 +53,8 @@ def build(path: Path, opt: int = 2, mcpu: str = "v3", emit=(), kernel_verify: bo
     ``defines``: param values over the declared ones (`params`)."""
     diags = diags if diags is not None else Diagnostics()
     try:
-        return _build(path, opt, mcpu, emit, kernel_verify, diags, text, include, defines)
+        with fewer_collections():       # the front end's trees, the lowered IR, llvmlite's IR objects
+            return _build(path, opt, mcpu, emit, kernel_verify, diags, text, include, defines)
     except RecursionError:      # the parser's limits should keep every pass far from this
         diags.error(Span(display_path(Path(path)), 1, 1, 1, 2), "the policy nests too deeply to compile",
                     "split deep expressions and blocks into smaller ones")
@@ -81,8 +83,8 @@ def _build(path, opt, mcpu, emit, kernel_verify, diags, text=None, include=(), d
     for island, progs in by_island.items():
         twin = _twin_object(progs, objects, by_island) if "llvm" not in emit else None
         if twin is None:
-            module = build_module(island, progs, a.symbols.maps, source)
-            if _too_large(module, progs, island, diags):
+            module, cut = build_module(island, progs, a.symbols.maps, source, MAX_LLVM_INSTRUCTIONS)
+            if _too_large(module, cut, progs, island, diags):
                 continue
             obj, llvm_text = compile_module(module, opt, mcpu)
             twin = objects[island] = obj, load_object(obj, f"{island}.bpf.o")
@@ -137,17 +139,21 @@ def _build(path, opt, mcpu, emit, kernel_verify, diags, text=None, include=(), d
 MAX_LLVM_INSTRUCTIONS = 16_384
 
 
-def _too_large(module, progs, island: str, diags: Diagnostics) -> bool:
+def _too_large(module, cut: dict[str, int], progs, island: str, diags: Diagnostics) -> bool:
     """Whether a program of the island's module is past `MAX_LLVM_INSTRUCTIONS` (an error at
-    its first handler)."""
+    its first handler).  ``cut``: programs whose building stopped once they were past it, with
+    the handlers built by then (`llvm_emit.build_module`)."""
     sizes = {f.name: sum(len(b.instructions) for b in f.blocks) for f in module.functions}
     large = False
     for p in progs:
         if sizes.get(p.name, 0) > MAX_LLVM_INSTRUCTIONS:
             large = True
-            diags.error(p.handlers[0].span, f"the program for {island}.{p.hook.name} is too large: its "
-                        f"{len(p.handlers)} handler{'s' * (len(p.handlers) != 1)} come to {sizes[p.name]:,} LLVM "
-                        f"instructions, more than the {MAX_LLVM_INSTRUCTIONS:,} an eBPF program's jumps can span",
+            n = len(p.handlers)
+            some = f"first {cut[p.name]:,} of {n:,} handlers already come" if p.name in cut else \
+                f"{n:,} handler{'s' * (n != 1)} come"
+            diags.error(p.handlers[0].span, f"the program for {island}.{p.hook.name} is too large: its {some} "
+                        f"to {sizes[p.name]:,} LLVM instructions, more than the {MAX_LLVM_INSTRUCTIONS:,} an eBPF "
+                        "program's jumps can span",
                         "split them over movements or islands, or put what they compare in a map and look it up")
     return large
 

@@ -345,7 +345,10 @@ class _FnEmitter:
             if hook.field("movement") else None
         period = self.value(ir.CtxField("period", hook.offset("period"), "u64")) \
             if hook.field("period") else None
-        for h in self.p.handlers:
+        for k, h in enumerate(self.p.handlers):
+            if k % SIZE_CHECK_EVERY == 0 and self.size() > self.mod.max_instructions:
+                self.mod.cut[self.p.name] = k        # past the limit already: the rest cannot help
+                break
             self.loc(h.span)
             checks = []
             if h.movement_id is not None and mid is not None:
@@ -362,6 +365,14 @@ class _FnEmitter:
                 else:
                     self.stmts(h.body)
         b.ret(I32(0))
+
+    def size(self) -> int:
+        """LLVM instructions of the function so far."""
+        return sum(len(bb.instructions) for bb in self.fn.blocks)
+
+
+#: handlers emitted between two measures of a program's size (`_FnEmitter.emit`)
+SIZE_CHECK_EVERY = 16
 
 
 class _IdentityHashed:
@@ -383,7 +394,10 @@ class _NoSpan:
 
 
 class _ModuleEmitter:
-    def __init__(self, island: str, programs: list[ir.ProgramIR], maps: dict, source: str):
+    def __init__(self, island: str, programs: list[ir.ProgramIR], maps: dict, source: str,
+                 max_instructions: float = float("inf")):
+        self.max_instructions = max_instructions
+        self.cut: dict[str, int] = {}       # program -> handlers emitted, where it grew past the maximum
         self.m = L.Module(name=island)
         self.m.triple = "bpfel"
         self.m.data_layout = "e-m:e-p:64:64-i64:64-i128:128-n32:64-S128"
@@ -440,12 +454,16 @@ class _ModuleEmitter:
         self.map_globals[name] = gv
 
 
-def build_module(island: str, programs: list[ir.ProgramIR], maps: dict, source: str) -> L.Module:
-    """The LLVM module for one island: its maps and one function per program."""
-    me = _ModuleEmitter(island, programs, maps, source)
+def build_module(island: str, programs: list[ir.ProgramIR], maps: dict, source: str,
+                 max_instructions: int | None = None) -> tuple[L.Module, dict[str, int]]:
+    """The LLVM module for one island: its maps and one function per program; and the
+    programs found past ``max_instructions`` LLVM instructions as their handlers were emitted,
+    each with the handlers emitted by then (the rest are left out: the module is not
+    compiled)."""
+    me = _ModuleEmitter(island, programs, maps, source, max_instructions or float("inf"))
     for p in programs:
         _FnEmitter(me, p).emit()
-    return me.m
+    return me.m, me.cut
 
 
 def compile_module(module: L.Module, opt: int = 2, mcpu: str = "v3") -> tuple[bytes, str]:

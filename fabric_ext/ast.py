@@ -9,14 +9,20 @@ from dataclasses import dataclass, field, fields
 
 from .diagnostics import NO_SPAN, Span
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}     # a node class's fields, looked up once
+_METHODS: dict[tuple[type, type], object] = {}      # (visitor class, node class) -> its visit_ function
+
 
 @dataclass(eq=False)
 class Node:
     span: Span = field(default=NO_SPAN, kw_only=True, repr=False)
 
     def children(self):
-        for f in fields(self):
-            v = getattr(self, f.name)
+        names = _FIELD_NAMES.get(type(self))
+        if names is None:
+            names = _FIELD_NAMES[type(self)] = tuple(f.name for f in fields(self) if f.name != "span")
+        for name in names:
+            v = getattr(self, name)
             if isinstance(v, Node):
                 yield v
             elif isinstance(v, (list, tuple)):
@@ -27,9 +33,12 @@ class Visitor:
     """Calls ``visit_<ClassName>`` if defined, else visits the children."""
 
     def visit(self, node: Node):
-        meth = getattr(self, "visit_" + type(node).__name__, None)
+        key = (type(self), type(node))
+        meth = _METHODS.get(key, _METHODS)
+        if meth is _METHODS:
+            meth = _METHODS[key] = getattr(type(self), "visit_" + type(node).__name__, None)
         if meth is not None:
-            return meth(node)
+            return meth(self, node)
         return self.generic_visit(node)
 
     def generic_visit(self, node: Node):

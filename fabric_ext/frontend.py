@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fabric_ext.runtime.machine.gcutil import fewer_collections
+
 from .checker import Symbols, check_declarations
 from .diagnostics import Diagnostics
 from .graph import MovementGraph, build_graph
@@ -34,7 +36,11 @@ def analyze(path: str | Path, diags: Diagnostics | None = None, text: str | None
 
     A missing root file raises ``OSError`` (a usage error, not a policy error).
     """
-    diags = diags or Diagnostics()
+    with fewer_collections():       # the parser makes a tree node or more per token
+        return _analyze(path, diags or Diagnostics(), text, include, defines)
+
+
+def _analyze(path, diags: Diagnostics, text, include, defines) -> Analysis:
     prog = load(path, diags, text, include)
     params = bind(prog, defines or {}, diags)       # -D values over the declared ones
     # an import that could not be read leaves its declarations missing: what the later passes

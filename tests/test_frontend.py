@@ -381,3 +381,28 @@ def test_a_fabric_past_its_bounds_is_one_error_each_not_minutes_and_gigabytes(an
     (e,) = a.diags.errors
     assert e.message.startswith(f"the fabric declares {MAX_DEVICES + 1:,} devices; a fabric has at most "
                                 f"{MAX_DEVICES:,}") and e.span.line == 2
+
+
+def test_the_front_end_collects_garbage_less_often_while_it_runs_and_restores_the_caller_s_thresholds(monkeypatch):
+    """The parser makes a tree node or more per token and little cyclic garbage: the young
+    generation is collected every GC_YOUNG allocations while the front end runs (half the
+    parse of a 12,000-handler policy went to collections), and the caller's thresholds are
+    back after it."""
+    import gc
+
+    import fabric_ext.frontend as F
+    from fabric_ext.runtime.machine.gcutil import GC_YOUNG
+    seen = []
+    real_load = F.load
+
+    def load(*args):
+        seen.append(gc.get_threshold()[0])
+        return real_load(*args)
+    monkeypatch.setattr(F, "load", load)
+    before = gc.get_threshold()
+    gc.set_threshold(700, *before[1:])
+    try:
+        a = F.analyze(POLICIES / "prefill_qos.fx")
+        assert a.ok and seen == [GC_YOUNG] and gc.get_threshold()[0] == 700
+    finally:
+        gc.set_threshold(*before)

@@ -10,14 +10,13 @@ figures come back as a `stats.RunRecord` (`record`) and a dict (`report`).
 """
 from __future__ import annotations
 
-import gc
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from fabric_ext.contract.bundle import Folder
 from fabric_ext.contract.digraph import DiGraph
 from fabric_ext.contract.schema import PROP_RANGES
+from fabric_ext.runtime.machine.gcutil import fewer_collections
 from fabric_ext.runtime.machine.maptypes import RINGBUF
 
 from .fabric_model import Fabric, Room
@@ -31,23 +30,6 @@ from .stats import REPORT_ENTRIES, RunRecord
 from .ticks import BLOCK, TickSource, catch_up_together
 from .timing import Timing, profile_of
 from .workload import DEFAULT_PROMPT, Workload, WorkloadError, load_model, tp_problem
-
-# Allocations between young-generation collections while a prefill runs (CPython's default
-# is 700).  A run allocates millions of short-lived objects and makes almost no cyclic
-# garbage: collecting that often is work that finds nothing.
-GC_YOUNG = 20_000
-
-
-@contextmanager
-def _fewer_collections():
-    """GC_YOUNG for the young generation while the block runs, the caller's thresholds after."""
-    old = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG, *old[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*old)
-
 
 #: the property that sizes each kind of device's memory (a GPU without one: its profile's figure)
 CAPACITY_PROP = {"gpu": "hbm", "cxl_mem": "capacity", "host": "dram", "dpu": "mem", "nic": "mem"}
@@ -314,7 +296,7 @@ class Engine:
         self.prefill.place()
         self._start_ticks()
         self.prefill.start()
-        with _fewer_collections():
+        with fewer_collections():
             self.sim.run()
         if self.prefill.finished is None:
             raise RuntimeError("the prefill did not finish: a transfer never completed")
