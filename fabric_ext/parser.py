@@ -11,6 +11,8 @@ from functools import lru_cache
 import lark
 from lark import Token, Transformer, v_args
 
+from fabric_ext.runtime.machine.gcutil import fewer_collections
+
 from . import ast as A
 from .diagnostics import Diagnostics, Span
 from .units import BASE_UNIT, UNITS, UnitError, parse_quantity
@@ -358,12 +360,13 @@ def parse(text: str, file: str, diags: Diagnostics) -> A.Module | None:
     diags.sources[file] = text
     if _too_complex(text, file, diags):
         return None
-    try:
-        tree = _lark().parse(text)
-    except lark.exceptions.UnexpectedInput as e:
-        _syntax_error(e, text, file, diags)
-        return None
-    items = _Build(file, diags).transform(tree)
+    with fewer_collections():       # a tree node or more per token, little cyclic garbage
+        try:
+            tree = _lark().parse(text)
+        except lark.exceptions.UnexpectedInput as e:
+            _syntax_error(e, text, file, diags)
+            return None
+        items = _Build(file, diags).transform(tree)
     return A.Module(file, items, span=Span(file, 1, 1, 1, 1))
 
 
