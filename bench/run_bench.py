@@ -14,7 +14,8 @@ counted.  Each wall time is the best of --repeat runs, the two kinds taken in tu
 shared machine the speed drifts between runs, and the median beside each best shows how
 much.  Where it drifts too much to tell a few per cent, --instructions also counts each
 run's instructions under valgrind (cachegrind, no cache simulation: about 30x slower), less
-those of a process that only starts up, each the least of --repeat counts: with a fixed
+those of a process that only starts up, each the least of --repeat counts, after one uncounted
+run that fills the code cache for the CPU valgrind shows (another than the machine's): with a fixed
 hash seed (PYTHONHASHSEED=0) and one BLAS thread (the counted runs have one) a run's count is
 the same to a few hundred instructions from run to run, where its wall time varies by tens
 of per cent; it does not see cache misses.
@@ -97,6 +98,10 @@ def instructions(folder, backend_name, model, prompt, tp, attach, cache: Path) -
 def instruction_columns(folder, backend, model, prompt, tp, cache, repeat) -> str:
     def least(attach):
         return min(instructions(folder, backend, model, prompt, tp, attach, cache) for _ in range(repeat))
+    # valgrind shows the process another CPU (fewer features: "haswell" on a Zen 4), and the JIT's
+    # code cache is keyed by the CPU, so the cache the timed runs filled misses under it: one
+    # uncounted run fills it for that CPU, and the counted runs compile nothing, as the timed ones
+    instructions(folder, backend, model, prompt, tp, True, cache)
     start = least(None)
     pol, none = (least(a) - start for a in (True, False))
     return f"{pol / 1e9:>9.2f}{none / 1e9:>9.2f}{pol / none - 1:>9.1%}"
