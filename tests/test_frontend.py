@@ -406,3 +406,18 @@ def test_the_front_end_collects_garbage_less_often_while_it_runs_and_restores_th
         assert a.ok and seen == [GC_YOUNG] and gc.get_threshold()[0] == 700
     finally:
         gc.set_threshold(*before)
+
+
+@pytest.mark.parametrize("caller, during", [(700, 20_000), (50_000, 50_000), (0, 0)])
+def test_fewer_collections_keeps_a_higher_threshold_and_collection_turned_off(caller, during):
+    import gc
+
+    from fabric_ext.runtime.machine.gcutil import fewer_collections
+    before = gc.get_threshold()
+    gc.set_threshold(caller, *before[1:])
+    try:
+        with fewer_collections():
+            assert gc.get_threshold()[0] == during
+        assert gc.get_threshold()[0] == caller
+    finally:
+        gc.set_threshold(*before)

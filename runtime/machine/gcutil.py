@@ -18,9 +18,9 @@ GC_YOUNG = 20_000
 @contextmanager
 def fewer_collections():
     """GC_YOUNG for the young generation while the block runs, the caller's thresholds after
-    (a caller's own higher threshold is kept)."""
+    (a caller's own higher threshold is kept, and 0, which turns collection off)."""
     old = gc.get_threshold()
-    gc.set_threshold(max(GC_YOUNG, old[0]), *old[1:])
+    gc.set_threshold(old[0] if old[0] == 0 or old[0] > GC_YOUNG else GC_YOUNG, *old[1:])
     try:
         yield
     finally:
