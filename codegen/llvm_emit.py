@@ -460,7 +460,7 @@ def build_module(island: str, programs: list[ir.ProgramIR], maps: dict, source: 
     programs found past ``max_instructions`` LLVM instructions as their handlers were emitted,
     each with the handlers emitted by then (the rest are left out: the module is not
     compiled)."""
-    me = _ModuleEmitter(island, programs, maps, source, max_instructions or float("inf"))
+    me = _ModuleEmitter(island, programs, maps, source, float("inf") if max_instructions is None else max_instructions)
     for p in programs:
         _FnEmitter(me, p).emit()
     return me.m, me.cut
