@@ -150,9 +150,9 @@ def _add_object(tier: _Tier, obj: bytes, symbol: str) -> int:
 
 
 def _library():
-    """`native_lib`'s functions (the batch driver and the hash update), compiled (or read from
-    the code cache) once per process, when a batch or a program with a hash map first needs
-    them: (batch driver, hash update's address)."""
+    """`native_lib`'s functions (the batch driver, the hash update and delete), compiled (or read
+    from the code cache) once per process, when a batch or a program with a hash map first
+    needs them: (batch driver, (hash update's address, hash delete's))."""
     global _lib
     if _lib is None:
         cache = code_cache()
@@ -166,7 +166,8 @@ def _library():
             obj = tier.tm.emit_object(mod)
             cache.put(key, obj)
         batch = _BATCH(_add_object(tier, obj, native_lib.BATCH))
-        _lib = (batch, tier.engine.get_function_address(native_lib.HASH_UPDATE))
+        _lib = (batch, tuple(tier.engine.get_function_address(f) for f in (native_lib.HASH_UPDATE,
+                                                                             native_lib.HASH_DELETE)))
     return _lib
 
 
@@ -228,7 +229,7 @@ class _Compiled:
         self.fn = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_void_p)(fn_addr)
         self.callback = callback
         hashed = any(m.type in (HASH, LRU_HASH) for m in prog.maps)
-        table = address_table(prog, ctypes.cast(callback, ctypes.c_void_p).value, _library()[1] if hashed else 0)
+        table = address_table(prog, ctypes.cast(callback, ctypes.c_void_p).value, _library()[1] if hashed else (0, 0))
         self.table = (ctypes.c_uint64 * len(table))(*table)
         self.values = [table[map_slot(i, "values")] for i in range(len(prog.maps))]   # by map index
         self.map_regions = [(a, m.values.nbytes) for a, m in zip(self.values, prog.maps) if m.type != RINGBUF]

@@ -11,7 +11,7 @@ must lie in the stack, the context (writes only to decision bytes), the given
 memory, a map's value buffer or the reserved ringbuf record, so compiled code
 can never touch anything else.  Array lookups and updates are address
 arithmetic, hash and LRU lookups a native probe of the map's own buffers, their
-updates a call of `native_lib`'s hash update (which leaves what it does not do
+updates and deletes calls of `native_lib`'s (its update leaves what it does not do
 to Python); other helpers call back into Python.  An instruction budget holds as in the
 interpreter: every block adds its instructions to the count, which is compared with the
 budget where a backward jump lands (every cycle passes one) and at each exit, so a run over
@@ -53,8 +53,8 @@ class Env(ctypes.Structure):
 
 ENV_INDEX = {name: i for i, (name, _) in enumerate(Env._fields_)}
 MAP_ADDRS = ("values", "state", "keys", "meta", "stamp")   # a map's buffers in the address table
-#: the address table's first slots: the helper callback, `native_lib`'s hash update
-CALLBACK_SLOT, HASH_UPDATE_SLOT, FIRST_MAP_SLOT = 0, 1, 2
+#: the address table's first slots: the helper callback, `native_lib`'s hash update and delete
+CALLBACK_SLOT, HASH_UPDATE_SLOT, HASH_DELETE_SLOT, FIRST_MAP_SLOT = 0, 1, 2, 3
 #: what `native_lib`'s hash update answers where `maps.Map.update` must decide (it never returns 1)
 ASK_PYTHON = 1
 
@@ -64,11 +64,11 @@ def map_slot(index: int, buffer: str) -> int:
     return FIRST_MAP_SLOT + index * len(MAP_ADDRS) + MAP_ADDRS.index(buffer)
 
 
-def address_table(prog: Program, callback_addr: int, hash_update_addr: int) -> list[int]:
+def address_table(prog: Program, callback_addr: int, hash_ops: tuple[int, int]) -> list[int]:
     """The addresses compiled code reads at run time: the helper callback, `native_lib`'s hash
-    update (0 where the program updates no hash map natively), then each map's buffers in
+    update and delete (0 where the program has no hash map), then each map's buffers in
     `MAP_ADDRS` order (0 where the map has none)."""
-    table = [callback_addr, hash_update_addr]
+    table = [callback_addr, *hash_ops]
     for m in prog.maps:
         table += [0 if (buf := getattr(m, b)) is None else buf.ctypes.data for b in MAP_ADDRS]
     return table
@@ -502,7 +502,7 @@ class Lifter:
 
     def _helper(self, pc, hid):
         b = self.b
-        if isinstance(hid, int) and hid in (Hl.MAP_LOOKUP_ELEM, Hl.MAP_UPDATE_ELEM):
+        if isinstance(hid, int) and hid in (Hl.MAP_LOOKUP_ELEM, Hl.MAP_UPDATE_ELEM, Hl.MAP_DELETE_ELEM):
             out = self._native_map_op(pc, hid)
             if out is not None:
                 return out
@@ -514,8 +514,9 @@ class Lifter:
 
     def _native_map_op(self, pc, hid):
         """Array lookup/update as address arithmetic, hash/LRU lookup as a native probe, hash/LRU
-        update a call of `native_lib`'s (the callback where it answers ASK_PYTHON); per-CPU hash
-        updates go to the callback.  Dispatches on the map index in r1."""
+        update and delete calls of `native_lib`'s (the callback where the update answers
+        ASK_PYTHON); per-CPU hash updates and deletes, and array deletes, go to the callback.
+        Dispatches on the map index in r1."""
         b = self.b
         maps = self.p.maps
         if not maps:
@@ -529,8 +530,11 @@ class Lifter:
         # where the verifier proved which map r1 references, only that map's code
         only = self.p.call_maps.get(pc) if self.proof is not None else None
         for i, m in enumerate(maps):
-            native = m.type in (ARRAY, PERCPU_ARRAY, HASH, LRU_HASH) or \
-                (hid == Hl.MAP_LOOKUP_ELEM and m.type == PERCPU_HASH)
+            if hid == Hl.MAP_DELETE_ELEM:
+                native = m.type in (HASH, LRU_HASH)
+            else:
+                native = m.type in (ARRAY, PERCPU_ARRAY, HASH, LRU_HASH) or \
+                    (hid == Hl.MAP_LOOKUP_ELEM and m.type == PERCPU_HASH)
             if not native or only is not None and i != only:
                 continue
             bb = self.fn.append_basic_block(f"map{pc}_{i}")
@@ -547,6 +551,8 @@ class Lifter:
                     v = self._array_update(pc, m, inb, addr)
             elif hid == Hl.MAP_LOOKUP_ELEM:
                 v = self._hash_lookup(i, m, key_ptr)
+            elif hid == Hl.MAP_DELETE_ELEM:
+                v = self._hash_delete(i, m)
             else:
                 v = self._hash_update(pc, i, m)
                 incoming.append((v, b.block))
@@ -591,6 +597,13 @@ class Lifter:
         bufs = b.add(self._invariant_load(self.env_ptr("addrs")), I64(map_slot(index, "values") * 8))
         shape = (m.key_size, m.value_size, m.cap, m.max_entries, int(m.type == LRU_HASH))
         return b.call(fn, [bufs, self.reg(2), self.reg(3), self.reg(4)] + [I64(x) for x in shape])
+
+    def _hash_delete(self, index, m):
+        """`native_lib`'s hash delete on map ``index`` (its key checked by the caller)."""
+        b = self.b
+        fn = b.inttoptr(self.addr(HASH_DELETE_SLOT), L.FunctionType(I64, [I64] * 5).as_pointer())
+        bufs = b.add(self._invariant_load(self.env_ptr("addrs")), I64(map_slot(index, "values") * 8))
+        return b.call(fn, [bufs, self.reg(2), I64(m.key_size), I64(m.value_size), I64(m.cap)])
 
     def _hash_lookup(self, index, m, key_ptr):
         """Linear probe of the map's open-addressing table, hashing the key as maps.py does

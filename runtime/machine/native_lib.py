@@ -6,9 +6,11 @@ per process (and kept in the code cache) instead of into each program's module.
   is `maps.Map.update` on a hash or LRU map's own buffers, for what is common: a key the map
   holds, or a new one where there is room.  What needs Python (a map full, an LRU map to
   evict from, flags the kernel refuses) it leaves untouched and answers ``ASK_PYTHON``; the
-  caller then makes the helper call back into `maps.Map.update`, which decides as always.
+  caller then makes the helper call back into `maps.Map.update`, which decides as always;
+- ``fx_hash_delete(bufs, key, key_size, value_size, cap)`` is `maps.Map.delete` on a hash or
+  LRU map's buffers.
 
-Both are generic over their map's shape, which their callers pass: one function serves every
+The map functions are generic over their map's shape, which their callers pass: one function serves every
 program, so a program pays a call per use, not the code of a probe per call site.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ from . import irtext as L
 from .lift import ASK_PYTHON, ENV_INDEX, I8, I64, MAP_ADDRS, PTR
 from .maps import EMPTY, HASH_MULTIPLIER, TOMB, USED
 
-BATCH, HASH_UPDATE = "fx_batch", "fx_hash_update"
+BATCH, HASH_UPDATE, HASH_DELETE = "fx_batch", "fx_hash_update", "fx_hash_delete"
 ENTRY_TYPE = L.FunctionType(I64, [PTR])
 _EEXIST, _ENOENT = (-17) & (2**64 - 1), (-2) & (2**64 - 1)
 NONE = 2**64 - 1        # no slot
@@ -30,6 +32,7 @@ def module() -> L.Module:
     m.triple = llvm.get_default_triple()
     _batch(m)
     _hash_update(m)
+    _hash_delete(m)
     return m
 
 
@@ -124,22 +127,13 @@ class _Loops:
         b.position_at_end(out)
 
 
-def _hash_update(m: L.Module) -> None:
-    """`maps.Map.update` on the buffers ``bufs`` points to (the map's `MAP_ADDRS` in the address
-    table), with `maps.hash_slot`'s hash and `maps.Map._probe`'s linear probe."""
-    fn = L.Function(m, L.FunctionType(I64, [I64] * 9), name=HASH_UPDATE)
-    bufs, key, value, flags, ks, vs, cap, max_entries, lru = fn.args
-    lp = _Loops(fn)
+def _probe(m: L.Module, lp: _Loops, key, ks, cap, state, keys) -> tuple:
+    """`maps.Map._probe` of ``key``: `maps.hash_slot`'s hash, then the linear probe.  Returns the
+    blocks it goes on to where the map holds the key and where it does not, and the variables
+    holding the key's slot (where held) and the first free one (where not: a tombstone passed,
+    or the empty end; NONE where there is none)."""
     b = lp.b
-
-    def buf(name):
-        return b.load(b.inttoptr(b.add(bufs, I64(MAP_ADDRS.index(name) * 8)), PTR), typ=I64)
-    values, state, keys, meta, stamp = (buf(x) for x in ("values", "state", "keys", "meta", "stamp"))
-    ask = lp.block("ask_python")
-    with b.if_then(b.icmp_unsigned(">", flags, I64(2)), likely=False):   # -EINVAL, Python's to say
-        b.branch(ask)
-
-    h = lp.var(I64(0))                     # maps.hash_slot: 8-byte words, the last zero-padded
+    h = lp.var(I64(0))                     # 8-byte words, the last zero-padded
     word = lp.var(I64(0))
 
     def fold(off, width):
@@ -157,7 +151,6 @@ def _hash_update(m: L.Module) -> None:
                                  [cap, L.IntType(1)(0)]))
     start = b.lshr(lp.get(h), b.sub(I64(64), b.select(b.icmp_unsigned("==", bits, I64(0)), I64(1), bits)))
 
-    # the probe: the key's slot, else the first free one (a tombstone passed, or the empty end)
     i = lp.var(I64(0))
     free = lp.var(I64(NONE))
     slot = lp.var(I64(0))
@@ -185,6 +178,26 @@ def _hash_update(m: L.Module) -> None:
     b.position_at_end(next_)
     b.store(b.add(lp.get(i), I64(1)), i)
     b.branch(head)
+    return found, missing, slot, free
+
+
+def _buffers(b: L.IRBuilder, bufs) -> list:
+    """The map's buffers' addresses, in `MAP_ADDRS` order, from the address table at ``bufs``."""
+    return [b.load(b.inttoptr(b.add(bufs, I64(k * 8)), PTR), typ=I64) for k in range(len(MAP_ADDRS))]
+
+
+def _hash_update(m: L.Module) -> None:
+    """`maps.Map.update` on the buffers ``bufs`` points to (the map's `MAP_ADDRS` in the address
+    table)."""
+    fn = L.Function(m, L.FunctionType(I64, [I64] * 9), name=HASH_UPDATE)
+    bufs, key, value, flags, ks, vs, cap, max_entries, lru = fn.args
+    lp = _Loops(fn)
+    b = lp.b
+    values, state, keys, meta, stamp = _buffers(b, bufs)
+    ask = lp.block("ask_python")
+    with b.if_then(b.icmp_unsigned(">", flags, I64(2)), likely=False):   # -EINVAL, Python's to say
+        b.branch(ask)
+    found, missing, slot, free = _probe(m, lp, key, ks, cap, state, keys)
 
     def touch_and_write(at):
         with b.if_then(b.icmp_unsigned("!=", lru, I64(0))):
@@ -216,4 +229,26 @@ def _hash_update(m: L.Module) -> None:
 
     b.position_at_end(ask)
     b.ret(I64(ASK_PYTHON))
+    lp.done()
+
+
+def _hash_delete(m: L.Module) -> None:
+    """`maps.Map.delete` on a hash or LRU map's buffers: the key's slot a tombstone, its value
+    zeroed, the count one less; -ENOENT where the map does not hold the key."""
+    fn = L.Function(m, L.FunctionType(I64, [I64] * 5), name=HASH_DELETE)
+    bufs, key, ks, vs, cap = fn.args
+    lp = _Loops(fn)
+    b = lp.b
+    values, state, keys, meta, _ = _buffers(b, bufs)
+    found, missing, slot, _ = _probe(m, lp, key, ks, cap, state, keys)
+    b.position_at_end(found)
+    at = lp.get(slot)
+    b.store(I8(TOMB), b.inttoptr(b.add(state, at), PTR))
+    count_p = b.inttoptr(meta, PTR)
+    b.store(b.sub(b.load(count_p, typ=I64), I64(1)), count_p)
+    dst = b.add(values, b.mul(at, vs))
+    lp.each_piece(vs, "zero", lambda off, width: b.store(L.IntType(8 * width)(0), b.inttoptr(b.add(dst, off), PTR)))
+    b.ret(I64(0))
+    b.position_at_end(missing)
+    b.ret(I64(_ENOENT))
     lp.done()
