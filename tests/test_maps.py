@@ -49,6 +49,23 @@ def test_percpu_values():
     assert m.dump() == {0: 5}
 
 
+
+def test_deleting_a_per_cpu_hash_key_clears_its_copies_and_no_other_key_s():
+    """Each CPU's copy of a slot lies a whole table after the one before; a delete cleared the
+    slots after the key's on CPU 0 instead (another key's value)."""
+    from fabric_ext.runtime.machine.maps import PERCPU_HASH
+    m = Map("p", PERCPU_HASH, 4, 8, 4, ncpus=2)
+    for cpu in (0, 1):
+        m.cpu = cpu
+        for k in range(4):
+            assert m.update(K(k), V(100 * cpu + k)) == 0
+    held = {k: m.percpu_values(K(k)) for k in range(4)}
+    assert m.delete(K(0)) == 0
+    assert {k: m.percpu_values(K(k)) for k in range(1, 4)} == {k: held[k] for k in range(1, 4)}
+    assert m.update(K(0), V(7), BPF_NOEXIST) == 0          # a new entry: 0 on every CPU but this one
+    assert m.percpu_values(K(0)) == [V(0), V(7)]
+
+
 def test_bad_arguments():
     with pytest.raises(MapError):
         Map("x", ARRAY, 8, 8, 4)

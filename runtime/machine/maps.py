@@ -232,8 +232,9 @@ class Map:
             return -errno.ENOENT
         self.state[slot] = TOMB
         self.meta[0] -= 1
-        o = self.value_offset(slot, 0)
-        self.values[o:o + self.value_size * self.ncpus] = 0
+        for cpu in range(self.ncpus):       # each CPU's copy (they lie a table apart, not side by side)
+            o = self.value_offset(slot, cpu)
+            self.values[o:o + self.value_size] = 0
         return 0
 
     # -- Python API -------------------------------------------------------------------
