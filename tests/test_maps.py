@@ -36,9 +36,21 @@ def test_array_bounds_and_flags():
 def test_lru_evicts_the_least_recently_used():
     m = Map("l", LRU_HASH, 4, 8, 2)
     m[1], m[2] = 1, 2
-    m.lookup(K(1))          # 2 is now the least recently used
+    m.lookup_slot(K(1), touch=True)     # a program's lookup: 2 is now the least recently used
     m[3] = 3
     assert sorted(m.dump()) == [1, 3]
+
+
+def test_reading_an_lru_map_from_outside_leaves_its_order():
+    """As the kernel's lookups from user space do not mark an entry used, reading a map for a
+    report or a test does not change which entry an LRU map evicts next."""
+    m = Map("l", LRU_HASH, 4, 8, 2)
+    m[1], m[2] = 1, 2
+    stamps = bytes(m.stamp)
+    assert m.lookup(K(1)) == V(1) and m[1] == 1 and m.dump() == {1: 1, 2: 2}
+    assert bytes(m.stamp) == stamps
+    m[3] = 3                # 1, written first, is still the least recently used
+    assert sorted(m.dump()) == [2, 3]
 
 
 def test_percpu_values():

@@ -95,7 +95,7 @@ def call(vm: HelperState, m: HelperMemory, helper_id: int, regs: list[int]) -> i
         mp = m.map_of(r1)
         key = m.read_bytes(r2, mp.key_size)
         if helper_id == MAP_LOOKUP_ELEM:
-            slot = mp.lookup_slot(key)
+            slot = mp.lookup_slot(key, touch=True)
             return 0 if slot is None else m.map_value_addr(r1 & 0xFFFFFFFF, mp, slot)
         if helper_id == MAP_UPDATE_ELEM:
             return mp.update(key, m.read_bytes(r3, mp.value_size), r4)

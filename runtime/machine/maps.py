@@ -159,8 +159,10 @@ class Map:
             raise MapError(f"map '{self.name}': key must be {self.key_size} bytes, got {len(key)}")
         return key
 
-    def lookup_slot(self, key: bytes) -> int | None:
-        """The slot of ``key``, or None: what bpf_map_lookup_elem returns a pointer to."""
+    def lookup_slot(self, key: bytes, touch: bool = False) -> int | None:
+        """The slot of ``key``, or None: what bpf_map_lookup_elem returns a pointer to.
+        ``touch``: a program's lookup, which marks an LRU map's entry recently used; a read from
+        outside (a report, a test), like the kernel's lookups from user space, does not."""
         key = self._check_key(key)
         if self.type == RINGBUF:
             return None
@@ -168,7 +170,7 @@ class Map:
             idx = int.from_bytes(key, "little")
             return idx if idx < self.max_entries else None
         slot, _ = self._probe(key)
-        if slot is not None and self.type == LRU_HASH:
+        if touch and slot is not None and self.type == LRU_HASH:
             self._touch(slot)
         return slot
 
