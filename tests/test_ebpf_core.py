@@ -230,7 +230,6 @@ def test_a_batch_keeps_what_its_runs_return():
     assert b.batch_r0 == sum(b.run(h, bytearray(row.tobytes())) for row in ctxs) == 3 * 999 * 1000 // 2
 
 
-
 def test_one_batch_driver_runs_every_program_s_batches():
     """The batch loop is compiled once per process and calls the entry it is given: batches of
     two programs, interleaved, each run their own program; a program's module holds only its
@@ -253,6 +252,7 @@ def test_one_batch_driver_runs_every_program_s_batches():
     b.run_batch(b.load(plus), ctxs)
     assert jit._library() is library
     assert "batch" not in str(Lifter(plus, "fxp", plus.proof, counted=False).build())
+
 
 def test_fault_then_continue():
     """A faulting run raises; the same interpreter runs the next program normally."""
