@@ -127,7 +127,7 @@ def cmd_run(args) -> int:
         print(f"mem = {bytes(mem).hex()}")
     for m in prog.maps:
         shown = m.dump(MAP_ENTRIES_SHOWN)
-        more = m.entry_count() - len(shown) if m.kind != "ringbuf" else 0
+        more = m.entry_count() - len(shown) if len(shown) == MAP_ENTRIES_SHOWN else 0   # (a full dump may be all)
         print(f"map {m.name} ({m.kind}): {shown}" + (f" and {more:,} more entries" if more > 0 else ""))
     return 0
 

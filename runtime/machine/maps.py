@@ -279,29 +279,28 @@ class Map:
         return [self.values[self.value_offset(slot, c):self.value_offset(slot, c) + self.value_size].tobytes()
                 for c in range(self.ncpus)]
 
-    def _entry_keys(self) -> list[int]:
-        """The keys `dump` shows, in order: a hash map's every key, an array's indices that
-        hold anything (found by numpy: an array may have a million)."""
+    def _entries(self) -> list[tuple[int, int]]:
+        """(key, slot) of each entry `dump` shows, in key order: a hash map's every key, an
+        array's indices that hold anything (found by numpy: an array may have a million)."""
         if self.hashed:
-            return sorted(int.from_bytes(k, "little") for k in self.keys_list())
+            ks = self.key_size
+            return sorted((int.from_bytes(self.keys[s * ks:(s + 1) * ks].tobytes(), "little"), s)
+                          for s in np.nonzero(self.state == USED)[0].tolist())
         held = self.values.reshape(self.ncpus, self.cap, self.value_size)[:, :self.max_entries].any(axis=(0, 2))
-        return np.nonzero(held)[0].tolist()
+        return [(k, k) for k in np.nonzero(held)[0].tolist()]
 
     def entry_count(self) -> int:
         """How many entries `dump` would show without a limit."""
-        return self.count if self.hashed else len(self._entry_keys())
+        return self.count if self.hashed else len(self._entries())
 
     def dump(self, limit: int | None = None) -> dict:
         """Non-zero entries as {key: value} integers (keys ≤ 8 bytes) in key order (not the
         table's, which the hash decides), the first ``limit`` of them; or records for a ringbuf."""
         if self.type == RINGBUF:
             return {"records": [r.hex() for r in self.records], "dropped": self.dropped}
-        out = {}
-        for key in self._entry_keys()[:limit]:
-            slot = self.lookup_slot(key.to_bytes(self.key_size, "little"))
-            out[key] = sum(int.from_bytes(self.values[self.value_offset(slot, c):][:self.value_size].tobytes(), "little")
-                           for c in range(self.ncpus))
-        return out
+        return {key: sum(int.from_bytes(self.values[self.value_offset(slot, c):][:self.value_size].tobytes(), "little")
+                         for c in range(self.ncpus))
+                for key, slot in self._entries()[:limit]}
 
     # -- ringbuf ------------------------------------------------------------------------
     def ringbuf_room(self, size: int) -> bool:

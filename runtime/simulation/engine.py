@@ -17,7 +17,6 @@ from fabric_ext.contract.bundle import Folder
 from fabric_ext.contract.digraph import DiGraph
 from fabric_ext.contract.schema import PROP_RANGES
 from fabric_ext.runtime.machine.gcutil import fewer_collections
-from fabric_ext.runtime.machine.maptypes import RINGBUF
 
 from .fabric_model import Fabric, Room
 from .figures import default, figures, link_figure, time_inside
@@ -326,6 +325,7 @@ class Engine:
         servers = list(dict.fromkeys([*self.fabric.servers.values(), *self.fabric.wires.values(),
                                       *self.fabric.sources.values()]))
         attached = self.opts.attach
+        maps = {name: m.dump(REPORT_ENTRIES) for name, m in sorted(self.maps.items())} if attached else {}
         return RunRecord(
             policy=str(self.folder), backend=self.backend.name, backend_load=self.backend.load_stats() if attached else {},
             workload=self.workload, stack=self.timing.stack.name, gpu=self.timing.timers[self.gpus[0]].gpu.name,
@@ -334,10 +334,10 @@ class Engine:
             events=self.sim.events, layer_stats=self.prefill.layer_stats,
             stall_by_movement=self.prefill.stall_by_movement, transfers=self.fabric.transfers, servers=servers,
             islands=[s.summary() for s in self.shims.values()], faults=[f for s in self.shims.values() for f in s.faults],
-            maps={name: m.dump(REPORT_ENTRIES) for name, m in sorted(self.maps.items())} if attached else {},
+            maps=maps,
             map_full={name: m.full for name, m in sorted(self.maps.items()) if m.full},
-            map_entries_past={name: n for name, m in sorted(self.maps.items()) if attached and m.type != RINGBUF
-                              and (n := m.entry_count()) > REPORT_ENTRIES},
+            map_entries_past={name: n for name, m in sorted(self.maps.items())     # (a full dump may hold them all)
+                              if len(maps.get(name, ())) == REPORT_ENTRIES and (n := m.entry_count()) > REPORT_ENTRIES},
             map_types={m["name"]: (m["kind"], m.get("key_type"), m.get("value_type")) for m in self.man["maps"]},
             record_layouts={m["name"]: m["records"] for m in self.man["maps"] if m.get("records")},
             histograms={m["name"]: m["hist"] for m in self.man["maps"] if m.get("hist")},
