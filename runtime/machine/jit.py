@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from dataclasses import dataclass
 
 import llvmlite.binding as llvm
 import numpy as np
@@ -30,6 +31,7 @@ from .lift import (
     FAULTS,
     MAP_HANDLE,
     MAX_FRAMES,
+    NATIVE_HASH,
     STACK_SIZE,
     Env,
     Lifter,
@@ -37,7 +39,7 @@ from .lift import (
     map_slot,
     mem_need,
 )
-from .maps import HASH, LRU_HASH, RINGBUF
+from .maps import RINGBUF
 from .program import JIT_CHECKS, Backend, Program, VMFault
 from .semantics import ctx_write_mask
 
@@ -123,20 +125,29 @@ def _native_code(prog: Program, proof: dict | None, budget: int, stats: dict,
         return _native[key]
     tier = _tier(loops)
     name = f"fx{key[:20]}"
-    obj = cache.get(key)
-    if obj is None:
-        t = time.perf_counter()
-        mod = llvm.parse_assembly(str(Lifter(prog, name, proof, counted, short_mem).build()))
-        mod.verify()
-        tier.optimise(mod)
-        obj = tier.tm.emit_object(mod)
-        cache.put(key, obj)
+    t = time.perf_counter()
+    obj, compiled = _object(cache, key, tier, lambda: Lifter(prog, name, proof, counted, short_mem).build())
+    if compiled:
         stats["compiled"] += 1
         stats["compile_s"] += time.perf_counter() - t
     else:
         stats["cached"] += 1
     _native[key] = _add_object(tier, obj, f"{name}_f0")
     return _native[key]
+
+
+def _object(cache: CodeCache, key: str, tier: _Tier, module) -> tuple[bytes, bool]:
+    """The object code of entry ``key``: read from the cache, else made from ``module()`` (an
+    IR module), optimised and compiled by the tier, and cached; and whether it was compiled."""
+    obj = cache.get(key)
+    if obj is not None:
+        return obj, False
+    mod = llvm.parse_assembly(str(module()))
+    mod.verify()
+    tier.optimise(mod)
+    obj = tier.tm.emit_object(mod)
+    cache.put(key, obj)
+    return obj, True
 
 
 def _add_object(tier: _Tier, obj: bytes, symbol: str) -> int:
@@ -149,25 +160,24 @@ def _add_object(tier: _Tier, obj: bytes, symbol: str) -> int:
     return addr
 
 
-def _library():
-    """`native_lib`'s functions (the batch driver, the hash update and delete), compiled (or read
-    from the code cache) once per process, when a batch or a program with a hash map first
-    needs them: (batch driver, (hash update's address, hash delete's))."""
+@dataclass(frozen=True)
+class _Library:
+    """`native_lib`'s functions in this process."""
+    batch: object           # the batch driver, callable
+    hash_ops: tuple         # the hash update's and delete's addresses, as the address table holds them
+
+
+def _library() -> _Library:
+    """`native_lib`'s functions, compiled (or read from the code cache) once per process, when a
+    batch or a program with a hash map first needs them."""
     global _lib
     if _lib is None:
         cache = code_cache()
-        key = cache.key(b"runtime library")
         tier = _tier(True)      # the batch's loop and the probe: the code generator's best
-        obj = cache.get(key)
-        if obj is None:
-            mod = llvm.parse_assembly(str(native_lib.module()))
-            mod.verify()
-            tier.optimise(mod)
-            obj = tier.tm.emit_object(mod)
-            cache.put(key, obj)
+        obj, _ = _object(cache, cache.key(b"runtime library"), tier, native_lib.module)
         batch = _BATCH(_add_object(tier, obj, native_lib.BATCH))
-        _lib = (batch, tuple(tier.engine.get_function_address(f) for f in (native_lib.HASH_UPDATE,
-                                                                             native_lib.HASH_DELETE)))
+        _lib = _Library(batch, tuple(tier.engine.get_function_address(f)
+                                     for f in (native_lib.HASH_UPDATE, native_lib.HASH_DELETE)))
     return _lib
 
 
@@ -228,8 +238,9 @@ class _Compiled:
         self.fn_addr = fn_addr
         self.fn = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_void_p)(fn_addr)
         self.callback = callback
-        hashed = any(m.type in (HASH, LRU_HASH) for m in prog.maps)
-        table = address_table(prog, ctypes.cast(callback, ctypes.c_void_p).value, _library()[1] if hashed else (0, 0))
+        hashed = any(m.type in NATIVE_HASH for m in prog.maps)
+        table = address_table(prog, ctypes.cast(callback, ctypes.c_void_p).value,
+                              _library().hash_ops if hashed else (0, 0))
         self.table = (ctypes.c_uint64 * len(table))(*table)
         self.values = [table[map_slot(i, "values")] for i in range(len(prog.maps))]   # by map index
         self.map_regions = [(a, m.values.nbytes) for a, m in zip(self.values, prog.maps) if m.type != RINGBUF]
@@ -389,7 +400,7 @@ class JitBackend(Backend):
         e = c.env
         e.fault, e.ctx_len, e.r0_sum = 0, ctxs.shape[1], 0
         base = ctypes.addressof(ctypes.c_char.from_buffer(ctxs))     # a third of ctxs.ctypes.data's cost
-        n = (_lib or _library())[0](c.env_addr, base, ctxs.shape[0], ctxs.shape[1], c.fn_addr)
+        n = (_lib or _library()).batch(c.env_addr, base, ctxs.shape[0], ctxs.shape[1], c.fn_addr)
         self.batch_r0 = e.r0_sum          # what the rows' runs returned, summed (mod 2^64)
         if e.fault:
             try:

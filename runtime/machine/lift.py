@@ -57,6 +57,12 @@ MAP_ADDRS = ("values", "state", "keys", "meta", "stamp")   # a map's buffers in 
 CALLBACK_SLOT, HASH_UPDATE_SLOT, HASH_DELETE_SLOT, FIRST_MAP_SLOT = 0, 1, 2, 3
 #: what `native_lib`'s hash update answers where `maps.Map.update` must decide (it never returns 1)
 ASK_PYTHON = 1
+#: the map types whose updates and deletes `native_lib` does
+NATIVE_HASH = (HASH, LRU_HASH)
+#: per map helper, the map types whose calls are native code (the rest call back into Python)
+NATIVE_MAP_OPS = {Hl.MAP_LOOKUP_ELEM: (ARRAY, PERCPU_ARRAY, HASH, PERCPU_HASH, LRU_HASH),
+                  Hl.MAP_UPDATE_ELEM: (ARRAY, PERCPU_ARRAY, *NATIVE_HASH),
+                  Hl.MAP_DELETE_ELEM: NATIVE_HASH}
 
 
 def map_slot(index: int, buffer: str) -> int:
@@ -502,7 +508,7 @@ class Lifter:
 
     def _helper(self, pc, hid):
         b = self.b
-        if isinstance(hid, int) and hid in (Hl.MAP_LOOKUP_ELEM, Hl.MAP_UPDATE_ELEM, Hl.MAP_DELETE_ELEM):
+        if isinstance(hid, int) and hid in NATIVE_MAP_OPS:
             out = self._native_map_op(pc, hid)
             if out is not None:
                 return out
@@ -530,12 +536,7 @@ class Lifter:
         # where the verifier proved which map r1 references, only that map's code
         only = self.p.call_maps.get(pc) if self.proof is not None else None
         for i, m in enumerate(maps):
-            if hid == Hl.MAP_DELETE_ELEM:
-                native = m.type in (HASH, LRU_HASH)
-            else:
-                native = m.type in (ARRAY, PERCPU_ARRAY, HASH, LRU_HASH) or \
-                    (hid == Hl.MAP_LOOKUP_ELEM and m.type == PERCPU_HASH)
-            if not native or only is not None and i != only:
+            if m.type not in NATIVE_MAP_OPS[hid] or only is not None and i != only:
                 continue
             bb = self.fn.append_basic_block(f"map{pc}_{i}")
             sw.add_case(I64(i), bb)
@@ -588,22 +589,24 @@ class Lifter:
         return b.select(inb, b.select(ok, I64(0), eexist), e2big)
 
     def _hash_update(self, pc, index, m):
-        """`native_lib`'s hash update on map ``index``: its key and value checked here, its
-        buffers' addresses read from the address table, its shape passed."""
-        b = self.b
+        """`native_lib`'s hash update on map ``index`` (its key checked by the caller, its value
+        here)."""
         self.checked(pc, self.reg(3), m.value_size, False)
-        ty = L.FunctionType(I64, [I64] * 9)
-        fn = b.inttoptr(self.addr(HASH_UPDATE_SLOT), ty.as_pointer())
-        bufs = b.add(self._invariant_load(self.env_ptr("addrs")), I64(map_slot(index, "values") * 8))
-        shape = (m.key_size, m.value_size, m.cap, m.max_entries, int(m.type == LRU_HASH))
-        return b.call(fn, [bufs, self.reg(2), self.reg(3), self.reg(4)] + [I64(x) for x in shape])
+        return self._library_call(HASH_UPDATE_SLOT, index, [self.reg(2), self.reg(3), self.reg(4)] + [
+            I64(x) for x in (m.key_size, m.value_size, m.cap, m.max_entries, int(m.type == LRU_HASH))])
 
     def _hash_delete(self, index, m):
         """`native_lib`'s hash delete on map ``index`` (its key checked by the caller)."""
+        return self._library_call(HASH_DELETE_SLOT, index, [self.reg(2)] + [
+            I64(x) for x in (m.key_size, m.value_size, m.cap)])
+
+    def _library_call(self, slot: int, index: int, args: list):
+        """A call of the `native_lib` function at address-table ``slot`` on map ``index``: its
+        first argument the map's buffers' place in the address table, then ``args`` (i64 each)."""
         b = self.b
-        fn = b.inttoptr(self.addr(HASH_DELETE_SLOT), L.FunctionType(I64, [I64] * 5).as_pointer())
+        fn = b.inttoptr(self.addr(slot), L.FunctionType(I64, [I64] * (1 + len(args))).as_pointer())
         bufs = b.add(self._invariant_load(self.env_ptr("addrs")), I64(map_slot(index, "values") * 8))
-        return b.call(fn, [bufs, self.reg(2), I64(m.key_size), I64(m.value_size), I64(m.cap)])
+        return b.call(fn, [bufs, *args])
 
     def _hash_lookup(self, index, m, key_ptr):
         """Linear probe of the map's open-addressing table, hashing the key as maps.py does

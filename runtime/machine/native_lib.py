@@ -36,37 +36,6 @@ def module() -> L.Module:
     return m
 
 
-def _batch(m: L.Module) -> None:
-    """Run ``entry`` on n contexts, ``stride`` bytes apart from ``base``, and stop at the first
-    fault; what the runs return is summed into the env's ``r0_sum`` (kept, so that no run's work
-    is dead code to LLVM).  Returns the rows run."""
-    fn = L.Function(m, L.FunctionType(I64, [PTR, I64, I64, I64, ENTRY_TYPE.as_pointer()]), name=BATCH)
-    env, base, n, stride, entry = fn.args
-    b = L.IRBuilder(fn.append_basic_block("entry"))
-
-    def field(name):
-        return b.gep(env, [I64(ENV_INDEX[name] * 8)], source_etype=I8)
-    i = b.alloca(I64, name="i")
-    b.store(I64(0), i)
-    head, body, out = (fn.append_basic_block(x) for x in ("head", "body", "out"))
-    b.branch(head)
-    b.position_at_end(head)
-    b.cbranch(b.icmp_unsigned("<", b.load(i, typ=I64), n), body, out)
-    b.position_at_end(body)
-    row = b.load(i, typ=I64)
-    b.store(b.add(base, b.mul(row, stride)), field("ctx"))
-    b.store(I64(0), field("executed"))                  # a budget per run
-    r0 = b.call(entry, [env])
-    b.store(b.add(b.load(field("r0_sum"), typ=I64), r0), field("r0_sum"))
-    step = fn.append_basic_block("step")
-    b.cbranch(b.icmp_unsigned("!=", b.load(field("fault"), typ=I64), I64(0)), out, step)   # a fault: this row
-    b.position_at_end(step)
-    b.store(b.add(row, I64(1)), i)
-    b.branch(head)
-    b.position_at_end(out)
-    b.ret(b.load(i, typ=I64))
-
-
 class _Loops:
     """Loops written with variables in allocas, all in the function's first block (where the
     tier's SROA makes them registers); ``b`` builds from the block after it."""
@@ -125,6 +94,37 @@ class _Loops:
             b.store(b.add(at, I64(width)), off)
             b.branch(head)
         b.position_at_end(out)
+
+
+def _batch(m: L.Module) -> None:
+    """Run ``entry`` on n contexts, ``stride`` bytes apart from ``base``, and stop at the first
+    fault; what the runs return is summed into the env's ``r0_sum`` (kept, so that no run's work
+    is dead code to LLVM).  Returns the rows run."""
+    fn = L.Function(m, L.FunctionType(I64, [PTR, I64, I64, I64, ENTRY_TYPE.as_pointer()]), name=BATCH)
+    env, base, n, stride, entry = fn.args
+    lp = _Loops(fn)
+    b = lp.b
+
+    def field(name):
+        return b.gep(env, [I64(ENV_INDEX[name] * 8)], source_etype=I8)
+    i = lp.var(I64(0))
+    head, body, step, out = (lp.block(x) for x in ("head", "body", "step", "out"))
+    b.branch(head)
+    b.position_at_end(head)
+    b.cbranch(b.icmp_unsigned("<", lp.get(i), n), body, out)
+    b.position_at_end(body)
+    row = lp.get(i)
+    b.store(b.add(base, b.mul(row, stride)), field("ctx"))
+    b.store(I64(0), field("executed"))                  # a budget per run
+    r0 = b.call(entry, [env])
+    b.store(b.add(b.load(field("r0_sum"), typ=I64), r0), field("r0_sum"))
+    b.cbranch(b.icmp_unsigned("!=", b.load(field("fault"), typ=I64), I64(0)), out, step)   # a fault: this row
+    b.position_at_end(step)
+    b.store(b.add(row, I64(1)), i)
+    b.branch(head)
+    b.position_at_end(out)
+    b.ret(lp.get(i))
+    lp.done()
 
 
 def _probe(m: L.Module, lp: _Loops, key, ks, cap, state, keys) -> tuple:
