@@ -163,8 +163,8 @@ def _maps():
 
 
 def _program(maps, value: int) -> Program:
-    """Store ``value`` under key 1 in every map (array natively, hashes through the helper
-    callback), then return the LRU entry's value as a native probe reads it."""
+    """Store ``value`` under key 1 in every map (array and hashes natively, the hashes through
+    the runtime library), then return the LRU entry's value as a native probe reads it."""
     def lddw_map(i):
         return I.Insn(I.LD | I.IMM | I.DW, dst=1, src=I.PSEUDO_MAP_FD, imm=i)
     args = [I.Insn(I.ALU64 | I.MOV | I.X, dst=2, src=10), I.Insn(I.ALU64 | I.ADD | I.K, dst=2, imm=-4)]
@@ -187,6 +187,7 @@ def fresh_process(monkeypatch, tmp_path):
     def start():
         monkeypatch.setattr(jit, "_native", {})
         monkeypatch.setattr(jit, "_tiers", {})
+        monkeypatch.setattr(jit, "_lib", None)
         monkeypatch.setattr(jit, "_cache", CodeCache(tmp_path))
     start()
     return start
@@ -208,7 +209,8 @@ def test_code_read_from_the_cache_runs_as_the_code_compiled(fresh_process, tmp_p
     assert (r0, values) == (77, [77, 77, 77])
     assert (stats["compiled"], stats["from_cache"]) == (0, 1)
     # a damaged entry is compiled again and rewritten, not run
-    entry, = tmp_path.glob("*.o")
+    library = jit.code_cache().key(b"runtime library")
+    entry, = [p for p in tmp_path.glob("*.o") if p.stem != library]      # the program's
     entry.write_bytes(entry.read_bytes()[:100])
     fresh_process()
     r0, values, stats = _run(77)
@@ -216,6 +218,18 @@ def test_code_read_from_the_cache_runs_as_the_code_compiled(fresh_process, tmp_p
     fresh_process()
     assert _run(77)[2]["from_cache"] == 1
 
+
+
+def test_the_runtime_library_is_compiled_once_and_read_from_the_cache_after(fresh_process, monkeypatch):
+    """A process's first hash map or batch compiles `native_lib`'s functions and caches them; a
+    later process reads them (its own compile of them would fail here) and runs the same."""
+    from fabric_ext.runtime.machine import native_lib
+    first = _run(3)
+    assert jit._library() is jit._library()
+    fresh_process()
+    monkeypatch.setattr(native_lib, "module", lambda: pytest.fail("the library was compiled again"))
+    assert _run(3)[:2] == first[:2]
+    assert jit._lib is not None
 
 def test_code_made_for_one_cpu_is_not_read_on_another(fresh_process, monkeypatch):
     """The JIT compiles for the host CPU and its features (`codecache.host_target`): a cache

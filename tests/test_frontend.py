@@ -383,27 +383,38 @@ def test_a_fabric_past_its_bounds_is_one_error_each_not_minutes_and_gigabytes(an
                                 f"{MAX_DEVICES:,}") and e.span.line == 2
 
 
-def test_the_front_end_collects_garbage_less_often_while_it_runs_and_restores_the_caller_s_thresholds(monkeypatch):
+@pytest.mark.parametrize("entry", ["parse", "analyze", "build"])
+def test_each_compiler_entry_collects_garbage_less_often_and_restores_the_caller_s_thresholds(monkeypatch, entry):
     """The parser makes a tree node or more per token and little cyclic garbage: the young
-    generation is collected every GC_YOUNG allocations while the front end runs (half the
-    parse of a 12,000-handler policy went to collections), and the caller's thresholds are
-    back after it."""
+    generation is collected every GC_YOUNG allocations while the parser (fabricc fmt), the
+    front end (fabricc check) and the compiler (fabricc compile) run, each past the part the
+    one before covers (half the parse of a 12,000-handler policy went to collections), and
+    the caller's thresholds are back after it."""
     import gc
 
+    import fabric_ext.codegen.driver as D
     import fabric_ext.frontend as F
+    import fabric_ext.parser as P
     from fabric_ext.runtime.machine.gcutil import GC_YOUNG
     seen = []
-    real_load = F.load
 
-    def load(*args):
-        seen.append(gc.get_threshold()[0])
-        return real_load(*args)
-    monkeypatch.setattr(F, "load", load)
+    def recording(module, name):
+        real = getattr(module, name)
+
+        def record(*args, **kwargs):
+            seen.append(gc.get_threshold()[0])
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, record)
+    path = POLICIES / "prefill_qos.fx"
+    run, module, name = {"parse": (lambda: P.parse(path.read_text(), str(path), Diagnostics()), P._Build, "transform"),
+                         "analyze": (lambda: F.analyze(path).ok, F, "warn"),
+                         "build": (lambda: D.build(path), D, "lower")}[entry]
+    recording(module, name)
     before = gc.get_threshold()
     gc.set_threshold(700, *before[1:])
     try:
-        a = F.analyze(POLICIES / "prefill_qos.fx")
-        assert a.ok and seen == [GC_YOUNG] and gc.get_threshold()[0] == 700
+        assert run()
+        assert seen == [GC_YOUNG] and gc.get_threshold()[0] == 700
     finally:
         gc.set_threshold(*before)
 

@@ -165,6 +165,7 @@ class _Library:
     """`native_lib`'s functions in this process."""
     batch: object           # the batch driver, callable
     hash_ops: tuple         # the hash update's and delete's addresses, as the address table holds them
+    tier: _Tier             # the engine that holds their code (kept alive with them)
 
 
 def _library() -> _Library:
@@ -177,7 +178,7 @@ def _library() -> _Library:
         obj, _ = _object(cache, cache.key(b"runtime library"), tier, native_lib.module)
         batch = _BATCH(_add_object(tier, obj, native_lib.BATCH))
         _lib = _Library(batch, tuple(tier.engine.get_function_address(f)
-                                     for f in (native_lib.HASH_UPDATE, native_lib.HASH_DELETE)))
+                                     for f in (native_lib.HASH_UPDATE, native_lib.HASH_DELETE)), tier)
     return _lib
 
 
