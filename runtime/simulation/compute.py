@@ -56,7 +56,8 @@ class GpuProfile:
     hbm_bw: float        # B/s
     sms: int
     coeffs: dict
-    timed_as: str        # the profile whose fitted coefficients and stack figures it takes (its own, or its "compute")
+    timed_as: str        # the profile whose fitted coefficients it takes (its own, or its "compute"), and
+                         # a stack's figures where the stack has none of its own (`Stack.figures_of`)
 
     @classmethod
     def named(cls, name: str, peak: float | None = None, hbm_bw: float | None = None) -> GpuProfile:
@@ -126,6 +127,12 @@ class Stack:
         return cls(name, dict(s.get("floor_ms", {})), dict(s.get("kernel_factor", {})),
                    dict(s.get("large_busbw_factor", {})), float(s.get("per_prompt_ms", 0.0)),
                    float(s.get("tail_ms", 0.0)), dict(s.get("alibi_attention_factor", {})))
+
+    def figures_of(self, gpu: GpuProfile) -> str:
+        """The GPU profile whose figures this stack gives ``gpu``: its own where the stack was
+        fitted to a machine of it (a power-capped H100: the cap is measured only with the
+        stack), else those of the profile it is timed as (an H200: the H100's host and software)."""
+        return gpu.name if gpu.name in self.floor_ms else gpu.timed_as
 
     def floor(self, gpu: str) -> float:
         return float(self.floor_ms.get(gpu, 0.0))

@@ -56,7 +56,7 @@ class Timing:
 
     def _ns(self, g, op) -> float:
         timer = self.timers[g]
-        return timer.time(op) * 1e9 * self.stack.kernel(timer.gpu.timed_as, op)
+        return timer.time(op) * 1e9 * self.stack.kernel(self.stack.figures_of(timer.gpu), op)
 
     def block(self, p: int, block: str) -> list:
         """The operators of one layer's ``block`` ("attention" or "ffn") in pass p, on one GPU."""
@@ -98,7 +98,7 @@ class Timing:
 
     def pass_floor_ns(self) -> float:
         """The least time a pass takes in this stack, on the first GPU's machine."""
-        return self.stack.floor(self.timers[self.gpus[0]].gpu.timed_as) * 1e6
+        return self.stack.floor(self.stack.figures_of(self.timers[self.gpus[0]].gpu)) * 1e6
 
     def pass_cpu_ns(self) -> float:
         """The stack's CPU work at the end of a pass, for every prompt of the batch."""

@@ -1,29 +1,39 @@
 """The model against measured prefills (../shared/data/splitwise), and the serving-stack fit.
 
 Each measured configuration (model, GPU, TP degree, prompt tokens, batch) is run through the
-engine on the bundled fabric of its machine (policies/fabrics/dgx_a100.fx, dgx_h100.fx),
-weights in HBM, no policy: first with no stack (the hardware alone), then with the fitted one.
+engine on the bundled fabric of its machine (policies/fabrics/dgx_a100.fx, dgx_h100.fx; its
+GPUs take the machine's profile: `MACHINES`), weights in HBM, no policy: first with no stack (the hardware alone), then with the fitted one.
 The stack's coefficients come from a least-squares fit of the relative error of
 ``max(floor, kernel_factor * compute + collectives + tail)`` over every configuration.
 """
 from __future__ import annotations
 
-import itertools
+import re
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from .workload import load_model
 
-#: measured hardware -> the bundled fabric of that machine (its GPUs name their profile)
-MACHINES = {"a100-80gb": "dgx_a100.fx", "h100-80gb": "dgx_h100.fx"}
+
+class Machine(NamedTuple):
+    """A measured machine: the bundled fabric of its kind, and the GPU profile its GPUs take."""
+    fabric: str
+    gpu: str
+
+
+#: measured hardware -> its machine (a power-capped DGX H100 is a DGX H100 whose GPUs take the
+#: capped profile)
+MACHINES = {"a100-80gb": Machine("dgx_a100.fx", "a100_sxm"), "h100-80gb": Machine("dgx_h100.fx", "h100_sxm"),
+            "h100-80gb-pcap": Machine("dgx_h100.fx", "h100_sxm_pcap")}
 #: measured model -> built-in model
 MODELS = {"llama2-70b": "llama2-70b", "bloom-176b": "bloom-176b"}
 #: configurations of the measured file the fit runs the engine on, at most (each twice, and
-#: the stack's fit over all of them): the shared file has 64
+#: the stack's fit over all of them): the shared file has 78
 MAX_CONFIGURATIONS = 1024
 
 
@@ -101,13 +111,16 @@ class _Runner:
     def __init__(self):
         self.bundles = {}
 
-    def bundle(self, fabric: str, model: str):
+    def bundle(self, machine: Machine, model: str):
         import fabric_ext.policies as pkg
         from fabric_ext import api
-        key = (fabric, model)
+        key = (machine, model)
         if key not in self.bundles:
-            path = Path(pkg.__file__).parent / "fabrics" / fabric
-            self.bundles[key] = api.compile(f'import "{path}"\nworkload w {{ model: "{model}"; weights: hbm; kv: hbm }}\n')
+            fabric = (Path(pkg.__file__).parent / "fabrics" / machine.fabric).read_text()
+            fabric, swapped = re.subn(r'\bmodel: "[^"]*"', f'model: "{machine.gpu}"', fabric)
+            if not swapped:
+                raise ValueError(f"{machine.fabric}: no GPU names its profile ('model:') to take {machine.gpu}")
+            self.bundles[key] = api.compile(f'{fabric}\nworkload w {{ model: "{model}"; weights: hbm; kv: hbm }}\n')
         return self.bundles[key]
 
     def run(self, p: Point, stack: str) -> dict:
@@ -137,8 +150,8 @@ def fit_stack(path: Path) -> dict:
     machine (its host CPU), a kernel factor per GPU profile, a factor per GPU profile for the
     stack's ALiBi attention kernel against the FlashAttention curve (``alibi``: that attention's
     time in the hardware-alone run), a bus-bandwidth share per TP degree for all-reduces beyond
-    the profiled sizes, a cost per prompt in the batch, and a fixed tail (a grid over the floors,
-    linear least squares for the rest)."""
+    the profiled sizes, a cost per prompt in the batch, and a fixed tail (a search over the floors
+    on a grid, `_floors`; linear least squares for the rest)."""
     points, _ = measured(path)
     reports = _hardware(points)
     t = np.array([p.measured_ms for p in points])
@@ -157,19 +170,18 @@ def fit_stack(path: Path) -> dict:
     a = np.vstack(cols).T
     n, m = len(gpus), len(alibi_gpus)
     held = [*range(n + m), a.shape[1] - 1]
-    best = None
-    grid = np.linspace(0, 100, 51)
-    for floors in itertools.product(grid, repeat=n):
+
+    def fit(floors):
         floor = np.select([gpu == g for g in gpus], floors)
         active = np.ones_like(t, dtype=bool)
         for _ in range(4):            # the floor hides the points below it from the rest of the fit
             x = _at_least_zero(a[active] / t[active, None], 1 - hw[active] / t[active], held)
             active = hw + a @ x > floor
         pred = np.maximum(floor, hw + a @ x)
-        err = float(np.sum((pred / t - 1) ** 2))
-        if best is None or err < best[0]:
-            best = (err, floors, x, pred)
-    _, floors, x, pred = best
+        return float(np.sum((pred / t - 1) ** 2)), x, pred
+
+    floors = _floors(fit, n)
+    _, x, pred = fit(floors)
     rel = np.abs(pred / t - 1)
     kernel = {g: 1 + float(v) for g, v in zip(gpus, x[:n])}
     beyond = x[n + m:n + m + len(tps)]
@@ -181,6 +193,25 @@ def fit_stack(path: Path) -> dict:
             "per_prompt_ms": round(float(x[-2]), 3), "tail_ms": round(float(x[-1]), 2),
             "fit_points": len(t), "median_rel_err": round(float(np.median(rel)), 4),
             "max_rel_err": round(float(rel.max()), 4)}
+
+
+#: the floors a stack fit tries, ms (every 2 ms from 0 to 100)
+FLOOR_GRID = tuple(float(f) for f in np.linspace(0, 100, 51))
+
+
+def _floors(fit, n: int) -> list[float]:
+    """The floors of n machines that give ``fit`` (floors -> (squared error, ...)) its least
+    error on `FLOOR_GRID`, one machine's at a time with the others held, until none moves (a
+    machine's floor bears on its own points; the others see it only through the factors they
+    share)."""
+    floors = [0.0] * n
+    for _ in range(10):
+        before = list(floors)
+        for i in range(n):
+            floors[i] = min(FLOOR_GRID, key=lambda f: (fit(floors[:i] + [f] + floors[i + 1:])[0], f))
+        if floors == before:
+            break
+    return floors
 
 
 def _at_least_zero(a, rhs, held):
@@ -211,18 +242,18 @@ def validate(path: Path) -> tuple[list[Modelled], list[str]]:
 
 def render(result: tuple[list[Modelled], list[str]]) -> str:
     rows, skipped = result
-    lines = [f"{'model':<11} {'GPU':<10} {'TP':>2} {'prompt':>6} {'batch':>5} {'measured':>9} {'hardware':>9} "
+    lines = [f"{'model':<11} {'GPU':<14} {'TP':>2} {'prompt':>6} {'batch':>5} {'measured':>9} {'hardware':>9} "
              f"{'modelled':>9} {'error':>7} {'runs (min-max)':>17} {'beyond runs':>11}"]
     for m in rows:
         p = m.point
-        lines.append(f"{p.model:<11} {p.hardware:<10} {p.tp:>2} {p.prompt:>6} {p.batch:>5} {p.measured_ms:>9.1f} "
+        lines.append(f"{p.model:<11} {p.hardware:<14} {p.tp:>2} {p.prompt:>6} {p.batch:>5} {p.measured_ms:>9.1f} "
                      f"{m.hardware_ms:>9.1f} {m.modelled_ms:>9.1f} {m.error:>+7.1%} "
                      f"{p.fastest_ms:>8.1f}-{p.slowest_ms:<8.1f} {m.beyond_runs:>+11.1%}")
     lines.append("")
-    lines.append(f"{'group':<24} {'points':>6} {'median |error|':>14} {'max |error|':>11} {'max beyond runs':>15} "
+    lines.append(f"{'group':<30} {'points':>6} {'median |error|':>14} {'max |error|':>11} {'max beyond runs':>15} "
                  f"{'hardware median':>15}")
     for group, ms in summary(rows).items():
-        lines.append(f"{group:<24} {ms['points']:>6} {ms['median']:>14.1%} {ms['max']:>11.1%} "
+        lines.append(f"{group:<30} {ms['points']:>6} {ms['median']:>14.1%} {ms['max']:>11.1%} "
                      f"{ms['max_beyond_runs']:>15.1%} {ms['hardware']:>+15.1%}")
     for why in skipped:
         lines.append(f"left out: {why}")
