@@ -25,6 +25,7 @@ program and map shapes, and can be cached on disk (`codecache`).
 from __future__ import annotations
 
 import ctypes
+import errno
 
 import llvmlite.binding as llvm
 
@@ -57,6 +58,11 @@ MAP_ADDRS = ("values", "state", "keys", "meta", "stamp")   # a map's buffers in 
 CALLBACK_SLOT, HASH_UPDATE_SLOT, HASH_DELETE_SLOT, FIRST_MAP_SLOT = 0, 1, 2, 3
 #: what `native_lib`'s hash update answers where `maps.Map.update` must decide (it never returns 1)
 ASK_PYTHON = 1
+
+
+def error_return(code: int) -> int:
+    """A helper's r0 for the error ``code`` (an errno name's number): -code, as 64 bits."""
+    return (-code) & I.MASK64
 #: the map types whose updates and deletes `native_lib` does
 NATIVE_HASH = (HASH, LRU_HASH)
 #: per map helper, the map types whose calls are native code (the rest call back into Python)
@@ -584,9 +590,7 @@ class Lifter:
             for k in range(0, m.value_size):
                 byte = b.load(b.gep(val, [I64(k)], source_etype=I8), typ=I8)
                 b.store(byte, b.gep(dst, [I64(k)], source_etype=I8))
-        e2big = I64((-7) & I.MASK64)
-        eexist = I64((-17) & I.MASK64)
-        return b.select(inb, b.select(ok, I64(0), eexist), e2big)
+        return b.select(inb, b.select(ok, I64(0), I64(error_return(errno.EEXIST))), I64(error_return(errno.E2BIG)))
 
     def _hash_update(self, pc, index, m):
         """`native_lib`'s hash update on map ``index`` (its key checked by the caller, its value

@@ -15,16 +15,19 @@ program, so a program pays a call per use, not the code of a probe per call site
 """
 from __future__ import annotations
 
+import errno
+
 import llvmlite.binding as llvm
 
 from . import irtext as L
-from .lift import ASK_PYTHON, ENV_INDEX, I8, I64, MAP_ADDRS, PTR
+from .isa import MASK64
+from .lift import ASK_PYTHON, ENV_INDEX, I8, I64, MAP_ADDRS, PTR, error_return
 from .maps import EMPTY, HASH_MULTIPLIER, TOMB, USED
 
 BATCH, HASH_UPDATE, HASH_DELETE = "fx_batch", "fx_hash_update", "fx_hash_delete"
 ENTRY_TYPE = L.FunctionType(I64, [PTR])
-_EEXIST, _ENOENT = (-17) & (2**64 - 1), (-2) & (2**64 - 1)
-NONE = 2**64 - 1        # no slot
+_EEXIST, _ENOENT = error_return(errno.EEXIST), error_return(errno.ENOENT)
+NONE = MASK64        # no slot
 
 
 def module() -> L.Module:
