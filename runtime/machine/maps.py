@@ -244,6 +244,10 @@ class Map:
         slot = self.lookup_slot(key)
         if slot is None:
             return None
+        return self._value_bytes(slot, cpu)
+
+    def _value_bytes(self, slot: int, cpu: int | None = None) -> bytes:
+        """The value in ``slot`` (a per-CPU map's: ``cpu``'s copy, the current CPU's by default)."""
         o = self.value_offset(slot, cpu)
         return self.values[o:o + self.value_size].tobytes()
 
@@ -265,8 +269,12 @@ class Map:
             return []
         if not self.hashed:
             return [i.to_bytes(4, "little") for i in range(self.max_entries)]
+        return [k for _, k in self._held()]
+
+    def _held(self) -> list[tuple[int, bytes]]:
+        """A hash map's (slot, key) of every entry, in the table's order."""
         ks = self.key_size
-        return [self.keys[s * ks:(s + 1) * ks].tobytes() for s in np.nonzero(self.state == USED)[0]]
+        return [(s, self.keys[s * ks:(s + 1) * ks].tobytes()) for s in np.nonzero(self.state == USED)[0].tolist()]
 
     def items(self, cpu: int | None = None):
         for k in self.keys_list():
@@ -276,16 +284,13 @@ class Map:
         slot = self.lookup_slot(key)
         if slot is None:
             return None
-        return [self.values[self.value_offset(slot, c):self.value_offset(slot, c) + self.value_size].tobytes()
-                for c in range(self.ncpus)]
+        return [self._value_bytes(slot, c) for c in range(self.ncpus)]
 
     def _entries(self) -> list[tuple[int, int]]:
         """(key, slot) of each entry `dump` shows, in key order: a hash map's every key, an
         array's indices that hold anything (found by numpy: an array may have a million)."""
         if self.hashed:
-            ks = self.key_size
-            return sorted((int.from_bytes(self.keys[s * ks:(s + 1) * ks].tobytes(), "little"), s)
-                          for s in np.nonzero(self.state == USED)[0].tolist())
+            return sorted((int.from_bytes(k, "little"), s) for s, k in self._held())
         held = self.values.reshape(self.ncpus, self.cap, self.value_size)[:, :self.max_entries].any(axis=(0, 2))
         return [(k, k) for k in np.nonzero(held)[0].tolist()]
 
@@ -298,8 +303,7 @@ class Map:
         table's, which the hash decides), the first ``limit`` of them; or records for a ringbuf."""
         if self.type == RINGBUF:
             return {"records": [r.hex() for r in self.records], "dropped": self.dropped}
-        return {key: sum(int.from_bytes(self.values[self.value_offset(slot, c):][:self.value_size].tobytes(), "little")
-                         for c in range(self.ncpus))
+        return {key: sum(int.from_bytes(self._value_bytes(slot, c), "little") for c in range(self.ncpus))
                 for key, slot in self._entries()[:limit]}
 
     # -- ringbuf ------------------------------------------------------------------------
