@@ -312,6 +312,18 @@ def test_a_power_capped_h100_takes_its_own_stack_figures_and_without_them_is_an_
     assert short["ttft_ms"] == pytest.approx(vllm.floor("h100_sxm_pcap")) != vllm.floor("h100_sxm")
 
 
+def test_a_measured_machine_runs_on_its_fabric_with_its_gpus_profile():
+    """The validation runs each measured machine on its bundled fabric with its GPUs taking
+    the machine's profile (the capped H100: dgx_h100.fx's GPUs as `h100_sxm_pcap`); a fabric
+    whose GPUs name no profile is refused, not run as the default H100."""
+    runner = validation._Runner()
+    capped = runner.bundle(validation.MACHINES["h100-80gb-pcap"], "bloom-176b")
+    assert {d["props"].get("model") for d in capped.manifest["fabric"]["devices"] if d["kind"] == "gpu"} \
+        == {"h100_sxm_pcap"}
+    with pytest.raises(ValueError, match="dgx_cxl.fx: no GPU names its profile"):
+        runner.bundle(validation.Machine("dgx_cxl.fx", "h100_sxm_pcap"), "bloom-176b")
+
+
 def test_the_stack_is_chosen_by_the_workload_or_the_command_line(tmp_path):
     folder = compile_text(tmp_path, 'import "fabrics/dgx_h100.fx"\n'
                         'workload w { model: "llama2-70b"; tp: 8; prompt: 64; stack: "none" }\n')
