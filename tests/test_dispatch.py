@@ -309,6 +309,32 @@ def test_where_no_handler_acts_on_a_movement_nothing_stands_and_trains_step_it(t
     assert eng.fabric.trains.steps > bare_eng.fabric.trains.steps / 2
 
 
+ONE_OF_TWO = """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: hbm }
+movement attn_weights = weights(attention) : pool0 -> gpu*
+movement ffn_weights = weights(ffn) : pool0 -> gpu*
+map landed : array<u32, count>[2]
+policy p { on ffn_weights.complete at gpu0 { landed[0] += 1 } }
+"""
+
+
+def test_a_complete_handler_of_one_movement_sees_every_chunk_where_another_shares_its_ends(tmp_path):
+    """The attention and FFN weights both go from the pool to each GPU.  A chunk whose
+    arrival asks nothing lands without an event; that it asks nothing depends on its movement
+    (only the FFN's chunks are shown to gpu0's program), not only on its ends, so every FFN
+    chunk is still shown, as it is with an event at every arrival (found by
+    tests/fuzz/shortcuts.py, seed 3: the attention weights' first quiet landing had made the
+    FFN's quiet too)."""
+    from fabric_ext.runtime.machine.jit import JitBackend
+    folder = compile_text(tmp_path, ONE_OF_TWO)
+    quiet, eng = run_engine(folder, backend=JitBackend())
+    every, _ = run_engine(folder, backend=JitBackend(), per_chunk_events=True)
+    ffn_chunks = sum(t.chunks_total for t in eng.fabric.transfers
+                     if t.movement_id == eng.ids["movements"]["ffn_weights"] and t.path[-1] == "gpu0")
+    assert int(quiet["maps"]["landed"]["0"]) == int(every["maps"]["landed"]["0"]) == ffn_chunks > 32
+
+
 WHOLE_TRANSFERS = """
 import "fabrics/dgx_cxl.fx"
 workload w {{ model: "llama3-8b"; prompt: 256; tp: {tp}; weights: pool0; kv: pool0 }}

@@ -201,7 +201,7 @@ class Fabric:
         self._port_index: dict[tuple[str, str], int] = {}
         self._routes: dict[tuple[str, str], list[str]] = {}
         self._ends_of: dict[tuple[str, str, str], list[tuple[str, str]]] = {}
-        self._quiet: dict[tuple, bool] = {}     # (transfer's ends, chunk's end, island it came from) -> `_nothing_asked`
+        self._quiet: dict[tuple, bool] = {}     # (transfer's ends and movement, chunk's end, island it came from) -> `_nothing_asked`
 
     # -- paths ------------------------------------------------------------------------
     def route(self, src: str, dst: str) -> list[str] | None:
@@ -520,7 +520,7 @@ class Fabric:
         path, t = chunk.path, chunk.transfer
         if hop + 1 < len(path) or chunk.engine is not None or chunk.parts:
             return False
-        key = (t.path[0], t.path[-1], path[-1], chunk.island)
+        key = (t.path[0], t.path[-1], t.movement_id, path[-1], chunk.island)
         quiet = self._quiet.get(key)
         if quiet is None:
             quiet = self._quiet[key] = self._nothing_asked(t, path[-1], chunk.island)
