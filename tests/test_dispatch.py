@@ -2,6 +2,7 @@
 handler acts on are skipped, decisions of map-free handlers are remembered.  Both must be
 invisible: the program really does nothing for the skipped events, and a run that remembers
 nothing gives the same report."""
+import os
 from collections import Counter
 
 import numpy as np
@@ -333,6 +334,25 @@ def test_a_complete_handler_of_one_movement_sees_every_chunk_where_another_share
     ffn_chunks = sum(t.chunks_total for t in eng.fabric.transfers
                      if t.movement_id == eng.ids["movements"]["ffn_weights"] and t.path[-1] == "gpu0")
     assert int(quiet["maps"]["landed"]["0"]) == int(every["maps"]["landed"]["0"]) == ffn_chunks > 32
+
+
+def test_random_policies_run_the_same_with_the_shortcuts_and_without(tmp_path):
+    """tests/fuzz/shortcuts.py, seeded and bounded: random policies (decisions at every chunk
+    hook, map updates, conditions on what varies per chunk and on what a tick writes) give the
+    same report, maps included, with trains, standing and remembered decisions, batched
+    watchers and lazy ticks as with none of them."""
+    import random
+
+    from fuzz.shortcuts import Policy, check
+    seed = int(os.environ.get("FABRIC_EXT_FUZZ_SEED", "20261201")) % 100_000
+    found = []
+    for s in range(seed, seed + 4):
+        rng = random.Random(s)
+        path = tmp_path / f"p{s}.fx"
+        path.write_text(Policy(rng, 3).text())
+        workload = dict(model="llama3-8b", prompt=rng.choice([256, 512]), tp=rng.choice([2, 4, 8]))
+        found += [f"seed {s} {workload}: {line}" for line in check(path, workload) or []]
+    assert not found, "\n".join(found[:10])
 
 
 WHOLE_TRANSFERS = """
