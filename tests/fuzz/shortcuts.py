@@ -5,10 +5,10 @@ server's round robin inside one event (`trains`), decisions stand for a transfer
 (`HookSite`) or are remembered by their fields (`dispatch`), programs that only watch run in
 batches (`observers`), and ticks run lazily, when something reads what they write (`ticks`).
 The reference takes none: an event at every end of transmission and arrival, every program
-run at its event, every tick at its time.  Each generated policy (prefill_qos's fabric,
-movements and maps, random handlers at every chunk hook with decisions and map updates,
-conditions on fields that vary per chunk and on entries a tick writes, under a random
-workload) runs both ways; any difference of the report, map contents included, but for the
+run at its event, every tick at its time.  Each generated policy (prefill_qos's movements
+and maps, on its fabric or on one of two switches; random handlers at every chunk hook with
+decisions and map updates, conditions on fields that vary per chunk and on entries a tick
+writes; under a random workload) runs both ways; any difference of the report, map contents included, but for the
 timings and the loop's event count, is printed with its seed: a shortcut that changes what a
 run computes.
 
@@ -70,6 +70,32 @@ HANDLERS = [
     ("gpu*.tick(20us)", [], TICK),
     ("cpu0.alloc", ["tier"], ALLOC),
 ]
+# a fabric of another shape than dgx_cxl, with the same device names: two switches, the pool
+# behind the second, NVLink within each half only (so an all-reduce crosses both switches),
+# a host memory with a bandwidth, a DPU with a latency, and links of drawn bandwidths
+TWO_SWITCHES = """fabric two {{
+  gpu gpu0, gpu1, gpu2, gpu3, gpu4, gpu5, gpu6, gpu7 {{ hbm: 80GiB }}
+  cxl_switch sw0 {{ ports: 16; hop: 100ns }}
+  cxl_switch sw1 {{ ports: 16; hop: 250ns }}
+  cxl_mem pool0 at sw1 {{ capacity: 1TiB; bw: {pool}; latency: 250ns }}
+  dpu nic0 {{ line_rate: 200Gbps; latency: 2us }}
+  host cpu0 {{ dram: 512GiB; dram_bw: {dram} }}
+  link sw0 <-> sw1 {{ bw: {trunk}; latency: 300ns; kind: cxl }}
+  link nic0 <-> sw0 {{ bw: 63GB/s; latency: 600ns; kind: pcie }}
+  link cpu0 <-> sw0 {{ bw: 63GB/s; latency: 600ns; kind: pcie }}
+{links}}}
+"""
+
+
+def two_switches(r: random.Random) -> str:
+    links = [f"  link gpu{g} <-> sw{g // 4} {{ bw: {r.choice(['32GB/s', '63GB/s'])}; latency: 600ns; kind: cxl }}\n"
+             for g in range(8)]
+    links += [f"  link gpu{a} <-> gpu{b} {{ bw: 450GB/s; latency: 1us; kind: nvlink }}\n"
+              for a in range(8) for b in range(a + 1, 8) if a // 4 == b // 4]
+    return TWO_SWITCHES.format(pool=r.choice(["32GB/s", "64GB/s"]), dram=r.choice(["50GB/s", "200GB/s"]),
+                               trunk=r.choice(["32GB/s", "63GB/s", "126GB/s"]), links="".join(links))
+
+
 VALUES = {
     "priority": lambda r: str(r.randint(0, 7)),
     "rate": lambda r: r.choice(["8GB/s", "16GB/s", "40GB/s", "64GB/s"]),
@@ -84,7 +110,7 @@ VALUES = {
 
 
 class Policy:
-    """One random policy over prefill_qos's fabric, movements and maps."""
+    """One random policy over prefill_qos's movements and maps."""
 
     def __init__(self, rng: random.Random, size: int):
         self.r, self.size = rng, size
@@ -130,12 +156,17 @@ class Policy:
         r = self.r
         head = (POLICIES / "prefill_qos.fx").read_text().split("policy prefill_qos")[0]
         head = head.replace('import "fabrics/', f'import "{POLICIES}/fabrics/').replace("map kv_bytes", MORE + "map kv_bytes")
+        shaped = r.random() < 0.4
+        if shaped:
+            head = head.replace(f'import "{POLICIES}/fabrics/dgx_cxl.fx"', two_switches(r))
         head = head.replace("weights: pool0", f"weights: {r.choice(['pool0', 'pool0', 'hbm', 'cpu0'])}")
         head = head.replace("kv: pool0", f"kv: {r.choice(['pool0', 'pool0', 'hbm', 'cpu0'])}")
         head = head.replace("chunk: 2MiB", f"chunk: {r.choice(['512KiB', '1MiB', '2MiB'])}"
                             + r.choice(["", "", "; prefill_chunk: 256"]))
         handlers = [f"on sw0.tick({r.choice(['5us', '10us', '50us'])}) {{ port_util[ev.port] = ev.util_pct }}"]
         for event, decisions, (self.counts, self.compared) in r.sample(HANDLERS, r.randint(2, 6)):
+            if shaped:
+                event = event.replace("mem_access at sw0", "mem_access at sw1")
             when = f" when {self.cond()}" if r.random() < 0.2 else ""
             handlers.append(f"on {event}{when} {{ {self.block(decisions)} }}")
         return head + "policy fuzz {\n" + "".join(f"  {h}\n" for h in handlers) + "}\n"
