@@ -312,3 +312,30 @@ def test_the_jit_refuses_a_program_larger_than_it_compiles_and_the_interpreter_r
         JitBackend().load(prog)
     interp = Interpreter(budget=2 * MAX_JIT_SLOTS)
     assert interp.run(interp.load(prog)) == 1
+
+
+RING_POLICY = """
+import "{fabrics}/dgx_cxl.fx"
+workload w {{ model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0; chunk: 64KiB }}
+movement kv_writeback = kv : gpu* -> pool0
+map seen : hash<u32, count>[64]
+map ring : ringbuf[4KiB]
+policy p {{ on kv_writeback.forward at sw0 {{ seen[ev.layer] += 1
+                                               emit ring(ev.layer, ev.chunk) }} }}
+"""
+
+
+@pytest.mark.skipif(not OK, reason=WHY)
+def test_a_whole_run_in_the_kernel_reports_what_the_jit_does_dropped_records_included():
+    """A policy run with its programs in the kernel gives the JIT's report: the same map
+    contents, and the same records kept in a ring that fills and the same count of those it
+    dropped (the kernel's ring counts none: its records are taken after each run into a ring of
+    the same size, which counts them; before, such a run reported 0 dropped)."""
+    from pathlib import Path
+
+    from fabric_ext import api
+    fabrics = Path(__file__).resolve().parents[1] / "policies" / "fabrics"
+    bundle = api.compile(RING_POLICY.format(fabrics=fabrics))
+    jit, kern = (api.run(bundle, backend=b).to_dict() for b in ("jit", "kernel"))
+    assert kern["maps"] == jit["maps"] and kern["map_records"] == jit["map_records"]
+    assert jit["maps"]["ring"]["dropped"] > 0 and len(jit["map_records"]["ring"]) == 4096 // 24

@@ -200,13 +200,19 @@ def possible_cpus() -> int:
     return n
 
 
-def drain_ringbuf(fd: int, size: int) -> list[bytes]:
-    """Consume every committed record of a kernel ringbuf through its mmap'd pages."""
-    import mmap
-    page = mmap.PAGESIZE
-    cons = mmap.mmap(fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
-    prod = mmap.mmap(fd, page + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page)
-    try:
+class KernelRing:
+    """A kernel ringbuf's mmap'd pages, mapped once: its consumer position (written back as
+    records are consumed) and its data, mapped twice over as the kernel lays it out."""
+
+    def __init__(self, fd: int, size: int):
+        import mmap
+        self.page, self.size = mmap.PAGESIZE, size
+        self.cons = mmap.mmap(fd, self.page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
+        self.prod = mmap.mmap(fd, self.page + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ, offset=self.page)
+
+    def drain(self) -> list[bytes]:
+        """Consume every committed record."""
+        cons, prod, page, size = self.cons, self.prod, self.page, self.size
         c, p = struct.unpack_from("<Q", cons, 0)[0], struct.unpack_from("<Q", prod, 0)[0]
         out = []
         while c < p:
@@ -220,9 +226,10 @@ def drain_ringbuf(fd: int, size: int) -> list[bytes]:
             c += (n + 8 + 7) // 8 * 8
         struct.pack_into("<Q", cons, 0, c)
         return out
-    finally:
-        cons.close()
-        prod.close()
+
+    def close(self) -> None:
+        self.cons.close()
+        self.prod.close()
 
 
 def store_r0_at_exit(insns: list[I.Insn], map_fd: int) -> list[I.Insn]:
@@ -268,7 +275,13 @@ def store_r0_at_exit(insns: list[I.Insn], map_fd: int) -> list[I.Insn]:
 
 class KernelBackend(Backend):
     """Runs programs in the Linux kernel.  Each of our `Map`s gets one kernel map,
-    shared by every program that uses it; ``sync()`` copies kernel contents back."""
+    shared by every program that uses it; ``sync()`` copies kernel contents back.
+
+    A ringbuf is the exception: the kernel counts none of the records its full ring refuses,
+    so after each run the records a program wrote are consumed and handed to our `Map`, which
+    keeps them while they fit its capacity (nothing consumes a ring during a run) and counts
+    the rest as dropped, as the other backends do.  Only a single run that writes more than
+    the whole ring holds would lose records uncounted in the kernel's ring itself."""
     name = "kernel"
 
     def __init__(self, **_ignored):
@@ -277,6 +290,7 @@ class KernelBackend(Backend):
             raise KernelError(errno.EPERM, why)
         self.map_fds: dict[int, tuple[object, int]] = {}
         self.prog_fds: list[int] = []
+        self.rings: dict[int, KernelRing] = {}     # id(Map) -> its kernel ring's pages
 
     def _fd(self, m) -> int:
         hit = self.map_fds.get(id(m))
@@ -309,16 +323,26 @@ class KernelBackend(Backend):
         self.prog_fds.append(r0_fd)
         fd = load_program(store_r0_at_exit(self.relocate(prog), r0_fd), prog.name)
         self.prog_fds.append(fd)
-        return (prog, fd, r0_fd)
+        rings = [(m, self._ring(m)) for m in {id(m): m for m in prog.maps}.values() if m.type == RINGBUF]
+        return (prog, fd, r0_fd, rings)
+
+    def _ring(self, m) -> KernelRing:
+        ring = self.rings.get(id(m))
+        if ring is None:
+            ring = self.rings[id(m)] = KernelRing(self._fd(m), m.max_entries)
+        return ring
 
     def run(self, handle, ctx=None, mem=None) -> int:
         """r0 in full; a bare program's memory is its context (r1), as syscall programs take it."""
-        prog, fd, r0_fd = handle
+        prog, fd, r0_fd, rings = handle
         buf = ctx if ctx is not None else mem
         try:
             low, _ = test_run(fd, buf if buf else None)
         except KernelError as e:
             raise VMFault(prog, 0, f"BPF_PROG_TEST_RUN failed: {e}") from None
+        for m, ring in rings:       # what it wrote, kept where our ring has room (see the class)
+            for record in ring.drain():
+                m.ringbuf_output(record)
         full = map_lookup(r0_fd, bytes(4), 8)
         r0 = int.from_bytes(full, "little") if full is not None else low
         if r0 & 0xFFFFFFFF != low:
@@ -328,9 +352,9 @@ class KernelBackend(Backend):
     def sync(self) -> None:
         """Copy every kernel map's contents into its Map (ringbuf records are consumed)."""
         for m, fd in self.map_fds.values():
-            if m.type == RINGBUF:
-                m.records.extend(drain_ringbuf(fd, m.max_entries))
-                m.ring_used = sum(len(r) + 8 for r in m.records)
+            if m.type == RINGBUF:       # (drained as each run ends: see the class)
+                for record in self._ring(m).drain():
+                    m.ringbuf_output(record)
                 continue
             percpu = m.type in (PERCPU_HASH, PERCPU_ARRAY)
             stride = (m.value_size + 7) // 8 * 8
@@ -344,6 +368,9 @@ class KernelBackend(Backend):
                 m.update(k, v[:m.value_size])
 
     def close(self) -> None:
+        for ring in self.rings.values():
+            ring.close()
+        self.rings = {}
         for fd in self.prog_fds + [fd for _, fd in self.map_fds.values()]:
             try:
                 os.close(fd)
