@@ -8,11 +8,13 @@ The reference takes none: an event at every end of transmission and arrival, eve
 run at its event, every tick at its time.  Each generated policy (prefill_qos's movements
 and maps, on its fabric or on one of two switches; random handlers at every chunk hook with
 decisions and map updates, conditions on fields that vary per chunk and on entries a tick
-writes; under a random workload) runs both ways; any difference of the report, map contents included, but for the
-timings and the loop's event count, is printed with its seed: a shortcut that changes what a
-run computes.
+writes; under a random workload) runs both ways; any difference of the report, map contents
+included, but for the timings and the loop's event count, is printed with its seed: a
+shortcut that changes what a run computes.  With ``--kernel`` the run with shortcuts also
+runs with its programs in the Linux kernel (root), which must give the same report but for
+an LRU map's evictions.
 
-    python tests/fuzz/shortcuts.py --seed 1 --count 50 [--size 3] [--model llama3-8b]
+    python tests/fuzz/shortcuts.py --seed 1 --count 50 [--size 3] [--model llama3-8b] [--kernel]
 
 Reproduce one case with ``--seed N --count 1 --write case.fx``.
 """
@@ -27,7 +29,7 @@ from pathlib import Path
 from fabric_ext.codegen.driver import build
 from fabric_ext.contract.bundle import create_maps, load_manifest, write_folder
 from fabric_ext.diagnostics import Diagnostics
-from fabric_ext.runtime.machine.jit import JitBackend
+from fabric_ext.runtime.machine.backends import get_backend
 from fabric_ext.runtime.simulation import dispatch
 from fabric_ext.runtime.simulation.engine import Engine, RunOptions
 from fabric_ext.runtime.simulation.workload import WorkloadError
@@ -179,22 +181,37 @@ class Policy:
 
 def _timeless(report: dict) -> dict:
     """The report without what only the time a run takes, or the loop's events, may change."""
-    return {**report, "events": 0, "backend_load": None,
+    return {**report, "events": 0, "backend": None, "backend_load": None,
             "islands": [{k: v for k, v in i.items() if k not in ("ns_per_invocation", "invocations")}
                         for i in report["islands"]]}
 
 
-def _run(folder: Path, reference: bool, **workload) -> dict:
+def _run(folder: Path, reference: bool, backend: str = "jit", **workload) -> dict:
+    """The report of a run with every shortcut, or of the reference, on ``backend``."""
     man = load_manifest(folder)
     opts = RunOptions(**workload)
     if reference:
         opts = RunOptions(**workload, trace=True, eager_ticks=True, per_chunk_events=True,
                           trains=False, lazy_observers=False)
     memo, dispatch.MEMO_LIMIT = dispatch.MEMO_LIMIT, 0 if reference else dispatch.MEMO_LIMIT
+    vm = get_backend(backend)
     try:
-        return _timeless(Engine(folder, man, create_maps(man), JitBackend(), opts).run())
+        eng = Engine(folder, man, create_maps(man), vm, opts)
+        eng.simulate()
+        if hasattr(vm, "sync"):     # the kernel's maps, read back
+            vm.sync()
+        report = _timeless(eng.report())
     finally:
         dispatch.MEMO_LIMIT = memo
+        vm.close()
+    return report
+
+
+def _but_lru(report: dict) -> dict:
+    """The report without the LRU map's contents: a full one evicts by the kernel's
+    approximation of LRU on that backend (docs/security.md)."""
+    return {**report, "maps": {k: v for k, v in report["maps"].items() if k != "recent"},
+            "map_entries": {k: v for k, v in report["map_entries"].items() if k != "recent"}}
 
 
 def differences(a, b, path="") -> list[str]:
@@ -209,17 +226,23 @@ def differences(a, b, path="") -> list[str]:
     return [] if a == b else [f"{path}: {a!r} != {b!r}"[:300]]
 
 
-def check(path: Path, workload: dict) -> list[str] | None:
+def check(path: Path, workload: dict, kernel: bool = False) -> list[str] | None:
     """How the run with shortcuts differs from the reference (none: the same; None: the
     policy does not compile, as a random one may not: a constant divided by 0; or the
-    workload cannot run: a TP degree the model's heads do not split over)."""
+    workload cannot run: a TP degree the model's heads do not split over).  With ``kernel``,
+    also how the run with its programs in the kernel differs (but for an LRU map's contents)."""
     res = build(path, diags=Diagnostics())
     if res is None:
         return None
     folder = path.with_suffix("")
     write_folder(res.files, folder)
     try:
-        return differences(_run(folder, False, **workload), _run(folder, True, **workload))
+        fast = _run(folder, False, **workload)
+        out = differences(fast, _run(folder, True, **workload))
+        if kernel:
+            in_kernel = _run(folder, False, "kernel", **workload)
+            out += [f"kernel: {d}" for d in differences(_but_lru(fast), _but_lru(in_kernel))]
+        return out
     except WorkloadError:
         return None
 
@@ -230,6 +253,7 @@ def main(argv=None) -> int:
     ap.add_argument("--count", type=int, default=20)
     ap.add_argument("--size", type=int, default=3, help="most statements per block")
     ap.add_argument("--model", default="llama3-8b", help="the workload's model")
+    ap.add_argument("--kernel", action="store_true", help="also run the programs in the kernel (root)")
     ap.add_argument("--write", type=Path, help="write the (last) policy here")
     args = ap.parse_args(argv)
     found = invalid = 0
@@ -240,7 +264,7 @@ def main(argv=None) -> int:
             path.write_text(Policy(rng, args.size).text())
             workload = dict(model=args.model, prompt=rng.choice([256, 512, 1024]), tp=rng.choice([2, 4, 8]),
                             batch=rng.choice([1, 1, 2]))
-            diffs = check(path, workload)
+            diffs = check(path, workload, args.kernel)
             invalid += diffs is None
             if diffs:
                 found += 1
