@@ -227,6 +227,12 @@ class KernelRing:
         struct.pack_into("<Q", cons, 0, c)
         return out
 
+    def move_to(self, m) -> None:
+        """Consume every committed record into the `Map` ``m``, which keeps those that fit it
+        and counts the rest as dropped."""
+        for record in self.drain():
+            m.ringbuf_output(record)
+
     def close(self) -> None:
         self.cons.close()
         self.prod.close()
@@ -341,8 +347,7 @@ class KernelBackend(Backend):
         except KernelError as e:
             raise VMFault(prog, 0, f"BPF_PROG_TEST_RUN failed: {e}") from None
         for m, ring in rings:       # what it wrote, kept where our ring has room (see the class)
-            for record in ring.drain():
-                m.ringbuf_output(record)
+            ring.move_to(m)
         full = map_lookup(r0_fd, bytes(4), 8)
         r0 = int.from_bytes(full, "little") if full is not None else low
         if r0 & 0xFFFFFFFF != low:
@@ -353,8 +358,7 @@ class KernelBackend(Backend):
         """Copy every kernel map's contents into its Map (ringbuf records are consumed)."""
         for m, fd in self.map_fds.values():
             if m.type == RINGBUF:       # (drained as each run ends: see the class)
-                for record in self._ring(m).drain():
-                    m.ringbuf_output(record)
+                self._ring(m).move_to(m)
                 continue
             percpu = m.type in (PERCPU_HASH, PERCPU_ARRAY)
             stride = (m.value_size + 7) // 8 * 8
