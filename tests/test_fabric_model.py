@@ -151,6 +151,24 @@ def test_a_coalescing_buffer_holds_a_whole_transfer_in_linear_time():
     assert not f.coalescing
 
 
+@pytest.mark.parametrize("chunks", [7, 8])
+def test_a_transfers_last_chunk_takes_what_its_flow_has_held_whatever_it_decided(chunks):
+    """A decision that coalesces some chunks of a transfer and not its last (here: the even
+    ones) held them until the buffer filled, and the last chunk, not coalescing, left them
+    held for ever: the run never ended.  The last chunk now takes them with it (found by
+    tests/fuzz/shortcuts.py, seed 120119)."""
+    class EvenOnes(HookSite):
+        def on_enter(self, chunk, island):
+            return {"coalesce": 64 * MiB} if island == "d1" and chunk.index % 2 == 0 else None
+    sim, f = fabric(line(latency=0), hooks=EvenOnes(), wires={"d1": (100 * GBps, 1000.0)})
+    t = transfer("d0", "d1", chunks * MiB)
+    f.start(t)
+    sim.run()
+    assert t.chunks_done == chunks and t.end > 0 and not f.coalescing
+    sizes = [b for _, _, b in f.wires["d1"].intervals]
+    assert sum(sizes) == chunks * MiB and sizes[-1] == (chunks // 2 + 1) * MiB     # the evens and the last
+
+
 def test_route_decision_picks_the_egress():
     g = DiGraph()
     for a, b, lat in (("s", "x", 10), ("x", "d", 10), ("s", "y", 100), ("y", "d", 100)):

@@ -298,7 +298,7 @@ class Fabric:
                     release = max(release, self._apply(chunk, isl, d, release, "issue"))
                     stream = d.get("stream") or stream
                     coalesce = d.get("coalesce") or coalesce
-            if coalesce and chunk.bytes < coalesce:
+            if coalesce and chunk.bytes < coalesce or self._takes_held(chunk, ("issue", t)):
                 chunk = self._coalesce(chunk, ("issue", t), coalesce)
                 if chunk is None:
                     continue
@@ -408,17 +408,24 @@ class Fabric:
         if isl is not None and isl != chunk.island:
             chunk.island = isl
             d = self.hooks.on_enter(chunk, isl)
+            coalesce = 0
             if d:
                 release = self._apply(chunk, isl, d, release)
                 coalesce = d.get("coalesce", 0)
-                if coalesce and chunk.bytes < coalesce:
-                    chunk = self._coalesce(chunk, isl, coalesce)
-                    if chunk is None:
-                        return
+            if coalesce and chunk.bytes < coalesce or self._takes_held(chunk, isl):
+                chunk = self._coalesce(chunk, isl, coalesce)
+                if chunk is None:
+                    return
         if release > self.sim.now:
             self.sim.at(release, self._forward, chunk)
         else:
             self._forward(chunk)
+
+    def _takes_held(self, chunk, where) -> bool:
+        """Whether ``chunk`` is its transfer's last and its flow has chunks held at ``where``:
+        they leave with it whatever it was decided itself (a decision that coalesces some
+        chunks of a transfer and not its last would otherwise hold them for ever)."""
+        return bool(self.coalescing) and chunk.last and (where, chunk.transfer.flow) in self.coalescing
 
     def _coalesce(self, chunk, where, size):
         """Hold the chunk with the flow's others held at ``where`` until together they reach
