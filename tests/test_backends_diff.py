@@ -319,8 +319,11 @@ import "{fabrics}/dgx_cxl.fx"
 workload w {{ model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0; chunk: 64KiB }}
 movement kv_writeback = kv : gpu* -> pool0
 map seen : hash<u32, count>[64]
+map last : percpu_array<u32, count>[2]
 map ring : ringbuf[4KiB]
 policy p {{ on kv_writeback.forward at sw0 {{ seen[ev.layer] += 1
+                                               last[0] = ev.layer
+                                               last[1] max= ev.chunk
                                                emit ring(ev.layer, ev.chunk) }} }}
 """
 
@@ -328,9 +331,10 @@ policy p {{ on kv_writeback.forward at sw0 {{ seen[ev.layer] += 1
 @pytest.mark.skipif(not OK, reason=WHY)
 def test_a_whole_run_in_the_kernel_reports_what_the_jit_does_dropped_records_included():
     """A policy run with its programs in the kernel gives the JIT's report: the same map
-    contents, and the same records kept in a ring that fills and the same count of those it
-    dropped (the kernel's ring counts none: its records are taken after each run into a ring of
-    the same size, which counts them; before, such a run reported 0 dropped)."""
+    contents (a per-CPU value set with `=` included: every run is on one CPU, see below), and
+    the same records kept in a ring that fills and the same count of those it dropped (the
+    kernel's ring counts none: its records are taken after each run into a ring of the same
+    size, which counts them; before, such a run reported 0 dropped)."""
     from pathlib import Path
 
     from fabric_ext import api
@@ -339,3 +343,19 @@ def test_a_whole_run_in_the_kernel_reports_what_the_jit_does_dropped_records_inc
     jit, kern = (api.run(bundle, backend=b).to_dict() for b in ("jit", "kernel"))
     assert kern["maps"] == jit["maps"] and kern["map_records"] == jit["map_records"]
     assert jit["maps"]["ring"]["dropped"] > 0 and len(jit["map_records"]["ring"]) == 4096 // 24
+
+
+@pytest.mark.skipif(not OK, reason=WHY)
+def test_the_kernel_backend_holds_the_process_to_one_cpu_while_it_is_open():
+    """A program runs on the CPU that asks for the run, and a per-CPU map keeps a value per
+    CPU: set with `=` on two CPUs, the kernel's values summed would be neither (found by
+    tests/fuzz/shortcuts.py --kernel, seed 120102, a value twice the JIT's).  Our per-CPU maps
+    model one CPU, so the backend holds the process to one while it is open."""
+    import os
+    before = os.sched_getaffinity(0)
+    kb = kernel.KernelBackend()
+    try:
+        assert os.sched_getaffinity(0) == {kb.cpu}
+    finally:
+        kb.close()
+    assert os.sched_getaffinity(0) == before

@@ -287,7 +287,12 @@ class KernelBackend(Backend):
     so after each run the records a program wrote are consumed and handed to our `Map`, which
     keeps them while they fit its capacity (nothing consumes a ring during a run) and counts
     the rest as dropped, as the other backends do.  Only a single run that writes more than
-    the whole ring holds would lose records uncounted in the kernel's ring itself."""
+    the whole ring holds would lose records uncounted in the kernel's ring itself.
+
+    Our per-CPU maps model one CPU, and a program runs on the CPU that asks for the run: the
+    process is held to one CPU while the backend is open (given back at ``close``), so that
+    a per-CPU value set with ``=``, ``max=`` or ``min=`` is not summed with what another CPU
+    kept of it."""
     name = "kernel"
 
     def __init__(self, **_ignored):
@@ -297,6 +302,9 @@ class KernelBackend(Backend):
         self.map_fds: dict[int, tuple[object, int]] = {}
         self.prog_fds: list[int] = []
         self.rings: dict[int, KernelRing] = {}     # id(Map) -> its kernel ring's pages
+        self.affinity = os.sched_getaffinity(0)
+        self.cpu = min(self.affinity)              # every run's, and each per-CPU map's slot
+        os.sched_setaffinity(0, {self.cpu})
 
     def _fd(self, m) -> int:
         hit = self.map_fds.get(id(m))
@@ -310,8 +318,8 @@ class KernelBackend(Backend):
             stride = (m.value_size + 7) // 8 * 8
             for k, v in m.items():
                 if m.hashed or any(v):
-                    if percpu:  # the kernel wants one value per possible CPU: ours goes to CPU 0
-                        v = v.ljust(stride, b"\0") + bytes(stride * (possible_cpus() - 1))
+                    if percpu:  # the kernel wants one value per possible CPU: ours goes to the runs' CPU
+                        v = bytes(stride * self.cpu) + v.ljust(stride, b"\0") + bytes(stride * (possible_cpus() - self.cpu - 1))
                     map_update(fd, k, v)
             hit = self.map_fds[id(m)] = (m, fd)
         return hit[1]
@@ -375,6 +383,9 @@ class KernelBackend(Backend):
         for ring in self.rings.values():
             ring.close()
         self.rings = {}
+        if self.affinity:
+            os.sched_setaffinity(0, self.affinity)
+            self.affinity = None
         for fd in self.prog_fds + [fd for _, fd in self.map_fds.values()]:
             try:
                 os.close(fd)
