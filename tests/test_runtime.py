@@ -889,3 +889,21 @@ def test_a_switch_hop_of_0_is_0_and_a_nics_complete_names_its_network_port(tmp_p
         return int(report["maps"]["first"]["0"]), list(report["maps"]["out"])
     (no_hop, ports), (hop_1us, _) = first_latency("0ns"), first_latency("1us")
     assert hop_1us - no_hop == 1000 and ports == ["1"]
+
+
+def test_a_prefill_that_does_not_finish_says_what_it_left_undone(tmp_path, monkeypatch):
+    """A run whose transfers never complete is a bug of the simulator (an internal error), and
+    its message says what was left: which transfers, how far they got, and what is still held
+    for coalescing (here: a transfer's last chunk made to leave what its flow held, the bug
+    tests/fuzz/shortcuts.py found at seed 120119)."""
+    from fabric_ext.runtime.simulation.fabric_model import Fabric
+    folder = compile_text(tmp_path, 'import "fabrics/dgx_cxl.fx"\n'
+                          'workload w { model: "llama3-8b"; weights: pool0; kv: hbm; chunk: 1MiB }\n'
+                          "movement ffn_weights = weights(ffn) : pool0 -> gpu*\n"
+                          "policy p { on ffn_weights.issue at gpu* { if ev.chunk % 2 == 0 { coalesce = 5MiB } } }\n")
+    run_engine(folder)            # chunks 0-167: the last is odd; 84 even ones fill 16 buffers of 5, 4 left
+    monkeypatch.setattr(Fabric, "_takes_held", lambda self, chunk, where: False)
+    with pytest.raises(RuntimeError, match=r"the prefill did not finish: 2 transfer\(s\) never completed "
+                                           r"\(first: ffn_weights pool0 -> gpu0, \d+ of 168 chunks arrived\); "
+                                           r"\d chunk\(s\) of ffn_weights pool0 -> gpu0 held for coalescing at issue"):
+        run_engine(folder)

@@ -298,9 +298,20 @@ class Engine:
         with fewer_collections():
             self.sim.run()
         if self.prefill.finished is None:
-            raise RuntimeError("the prefill did not finish: a transfer never completed")
+            raise RuntimeError(f"the prefill did not finish: {self._stuck()}")
         self._catch_up(self.ticks, self.prefill.finished)
         self._run_observers()
+
+    def _stuck(self) -> str:
+        """What a prefill that did not finish left undone (for the internal error's report)."""
+        stuck = [t for t in self.fabric.transfers if t.chunks_done < t.chunks_total]
+        held = [f"{len(h.chunks)} chunk(s) of {flow[0] or 'an undeclared movement'} {flow[1]} -> {flow[2]} held "
+                f"for coalescing {'at ' + where if isinstance(where, str) else 'at issue'}"
+                for (where, flow), h in self.fabric.coalescing.items()]
+        return "; ".join([f"{len(stuck)} transfer(s) never completed"
+                          + (f" (first: {stuck[0].name or stuck[0].cls} {stuck[0].src} -> {stuck[0].dst}, "
+                             f"{stuck[0].chunks_done} of {stuck[0].chunks_total} chunks arrived)" if stuck else "")]
+                         + held)
 
     def _run_observers(self) -> None:
         """Run what the programs that only watch were given and have not run yet (`observers.Batch`)."""
