@@ -186,7 +186,10 @@ class _FnEmitter:
         if op == "-":   # subtraction stops at 0
             return b.select(b.icmp_unsigned(">=", x, y), b.sub(x, y), I64(0))
         if op == "/":   # x / 0 is 0, as in eBPF
-            return b.select(zero, I64(0), b.udiv(x, b.select(zero, I64(1), y)))
+            divisor = b.select(zero, I64(1), y)
+            if not isinstance(y, L.Constant):
+                divisor = self.opaque(divisor)
+            return b.select(zero, I64(0), b.udiv(x, divisor))
         if op == "%":   # x % 0 is x, as in eBPF
             return b.select(zero, x, b.urem(x, b.select(zero, I64(1), y)))
         if op in ("<<", ">>"):
@@ -196,6 +199,14 @@ class _FnEmitter:
 
     def cond(self, e) -> L.Value:
         return self.b.icmp_unsigned("!=", self.value(e), I64(0))
+
+    def opaque(self, v: L.Value) -> L.Value:
+        """``v``, through an empty inline asm LLVM cannot see into (libbpf's ``barrier_var``).
+        A divisor LLVM proves a power of two it divides by as a shift by its count of trailing
+        zeros, which the BPF backend computes from a table in ``.rodata``: global data no
+        policy map carries, so the runtime refuses the object (``x / ((1 & ev.hop) + 1)``)."""
+        asm = L.InlineAsm(L.FunctionType(I64, [I64]), "", "=r,0", side_effect=False)
+        return self.b.call(asm, [v])
 
     # -- maps --------------------------------------------------------------------------------
     def helper(self, name, ret, args):

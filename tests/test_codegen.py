@@ -518,3 +518,21 @@ def test_a_program_past_the_reach_of_an_ebpf_jump_is_an_error_not_an_llvm_abort(
     path.write_text(policy(1_000))
     res = build(path)
     assert res is not None and load_object(res.files["sw0.bpf.o"]).programs[0].insns
+
+
+def test_a_divisor_llvm_proves_a_power_of_two_leaves_no_global_data_in_the_object(tmp_path):
+    """LLVM divides by a divisor it proves a power of two (here 1 or 2) by shifting by its count
+    of trailing zeros, which the BPF backend looks up in a table in `.rodata`: global data that
+    no map of the policy carries, so the runtime refused the object (found by
+    tests/fuzz/shortcuts.py, seed 140144).  The divisor now passes through an empty asm LLVM
+    cannot see into, and the program divides."""
+    from elftools.elf.elffile import ELFFile
+
+    from test_runtime import compile_text, run_engine
+    folder = compile_text(tmp_path, 'import "fabrics/dgx_cxl.fx"\nmap m : array<u32, count>[16]\n'
+                          "policy p { on sw0.tick(10us) { m[ev.port] = (ev.port + 4) / ((1 & ev.port) + 1) } }\n")
+    with open(folder / "sw0.bpf.o", "rb") as f:
+        assert not [s.name for s in ELFFile(f).iter_sections() if s.name in (".rodata", ".data", ".bss")]
+    report, _ = run_engine(folder)
+    assert {int(k): int(v) for k, v in report["maps"]["m"].items()} == \
+        {p: (p + 4) // ((1 & p) + 1) for p in range(11)}
