@@ -305,13 +305,16 @@ class Engine:
     def _stuck(self) -> str:
         """What a prefill that did not finish left undone (for the internal error's report)."""
         stuck = [t for t in self.fabric.transfers if t.chunks_done < t.chunks_total]
-        held = [f"{len(h.chunks)} chunk(s) of {flow[0] or 'an undeclared movement'} {flow[1]} -> {flow[2]} held "
-                f"for coalescing {'at ' + where if isinstance(where, str) else 'at issue'}"
-                for (where, flow), h in self.fabric.coalescing.items()]
-        return "; ".join([f"{len(stuck)} transfer(s) never completed"
-                          + (f" (first: {stuck[0].name or stuck[0].cls} {stuck[0].src} -> {stuck[0].dst}, "
-                             f"{stuck[0].chunks_done} of {stuck[0].chunks_total} chunks arrived)" if stuck else "")]
-                         + held)
+        parts = [f"{len(stuck)} transfer(s) never completed"]
+        if stuck:
+            t = stuck[0]
+            parts[0] += (f" (first: {t.name or t.cls} {t.src} -> {t.dst}, "
+                         f"{t.chunks_done} of {t.chunks_total} chunks arrived)")
+        for (where, (name, src, dst)), held in self.fabric.coalescing.items():
+            place = where if isinstance(where, str) else "issue"       # ("issue", transfer) at a GPU
+            parts.append(f"{len(held.chunks)} chunk(s) of {name or 'an undeclared movement'} {src} -> {dst} "
+                         f"held for coalescing at {place}")
+        return "; ".join(parts)
 
     def _run_observers(self) -> None:
         """Run what the programs that only watch were given and have not run yet (`observers.Batch`)."""
