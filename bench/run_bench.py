@@ -1,4 +1,4 @@
-"""fabric-run wall time and simulated events per second, with and without the policy.
+"""fabric-run wall time and its cost per simulated event, with and without the policy.
 
     python bench/run_bench.py [--backend jit,interp] [--quick] [--repeat N] [--instructions] [--policy NAME]
 
@@ -19,6 +19,14 @@ run that fills the code cache for the CPU valgrind shows (another than the machi
 hash seed (PYTHONHASHSEED=0) and one BLAS thread (the counted runs have one) a run's count is
 the same to a few hundred instructions from run to run, where its wall time varies by tens
 of per cent; it does not see cache misses.
+
+A run's cost per event divides its wall time by the events of the per-chunk model it
+simulates: its count is that of a reference run in which every end of transmission and every
+arrival is an event of the loop, no train steps ahead and no watcher waits for a batch (the
+shortcuts off, as `tests/fuzz/shortcuts.py` runs it; ticks run lazily in both).  The shortcuts
+give the same report but for the loop's own count of events, which they shrink: each event of
+theirs stands for several of the model's, so wall time over that count would rise as they take
+more events out ("loop ev" shows it beside the model's).
 
 The JIT keeps compiled programs in an on-disk code cache (runtime/machine/codecache.py), as a
 user's repeated runs do: the bench gives the runs a cache of their own, makes one run with
@@ -48,38 +56,54 @@ from fabric_ext.runtime.simulation.engine import Engine, RunOptions  # noqa: E40
 CONFIGS = [("llama3-8b", 8192, 8), ("llama3-70b", 32768, 8)]
 
 
-def run_once(folder, backend_name, model, prompt, tp, attach) -> tuple[float, dict]:
-    """One run in this process: (wall seconds, report); attach None: only start up."""
+#: the shortcuts off: the per-chunk model, event by event (`tests/fuzz/shortcuts.py`'s reference)
+PER_CHUNK_MODEL = {"per_chunk_events": True, "trains": False, "lazy_observers": False}
+
+
+def run_once(folder, backend_name, model, prompt, tp, attach, reference=False) -> tuple[float, dict]:
+    """One run in this process: (wall seconds, report); attach None: only start up;
+    ``reference``: the per-chunk model (`PER_CHUNK_MODEL`)."""
     man = load_manifest(folder)
     backend = get_backend(backend_name)
     if attach is None:
         return 0.0, {"events": 0, "ttft_ms": 0.0}
     t0 = time.perf_counter()
-    eng = Engine(folder, man, create_maps(man), backend, RunOptions(model, prompt, None, tp, None, attach))
+    eng = Engine(folder, man, create_maps(man), backend, RunOptions(model, prompt, None, tp, None, attach,
+                                                                  **(PER_CHUNK_MODEL if reference else {})))
     report = eng.run()
     wall = time.perf_counter() - t0
     backend.close()
     return wall, report
 
 
-def _child(folder, backend_name, model, prompt, tp, attach, cache: Path, prefix=(), env=None):
+def _child(folder, backend_name, model, prompt, tp, attach, cache: Path, prefix=(), env=None, reference=False):
     """Run this script as a child that runs one configuration (under ``prefix``, if given).
     Its bytecode caches are the bench's own: stale ones beside the sources (from before an
     edit) would have it compile some modules again and count that."""
     return subprocess.run([*prefix, sys.executable, __file__, "--one", json.dumps(
-        [str(folder), backend_name, model, prompt, tp, attach])], capture_output=True, text=True,
+        [str(folder), backend_name, model, prompt, tp, attach, reference])], capture_output=True, text=True,
         env=os.environ | {"FABRIC_EXT_JIT_CACHE": str(cache), "PYTHONPYCACHEPREFIX": str(cache.parent / "pycache")}
         | (env or {}))
 
 
-def run_fresh(folder, backend_name, model, prompt, tp, attach, cache: Path) -> tuple[float, dict]:
+def run_fresh(folder, backend_name, model, prompt, tp, attach, cache: Path, reference=False) -> tuple[float, dict]:
     """One run in a fresh process with the JIT code cache in ``cache``: (wall seconds, the
     report's events and TTFT)."""
-    out = _child(folder, backend_name, model, prompt, tp, attach, cache)
+    out = _child(folder, backend_name, model, prompt, tp, attach, cache, reference=reference)
     if out.returncode:
         raise SystemExit(f"run failed ({backend_name} {model}):\n{out.stderr}")
     wall, report = json.loads(out.stdout)
     return wall, report
+
+
+def model_events(folder, backend_name, model, prompt, tp, attach, cache: Path, report: dict) -> int:
+    """The events of the per-chunk model a run simulates: a reference run's count, which
+    must give the same time to first token as the run with the shortcuts."""
+    _, ref = run_fresh(folder, backend_name, model, prompt, tp, attach, cache, reference=True)
+    if ref["ttft_ms"] != report["ttft_ms"]:
+        raise SystemExit(f"the per-chunk model and the shortcuts disagree ({model}, programs {attach}): TTFT "
+                         f"{ref['ttft_ms']} ms against {report['ttft_ms']} ms; run tests/fuzz/shortcuts.py")
+    return ref["events"]
 
 
 def instructions(folder, backend_name, model, prompt, tp, attach, cache: Path) -> int:
@@ -121,8 +145,8 @@ def main():
         print("--instructions needs valgrind (apt-get install valgrind); counting wall time only")
         args.instructions = False
     if args.one:
-        folder, backend, model, prompt, tp, attach = json.loads(args.one)
-        wall, report = run_once(Path(folder), backend, model, prompt, tp, attach)
+        folder, backend, model, prompt, tp, attach, reference = json.loads(args.one)
+        wall, report = run_once(Path(folder), backend, model, prompt, tp, attach, reference)
         print(json.dumps([wall, {"events": report["events"], "ttft_ms": report["ttft_ms"]}]))
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,8 +157,8 @@ def main():
         write_folder(build(source).files, folder)
         print(f"policy {source.name}")
         print(f"{'backend':<8}{'model':<12}{'prompt':>7}{'tp':>4}{'cold s':>8}{'policy wall s':>15}{'median':>8}"
-              f"{'events/s':>11}{'none wall s':>13}{'median':>8}{'events/s':>11}{'overhead':>10}{'TTFT ms':>10}"
-              f"{'base TTFT':>11}"
+              f"{'us/ev':>7}{'none wall s':>13}{'median':>8}{'us/ev':>7}{'overhead':>10}{'TTFT ms':>10}"
+              f"{'base TTFT':>11}{'model ev':>10}{'loop ev':>9}{'none model ev':>15}{'loop ev':>9}"
               + (f"{'pol Ginsn':>10}{'none Ginsn':>11}{'insn ovh':>9}" if args.instructions else ""))
         for backend in args.backend.split(","):
             for model, prompt, tp in CONFIGS[:1] if args.quick else CONFIGS:
@@ -145,13 +169,15 @@ def main():
                     for attach in (True, False):
                         runs[attach].append(run_fresh(folder, backend, model, prompt, tp, attach, cache))
                 (w1, r1), (w0, r0) = (min(runs[a], key=lambda x: x[0]) for a in (True, False))
+                e1, e0 = (model_events(folder, backend, model, prompt, tp, a, cache, r)
+                          for a, r in ((True, r1), (False, r0)))
                 m1, m0 = (statistics.median(w for w, _ in runs[a]) for a in (True, False))
                 insn = instruction_columns(folder, backend, model, prompt, tp, cache, max(1, args.repeat)) \
                     if args.instructions else ""
                 print(f"{backend:<8}{model:<12}{prompt:>7}{tp:>4}{cold:>8.2f}{w1:>15.2f}{m1:>8.2f}"
-                      f"{r1['events'] / w1:>11.0f}{w0:>13.2f}{m0:>8.2f}{r0['events'] / w0:>11.0f}"
-                      f"{w1 / w0 - 1:>9.0%}{r1['ttft_ms']:>10.1f}"
-                      f"{r0['ttft_ms']:>11.1f}" + insn, flush=True)
+                      f"{w1 / e1 * 1e6:>7.2f}{w0:>13.2f}{m0:>8.2f}{w0 / e0 * 1e6:>7.2f}"
+                      f"{w1 / w0 - 1:>9.0%}{r1['ttft_ms']:>10.1f}{r0['ttft_ms']:>11.1f}"
+                      f"{e1:>10,}{r1['events']:>9,}{e0:>15,}{r0['events']:>9,}" + insn, flush=True)
 
 
 if __name__ == "__main__":
