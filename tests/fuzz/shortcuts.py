@@ -6,7 +6,8 @@ server's round robin inside one event (`trains`), decisions stand for a transfer
 batches (`observers`), and ticks run lazily, when something reads what they write (`ticks`).
 The reference takes none: an event at every end of transmission and arrival, every program
 run at its event, every tick at its time.  Each generated policy (prefill_qos's movements
-and maps, on its fabric or on one of two switches; random handlers at every chunk hook with
+and maps, on its fabric or on one of two switches, half the time with a movement or two routed
+through a device `via`, and with their own chunk sizes; random handlers at every chunk hook with
 decisions and map updates, conditions on fields that vary per chunk and on entries a tick
 writes; under a random workload) runs both ways; any difference of the report, map contents
 included, but for the timings and the loop's event count, is printed with its seed: a
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -100,6 +102,13 @@ def two_switches(r: random.Random) -> str:
                                trunk=r.choice(["32GB/s", "63GB/s", "126GB/s"]), links="".join(links))
 
 
+# devices a movement's flows may be routed through (`via`): switches, and the devices a path
+# does not usually cross (a GPU, the host, the DPU, the pool), where a chunk passes through an
+# island, a wire's device or a memory on its way; sw1 on the two-switch fabric only
+VIAS = {"kv_writeback": ["sw0", "sw1", "nic0", "cpu0", "gpu0"], "kv_export": ["sw1", "cpu0", "pool0", "gpu1"],
+        "attn_weights": ["sw0", "sw1", "gpu0", "cpu0", "nic0"], "ffn_weights": ["nic0", "sw0"],
+        "allreduce": ["sw0", "sw1", "gpu3"], "kv_reload": ["cpu0", "sw0"], "kv_spilled": ["pool0", "sw1"]}
+
 VALUES = {
     "priority": lambda r: str(r.randint(0, 7)),
     "rate": lambda r: r.choice(["8GB/s", "16GB/s", "40GB/s", "64GB/s"]),
@@ -176,7 +185,22 @@ class Policy:
                 event = event.replace("mem_access at sw0", "mem_access at sw1")
             when = f" when {self.cond()}" if r.random() < 0.2 else ""
             handlers.append(f"on {event}{when} {{ {self.block(decisions)} }}")
-        return head + "policy fuzz {\n" + "".join(f"  {h}\n" for h in handlers) + "}\n"
+        return self.routed(head, shaped) + "policy fuzz {\n" + "".join(f"  {h}\n" for h in handlers) + "}\n"
+
+    def routed(self, head: str, shaped: bool) -> str:
+        """``head`` with, half the time each, one or two movements routed through a device
+        (`VIAS`) and one or two given their own chunk size and criticality (drawn after the
+        rest, so a seed's handlers are those it drew before these were)."""
+        r = self.r
+        if r.random() < 0.5:
+            for name in r.sample(sorted(VIAS), r.randint(1, 2)):
+                via = r.choice([d for d in VIAS[name] if shaped or d != "sw1"])
+                head = re.sub(rf"(movement {name} .*?(->|<->)\s*\S+)", rf"\1 via {via}", head, count=1)
+        if r.random() < 0.5:
+            for name in r.sample(sorted(VIAS), r.randint(1, 2)):
+                props = r.choice(["critical; ", ""]) + f"chunk: {r.choice(['256KiB', '1MiB', '4MiB'])}"
+                head = re.sub(rf"(movement {name} [^{{\n]*?)\s*(\{{[^}}]*\}})?\n", rf"\1 {{ {props} }}\n", head, count=1)
+        return head
 
 
 def _timeless(report: dict) -> dict:
