@@ -13,9 +13,10 @@ writes; under a random workload) runs both ways; any difference of the report, m
 included, but for the timings and the loop's event count, is printed with its seed: a
 shortcut that changes what a run computes.  With ``--kernel`` the run with shortcuts also
 runs with its programs in the Linux kernel (root), which must give the same report but for
-an LRU map's evictions.
+an LRU map's evictions; with ``--interp``, in the reference interpreter, which must give the
+same report.
 
-    python tests/fuzz/shortcuts.py --seed 1 --count 50 [--size 3] [--model llama3-8b] [--kernel]
+    python tests/fuzz/shortcuts.py --seed 1 --count 50 [--size 3] [--model llama3-8b] [--kernel] [--interp]
 
 Reproduce one case with ``--seed N --count 1 --write case.fx``.
 """
@@ -250,11 +251,12 @@ def differences(a, b, path="") -> list[str]:
     return [] if a == b else [f"{path}: {a!r} != {b!r}"[:300]]
 
 
-def check(path: Path, workload: dict, kernel: bool = False) -> list[str] | None:
+def check(path: Path, workload: dict, kernel: bool = False, interp: bool = False) -> list[str] | None:
     """How the run with shortcuts differs from the reference (none: the same; None: the
     policy does not compile, as a random one may not: a constant divided by 0; or the
     workload cannot run: a TP degree the model's heads do not split over).  With ``kernel``,
-    also how the run with its programs in the kernel differs (but for an LRU map's contents)."""
+    also how the run with its programs in the kernel differs (but for an LRU map's contents);
+    with ``interp``, how it differs with its programs in the interpreter instead of the JIT."""
     res = build(path, diags=Diagnostics())
     if res is None:
         return None
@@ -266,6 +268,8 @@ def check(path: Path, workload: dict, kernel: bool = False) -> list[str] | None:
         if kernel:
             in_kernel = _run(folder, False, "kernel", **workload)
             out += [f"kernel: {d}" for d in differences(_but_lru(fast), _but_lru(in_kernel))]
+        if interp:
+            out += [f"interp: {d}" for d in differences(fast, _run(folder, False, "interp", **workload))]
         return out
     except WorkloadError:
         return None
@@ -278,6 +282,7 @@ def main(argv=None) -> int:
     ap.add_argument("--size", type=int, default=3, help="most statements per block")
     ap.add_argument("--model", default="llama3-8b", help="the workload's model")
     ap.add_argument("--kernel", action="store_true", help="also run the programs in the kernel (root)")
+    ap.add_argument("--interp", action="store_true", help="also run the programs in the interpreter")
     ap.add_argument("--write", type=Path, help="write the (last) policy here")
     args = ap.parse_args(argv)
     found = invalid = 0
@@ -288,7 +293,7 @@ def main(argv=None) -> int:
             path.write_text(Policy(rng, args.size).text())
             workload = dict(model=args.model, prompt=rng.choice([256, 512, 1024]), tp=rng.choice([2, 4, 8]),
                             batch=rng.choice([1, 1, 2]))
-            diffs = check(path, workload, args.kernel)
+            diffs = check(path, workload, args.kernel, args.interp)
             invalid += diffs is None
             if diffs:
                 found += 1
