@@ -197,8 +197,6 @@ def run(bundle: Bundle | str | Path, *, model: str | None = None, prompt: int | 
                               max_events=default_max_events(trace) if max_events is None else (max_events or None))
             eng = Engine(bundle, bundle.manifest, create_maps(bundle.manifest), vm, opts)
             eng.simulate()
-            if hasattr(vm, "sync"):          # a backend whose maps live elsewhere: read them back
-                vm.sync()
             record = eng.record()
             data = stats.collect(record)
             data["policy"] = bundle.name

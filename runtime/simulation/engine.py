@@ -290,7 +290,8 @@ class Engine:
         return self.report()
 
     def simulate(self) -> None:
-        """Run the prefill to its end (and the ticks due by then)."""
+        """Run the prefill to its end (and the ticks due by then), and leave the maps as its
+        programs left them: read back from a backend that keeps them elsewhere (the kernel)."""
         self.prefill = Prefill(self, self._prefill_finished, self._evidence)
         self.prefill.place()
         self._start_ticks()
@@ -301,6 +302,9 @@ class Engine:
             raise RuntimeError(f"the prefill did not finish: {self._stuck()}")
         self._catch_up(self.ticks, self.prefill.finished)
         self._run_observers()
+        sync = getattr(self.backend, "sync", None)
+        if sync is not None:
+            sync()
 
     def _stuck(self) -> str:
         """What a prefill that did not finish left undone (for the internal error's report)."""

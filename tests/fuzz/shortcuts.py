@@ -221,15 +221,10 @@ def _run(folder: Path, reference: bool, backend: str = "jit", **workload) -> dic
     memo, dispatch.MEMO_LIMIT = dispatch.MEMO_LIMIT, 0 if reference else dispatch.MEMO_LIMIT
     vm = get_backend(backend)
     try:
-        eng = Engine(folder, man, create_maps(man), vm, opts)
-        eng.simulate()
-        if hasattr(vm, "sync"):     # the kernel's maps, read back
-            vm.sync()
-        report = _timeless(eng.report())
+        return _timeless(Engine(folder, man, create_maps(man), vm, opts).run())
     finally:
         dispatch.MEMO_LIMIT = memo
         vm.close()
-    return report
 
 
 def _but_lru(report: dict) -> dict:
