@@ -359,3 +359,31 @@ def test_the_kernel_backend_holds_the_process_to_one_cpu_while_it_is_open():
     finally:
         kb.close()
     assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.skipif(not OK, reason=WHY)
+def test_a_per_cpu_maps_values_are_where_the_kernel_runs_the_programs():
+    """Our per-CPU map holds one CPU's values: the kernel backend puts them in the slot of the
+    CPU it holds the process to, which here is not CPU 0, so a program run there reads them."""
+    import os
+
+    from fabric_ext.runtime.machine.asm import assemble
+    from fabric_ext.runtime.machine.maps import PERCPU_ARRAY, Map
+    before = os.sched_getaffinity(0)
+    others = sorted(before - {0})
+    if not others:
+        pytest.skip("this process may run on CPU 0 only: no other CPU's slot to tell apart")
+    m = Map("v", PERCPU_ARRAY, 4, 8, 1)
+    m[0] = 41
+    prog = Program("read", assemble("stw [%r10-4], 0\nmov %r2, %r10\nadd %r2, -4\nlddw %r1, map 0\ncall 1\n"
+                                    "jeq %r0, 0, out\nldxdw %r0, [%r0+0]\nexit\nout:\nmov %r0, 0\nexit"),
+                   [m], ctx_size=8)
+    os.sched_setaffinity(0, {others[0]})     # the backend holds the process to the least CPU it may use
+    try:
+        kb = kernel.KernelBackend()
+        try:
+            assert kb.cpu == others[0] and kb.run(kb.load(prog), bytearray(8)) == 41
+        finally:
+            kb.close()
+    finally:
+        os.sched_setaffinity(0, before)
