@@ -15,6 +15,7 @@ from fabric_ext.contract.context import ContextCodec
 from fabric_ext.contract.hooks import HOOKS
 from fabric_ext.runtime.machine.interp import Interpreter
 from fabric_ext.runtime.simulation import dispatch
+from fabric_ext.runtime.simulation.hook_site import ShimHookSite
 from policy_helpers import compiled
 from test_runtime import compile_text, run_engine
 
@@ -77,7 +78,6 @@ def test_islands_with_no_enter_or_complete_program_are_not_asked_and_nothing_cha
     (`ShimHookSite._watching`): the islands it watches are exactly those, and a run that asks
     every island gives the same report but for its events (it has an event at every arrival:
     `Fabric._lands_quietly`)."""
-    from fabric_ext.runtime.simulation.hook_site import ShimHookSite
     report, eng = run_engine(compiled(name))
     man = load_manifest(compiled(name))
     kinds = {i["name"]: i["kind"] for i in man["fabric"]["islands"]}
@@ -92,10 +92,11 @@ def test_islands_with_no_enter_or_complete_program_are_not_asked_and_nothing_cha
 
 
 def test_issue_decisions_stand_for_the_transfer_and_still_act(monkeypatch):
-    """prefill_qos's GPU issue handlers for weights decide from the movement alone: the shim is
-    asked once per transfer, each later chunk takes the standing decisions, and those still
-    act: every chunk counts as delivered to the hook, and prefetch 2 holds (weights two layers
-    ahead).  KV write-back's handler reads the chunk's bytes: asked for every chunk."""
+    """prefill_qos's GPU issue handlers for weights decide from the movement alone: each GPU's
+    shim is asked once per movement, every later chunk of that transfer and of the movement's
+    later transfers there takes the standing decisions, and those still act: every chunk
+    counts as delivered to the hook, and prefetch 2 holds (weights two layers ahead).  KV
+    write-back's handler reads the chunk's bytes: asked for every chunk."""
     from fabric_ext.runtime.machine.jit import JitBackend
     from fabric_ext.runtime.simulation.shims import Shim
     asked = Counter()
@@ -109,7 +110,8 @@ def test_issue_decisions_stand_for_the_transfer_and_still_act(monkeypatch):
         by_name[t.name, "transfers"] += 1
         by_name[t.name, "chunks"] += t.chunks_total
     for weights in ("attn_weights", "ffn_weights"):
-        assert asked["issue", ids[weights]] == by_name[weights, "transfers"] < by_name[weights, "chunks"]
+        gpus = {t.dst for t in eng.fabric.transfers if t.name == weights}
+        assert asked["issue", ids[weights]] == len(gpus) < by_name[weights, "transfers"]
     assert asked["issue", ids["kv_writeback"]] == by_name["kv_writeback", "chunks"]
     issued = sum(i["per_hook"].get("issue", 0) for i in report["islands"] if i["name"].startswith("gpu"))
     assert issued == sum(by_name[m, "chunks"] for m in ("attn_weights", "ffn_weights", "kv_writeback"))
@@ -196,6 +198,33 @@ def test_a_program_detached_mid_run_leaves_trains_what_the_loop_does():
     looped, _ = _detached_mid_run(False)
     assert _timeless(stepped) == _timeless(looped)
     assert eng.fabric.trains.steps and stepped["ttft_ms"] > 2.5
+
+
+def test_decisions_shared_by_transfers_change_nothing_but_the_asking(monkeypatch):
+    """A static plan's standing decisions serve the later transfers whose fields the handlers
+    read are the same (`HookPlan.shared`): the run is the one where every transfer's first
+    chunk asks the programs, also where programs are detached mid-run (what they decided is
+    shared no more)."""
+    shared, eng = _detached_mid_run(True)
+    assert any(plan.shared for plan in eng.site.remembered.plans.values())
+    monkeypatch.setattr(ShimHookSite, "_shared", staticmethod(lambda plan, t: None))
+    asked, _ = _detached_mid_run(True)
+    assert _timeless(shared) == _timeless(asked)
+
+
+def test_decisions_shared_by_transfers_follow_the_fields_the_handler_reads(tmp_path):
+    """Decisions from a transfer's own field (its layer) are shared only by transfers of the
+    same layer: each layer's chunks get their own priority."""
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0 }
+movement w_in = weights : pool0 -> gpu*
+policy p { on w_in.forward at sw0 { priority = ev.layer % 4 } }""")
+    report, eng = run_engine(out)
+    sw0 = next(i for i in report["islands"] if i["name"] == "sw0")
+    assert set(sw0["decisions"]["forward.priority"]) == {"0", "1", "2"}    # (3, the default, is no decision)
+    transfers = [t for t in eng.fabric.transfers if t.name == "w_in"]
+    assert sw0["invocations"] == len({t.layer for t in transfers}) < len(transfers)
 
 
 def test_decisions_remembered_per_map_entry_follow_the_entry(tmp_path):

@@ -11,7 +11,10 @@ fields a program reads):
   entering it on the transfer's path ("enter"), so later chunks take them without asking the
   shims.  They are kept on the transfer (`Transfer.standing`, keyed by island and moment),
   where each of its chunks finds them in one lookup.  Their uses are counted as hits of the
-  decisions they repeat when the run's report is drawn (`settle`).
+  decisions they repeat when the run's report is drawn (`settle`).  A static plan's decisions
+  are a function of the transfer's own fields, so one `Standing` serves every transfer with
+  the same values of those the hooks read (`HookPlan.shared`): a transfer's first chunk takes
+  it as its later ones do.
 
 A program detached after a fault takes its island's standing decisions with it (`forget`).
 The fabric reads none of this itself (a transfer only carries its standing decisions for the
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .dispatch import Known
+from .dispatch import MEMO_LIMIT, Known
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,12 @@ class HookPlan:
     at_hop: bool = False        # not static, but each decides from those, the ports at the chunk's
                                 # hop and array entries at keys among them (`AtHop`)
     watch: tuple = ()           # (island, hook, movement) of each hook: `HookSite.before_event`'s args
+    key: tuple | None = None    # static: where the fields the hooks read lie in `Transfer.ctx`
+    shared: dict = field(default_factory=dict, compare=False)   # static: those fields' values -> Standing
+
+    def key_of(self, transfer) -> tuple:
+        """The values of the fields a static plan's hooks read, for ``transfer``."""
+        return tuple([transfer.ctx[i] for i in self.key])
 
 
 @dataclass(slots=True)
@@ -71,14 +80,18 @@ class Watched(Standing):
 class DecisionCache:
     plans: dict[tuple, HookPlan] = field(default_factory=dict)
     _holders: set = field(default_factory=set)         # the transfers with standing decisions
-    _settled: list[Standing] = field(default_factory=list)
+    _settled: dict[int, Standing] = field(default_factory=dict)    # by id: a shared one once
 
-    def stand(self, transfer, island: str, moment: str, standing: Standing) -> None:
-        """``standing`` holds for the transfer's later chunks at ``island`` at ``moment``."""
+    def stand(self, transfer, island: str, moment: str, standing: Standing, shared_by: HookPlan | None = None) -> None:
+        """``standing`` holds for the transfer's later chunks at ``island`` at ``moment``, and
+        where ``shared_by`` (a static plan) for the transfers after it with the same values of
+        the fields the plan's hooks read (`HookPlan.shared`)."""
         self._holders.add(transfer)
         transfer.standing = {**transfer.standing, (island, moment): standing}
         if standing.repeats:        # (uses to count as hits)
-            self._settled.append(standing)
+            self._settled[id(standing)] = standing
+        if shared_by is not None and len(shared_by.shared) < MEMO_LIMIT:
+            shared_by.shared[shared_by.key_of(transfer)] = standing
 
     @property
     def standing(self) -> dict[tuple, Standing]:
@@ -89,10 +102,13 @@ class DecisionCache:
         """A program of ``island`` was detached: what it decided no longer holds."""
         for t in self._holders:
             t.standing = {k: s for k, s in t.standing.items() if k[0] != island}
+        for where, plan in self.plans.items():
+            if where[0] == island:
+                plan.shared.clear()
 
     def settle(self) -> None:
         """Count each standing decision's uses as hits of the decisions it repeats (once)."""
-        for s in self._settled:
+        for s in self._settled.values():
             for known in s.repeats:
                 known.hits += s.uses
             s.uses = 0
