@@ -124,14 +124,6 @@ class ContextCodec:
             hit = self._plans[names] = (struct.Struct(fmt), start, getter, masks, order)
         return hit
 
-    def row_struct(self, names: tuple) -> struct.Struct:
-        """A struct packing the given fields, named in offset order, from a context's start
-        (the gaps as zeros: give it inputs only), for contexts built one at a time."""
-        if list(names) != sorted(names, key=lambda n: self._offs[n][0]):
-            raise ValueError(f"{self.hook.name}: fields {names} are not in offset order")
-        st, start, *_ = self._layout_for(names)
-        return struct.Struct("<" + "x" * start + st.format[1:])
-
     def _write(self, buf, values):
         if not values:
             return

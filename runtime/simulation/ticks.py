@@ -23,13 +23,10 @@ on 11 ports over a 2 s prefill is 2.4 million program runs.
 from __future__ import annotations
 
 import bisect
-import struct
-from itertools import chain, repeat
 
 import numpy as np
 
 BLOCK = 4096               # ticks of the shortest period per batch
-ROW_FIELDS = ("now", "port", "peer", "util_pct", "bytes", "queue_bytes", "period")   # in offset order
 
 
 def _after(flat, i: int, x: float, stop: bool) -> int:
@@ -227,10 +224,6 @@ class TickSource:
         blank = codec.pack()
         self.template = np.frombuffer(blank, dtype=self.dtype)[0]
         self.ports, self.peers = list(range(n)), list(peers)
-        self.row = codec.row_struct(ROW_FIELDS)
-        if any(blank[self.row.size:]):   # `_rows_struct` packs what follows the inputs as zeros
-            raise ValueError(f"{island}: a tick context must end with its inputs (tick hooks decide nothing)")
-        self._rows: dict[int, struct.Struct] = {}
         self.buf = self.raw = None
 
     @property
@@ -288,28 +281,20 @@ class TickSource:
         return times[0] if len(times) == 1 else self._in_time_order(buf, np.concatenate(times))
 
     def _last_ticks(self, due: list, upto: float):
-        """`_many_ticks` for one tick per due period, counted and packed in Python."""
+        """`_many_ticks` for one tick per due period, counted in Python and written into the
+        buffer a column at a time (its port and peer columns are filled once)."""
         n = len(self.ports)
         flats = self._flats()
         ticks = [p.last_tick(flats, self.enqueues, upto, self.queue_read) + (i, p) for i, p in enumerate(due)]
         if len(ticks) > 1:      # in time order; at one time the shorter period first (`due` is so)
             ticks.sort(key=lambda tick: (tick[0], tick[4]))
-        values = []
-        for t, busy, sent, queued, _, p in ticks:
-            utils = [int(p.util_pct(b)) for b in busy]
-            values += chain.from_iterable(zip(repeat(t, n), self.ports, self.peers, utils, map(int, sent),
-                                              map(int, queued), repeat(p.period, n)))
-        self._buffer(len(ticks) * n)
-        self._rows_struct(len(ticks) * n).pack_into(self.raw, 0, *values)
+        buf = self._buffer(len(ticks) * n)
+        for at, (t, busy, sent, queued, _, p) in enumerate(ticks):
+            rows = buf[at * n:(at + 1) * n]
+            rows["now"], rows["period"] = t, p.period
+            rows["util_pct"] = [p.util_pct(b) for b in busy]     # (the cast floors them, as in `fill`)
+            rows["bytes"], rows["queue_bytes"] = sent, queued
         return [float(tick[0]) for tick in ticks]
-
-    def _rows_struct(self, rows: int) -> struct.Struct:
-        """`row` repeated for ``rows`` contexts, each padded to a whole context."""
-        st = self._rows.get(rows)
-        if st is None:
-            pad = "x" * (self.dtype.itemsize - self.row.size)
-            st = self._rows[rows] = struct.Struct("<" + (self.row.format[1:] + pad) * rows)
-        return st
 
     @staticmethod
     def _in_time_order(buf: np.ndarray, times: np.ndarray) -> np.ndarray:
