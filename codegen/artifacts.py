@@ -56,6 +56,7 @@ def manifest(analysis, ids, compiled, opt: int, mcpu: str, files: dict[str, byte
                              "ctx_size": pir.hook.ctx_size, "tick_periods_ns": periods,
                              "handlers": [{"movement": h.movement_id, "period": h.period, "maps": h.maps,
                                            "reads": h.reads, "map_reads": h.map_reads, "last_wins": h.last_wins,
+                                           "per_port": h.per_port,
                                            "line": h.span.line, "file": h.span.file, "decides": h.decides()}
                                           for h in pir.handlers]})
     maps = []

@@ -145,6 +145,7 @@ class HandlerIR:
     maps: list[str] = field(default_factory=list)   # maps the guard and body use, sorted
     reads: list[str] = field(default_factory=list)  # context fields the guard and body read, sorted
     last_wins: bool = False     # tick handlers: runs in a row leave only the last one's effect
+    per_port: bool = False      # ... and a port's run writes only that port's entries
     map_reads: list | None = None   # (map, key) entries its decisions read, when it only reads maps so
 
     def decides(self) -> dict[str, list[int]]:

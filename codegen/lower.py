@@ -283,6 +283,15 @@ def _last_wins(h: ir.HandlerIR, prog: ir.ProgramIR, maps: dict) -> bool:
     return not any(written & set(o.maps) for o in prog.handlers if o is not h)
 
 
+def _per_port(h: ir.HandlerIR, maps: dict) -> bool:
+    """Whether a `last_wins` tick handler's run for one port's context writes only that port's
+    entries, of array maps (every store's key is the port itself): then one port's tick may
+    run ahead of the others' and leave what theirs write alone (`ticks.TickSource.preview`).
+    A hash map is left out: which keys a full one takes depends on the order of the stores."""
+    return h.last_wins and all(not isinstance(s, ir.MapUpdate) or maps[s.map].kind == "array" and
+                               isinstance(s.key, ir.CtxField) and s.key.name == "port" for s in h.body)
+
+
 def _map_reads(h: ir.HandlerIR, hook, maps: dict) -> list | None:
     """The map entries a handler's decisions depend on besides its context fields, when it
     only reads maps and only at keys the runtime can work out before it runs: array maps at
@@ -349,6 +358,7 @@ def lower(analysis, ids: IdTables, opt: int, diags: Diagnostics) -> list[ir.Prog
         prog.maps = sorted(used_maps)
         for h in prog.handlers:
             h.last_wins = _last_wins(h, prog, analysis.symbols.maps)
+            h.per_port = _per_port(h, analysis.symbols.maps)
             h.map_reads = _map_reads(h, prog.hook, analysis.symbols.maps)
         used = _stack_bytes(prog, max((_max_emit(h.body) for h in prog.handlers), default=0))
         if used > STACK_LIMIT:

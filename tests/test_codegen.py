@@ -416,32 +416,37 @@ def test_more_maps_than_one_program_may_use_is_a_diagnostic(tmp_path):
     assert r.returncode == 1 and "uses more than 64 maps" in r.stderr, r.stderr
 
 
+# (handler body, last_wins, per_port)
 LAST_WINS_CASES = [
-    ("port_util[ev.port] = ev.util_pct", True),
-    ("let u = ev.util_pct * 2; port_util[ev.port + 1] = u", True),
-    ("port_util[ev.port] = ev.util_pct; port_util[0] = 50%", True),
-    ("port_util[ev.port] += ev.util_pct", False),                          # accumulates
-    ("if ev.util_pct > 50% { port_util[ev.port] = 1 }", False),            # not every run writes
-    ("port_util[ev.util_pct % 16] = 1", False),                            # the keys vary per tick
-    ("port_util[ev.port] = port_util[ev.port] + 1", False),                # reads the map
-    ("lru[ev.port] = ev.util_pct", False),                                 # eviction order depends on history
-    ("hot[ev.port] = ev.util_pct", True),
+    ("port_util[ev.port] = ev.util_pct", True, True),
+    ("let u = ev.util_pct * 2; port_util[ev.port + 1] = u", True, False),  # another port's entry
+    ("port_util[ev.port] = ev.util_pct; port_util[0] = 50%", True, False),
+    ("port_util[ev.port] = ev.util_pct; q[ev.port] = ev.bytes", True, True),
+    ("port_util[ev.peer] = ev.util_pct", True, False),                     # peers may repeat
+    ("port_util[ev.port] += ev.util_pct", False, False),                   # accumulates
+    ("if ev.util_pct > 50% { port_util[ev.port] = 1 }", False, False),     # not every run writes
+    ("port_util[ev.util_pct % 16] = 1", False, False),                     # the keys vary per tick
+    ("port_util[ev.port] = port_util[ev.port] + 1", False, False),         # reads the map
+    ("lru[ev.port] = ev.util_pct", False, False),                          # eviction order depends on history
+    ("hot[ev.port] = ev.util_pct", True, False),                           # a full map keeps the first keys
 ]
 
 
-@pytest.mark.parametrize("body,expect", LAST_WINS_CASES)
-def test_tick_handlers_that_only_the_last_run_counts_for(tmp_path, body, expect):
-    """`last_wins` in the manifest: the runtime may run only the last of a run of ticks."""
+@pytest.mark.parametrize("body,last_wins,per_port", LAST_WINS_CASES)
+def test_tick_handlers_that_only_the_last_run_counts_for(tmp_path, body, last_wins, per_port):
+    """`last_wins` in the manifest: the runtime may run only the last of a run of ticks; and
+    `per_port`: a port's run writes only that port's entries, so it may run ahead of the others'."""
     from test_runtime import compile_text
     out = compile_text(tmp_path, f"""
 import "fabrics/dgx_cxl.fx"
 map port_util : array<u32, percent>[16]
+map q : array<u32, size>[16]
 map hot : hash<u32, percent>[16]
 map lru : lru_hash<u32, percent>[4]
 policy p {{ on sw0.tick(10us) {{ {body} }} }}""")
     (handlers,) = [p["handlers"] for p in json.loads((out / "manifest.json").read_text())["programs"]
                    if p["hook"] == "tick"]
-    assert handlers[0]["last_wins"] is expect
+    assert (handlers[0]["last_wins"], handlers[0]["per_port"]) == (last_wins, per_port)
 
 
 def test_a_tick_handler_another_reads_from_is_not_last_wins(tmp_path):

@@ -18,10 +18,10 @@ TICK = HOOKS["cxl_switch", "tick"]
 class RecordingShim:
     """Stands in for a shim: keeps every context it is given."""
 
-    def __init__(self, last_wins_periods=(), reads=("queue_bytes",)):
+    def __init__(self, last_wins_periods=(), reads=("queue_bytes",), per_port=False):
         self.codecs = {"tick": ContextCodec(TICK)}
         # no handler list: every field is read; else handlers whose runs only the last one's counts
-        self.handlers = {"tick": [{"period": p, "reads": list(reads), "last_wins": True}
+        self.handlers = {"tick": [{"period": p, "reads": list(reads), "last_wins": True, "per_port": per_port}
                                   for p in last_wins_periods]} if last_wins_periods else {}
         self.rows = []
         self.passed = 0
@@ -31,6 +31,9 @@ class RecordingShim:
 
     def has(self, hook):
         return True
+
+    def maps_for(self, hook, movement):
+        return frozenset({"m"})
 
     def deliver_batch(self, hook, rows, row_time):
         self.rows.extend(rows.copy().view(self.codecs["tick"].dtype()).reshape(-1))
@@ -138,6 +141,38 @@ def test_only_the_last_of_overwriting_ticks_runs_and_sees_its_own_counters(chunk
     assert shim.passed == 3 * (len(every) - len(runs))
 
 
+@settings(max_examples=150, deadline=None)
+@given(arrivals, catch_ups, st.lists(st.tuples(st.integers(0, 400), st.integers(0, 3)), max_size=12),
+       st.sampled_from([7, 10, 25]))
+def test_a_port_run_ahead_sees_its_own_counters_and_the_catch_up_leaves_it_out(chunks, catch_up_at, ahead_at,
+                                                                                 period):
+    """`per_port` handlers: a port's tick run ahead of the others' to bring its entry of map m
+    up to date (`TickSource.preview`, port 3 writes none) has the context it would have had at
+    its time; the catch-up that reaches that tick leaves the port out, and every (tick, port)
+    due is run or passed over once."""
+    shim = RecordingShim(last_wins_periods=[period], reads=("util_pct",), per_port=True)
+    sim, servers, src, every, samples = _three_ports(shim, [period], chunks)
+    events = sorted([(t, i, port) for i, (t, port) in enumerate(ahead_at)] + [(t, -1, None) for t in catch_up_at])
+    for t, _, port in events:
+        sim.at(t, *((src.catch_up, t) if port is None else (src.preview, [("m", port)], t)))
+    sim.run(until=END)
+    src.catch_up(END)
+    row = {(w[0], w[1]): w[:5] + (0,) + w[6:] for w in sampled(every, samples, servers)}
+    want, next_k, ahead = [], 1, {}
+    for t, _, port in events + [(END, 0, None)]:
+        k = t // period
+        if k < next_k:
+            continue            # nothing due
+        if port is None:
+            want += [row[k * period, q] for q in range(3) if ahead.get(q) != k]
+            next_k, ahead = k + 1, {}
+        elif port < 3 and ahead.get(port) != k:
+            ahead[port] = k
+            want.append(row[k * period, port])
+    assert got_rows(shim) == want
+    assert len(shim.rows) + shim.passed == 3 * len(every)
+
+
 def _same_run(folder, **kw):
     from fabric_ext.runtime.machine.jit import JitBackend
     lazy, eng_lazy = run_engine(folder, backend=JitBackend(), **kw)
@@ -161,6 +196,25 @@ def test_lazy_ticks_equal_ticks_at_their_time_when_the_map_is_read():
     # the tick overwrites port_util: of the ticks between two reads only the last one runs
     assert eng.shims["sw0"].invocations["tick"] < sw0["per_hook"]["tick"] / 4
     assert sw0["decisions"]["forward.rate"]       # the tick-written utilisation paced some KV
+
+
+def test_a_port_whose_entry_a_standing_decision_reads_runs_its_tick_ahead_alone(monkeypatch):
+    """prefill_qos: what stands for a KV transfer at the switch holds while the tick-written
+    utilisation of its port does; checking it runs that port's pending tick alone
+    (`TickSource.preview`: the handler is `per_port`), and the catch-up that reaches the tick
+    leaves the port out.  The run is the one with every port caught up at each check, and the
+    one with each tick run at its time (`_same_run`)."""
+    ahead = []
+    run_ahead = TickSource._run_ahead
+    monkeypatch.setattr(TickSource, "_run_ahead", lambda self, *a: ahead.append(a[1:]) or run_ahead(self, *a))
+    previewed, _ = _same_run(compiled("prefill_qos"), prompt=4096)
+    assert ahead
+    monkeypatch.setattr(TickSource, "preview", lambda self, entries, t: False)
+    caught_up, _ = _same_run(compiled("prefill_qos"), prompt=4096)
+    for key in ("ttft_ms", "maps", "movements", "faults"):
+        assert previewed[key] == caught_up[key], key
+    assert [{k: v for k, v in i.items() if k not in ("ns_per_invocation", "invocations")} for i in previewed["islands"]] \
+        == [{k: v for k, v in i.items() if k not in ("ns_per_invocation", "invocations")} for i in caught_up["islands"]]
 
 
 def test_lazy_ticks_equal_ticks_at_their_time_when_the_tick_reads_a_map(tmp_path):

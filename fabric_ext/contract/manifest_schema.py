@@ -141,7 +141,7 @@ COUNT64 = integer(0, (1 << 64) - 1)
 NAMES = list_of(text(NAME))
 HANDLER = record({"movement": nullable(ID), "period": nullable(integer(1, MAX_NS)), "maps": NAMES,
                   "reads": NAMES, "last_wins": boolean},
-                 {"map_reads": nullable(list_of(anything)), "line": COUNT, "file": text(),
+                 {"map_reads": nullable(list_of(anything)), "per_port": boolean, "line": COUNT, "file": text(),
                   "decides": mapping(list_of(COUNT))})
 SCHEMA = record({
     "files": mapping(text(SHA256), FILE_NAME),

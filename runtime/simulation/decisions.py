@@ -62,6 +62,7 @@ class AtHop(Standing):
     hop: int = 0
     guard: tuple = ()           # (the map's values, the entry's span, its bytes then) each
     watch: tuple = ()           # what `HookSite.before_event` runs before they are read: the ticks
+    entries: tuple = ()         # (map, index) of each entry of the guard, which it is told of
 
 
 @dataclass(slots=True)

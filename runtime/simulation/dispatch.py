@@ -37,15 +37,16 @@ class Known:
 
 class Acting:
     """The handlers of one program that act on one movement's events."""
-    __slots__ = ("hook", "maps", "key_fields", "entries", "reads", "memo", "retired", "watched")
+    __slots__ = ("hook", "maps", "key_fields", "entries", "entry_maps", "reads", "memo", "retired", "watched")
 
     def __init__(self, hook: str, maps: frozenset, key_fields: tuple | None, entries: tuple = (),
-                 reads: frozenset | None = None):
+                 reads: frozenset | None = None, entry_maps: tuple = ()):
         self.hook = hook
         self.maps = maps                 # maps the handlers may touch
         self.reads = reads               # context fields the handlers read (None: any)
         self.key_fields = key_fields     # fields the decisions depend on; None: not a function of them
         self.entries = entries           # the map entries they also depend on: (values, size, count, field, const)
+        self.entry_maps = entry_maps     # ... the name of each one's map
         self.memo: dict[tuple, Known] = {}
         self.retired: list[Known] = []   # remembered once, kept for their counts
         self.watched = False             # its events wait for a batch (`observers.mark_observers`)
@@ -111,7 +112,7 @@ def acting(hook: str, prog, handlers: list[dict] | None, movement: int | None,
     if not host_maps or any(h.get("map_reads") is None or "reads" not in h for h in act) \
             or any(by_name[name].type != ARRAY for name, _ in map_reads):
         return Acting(hook, maps, None, reads=reads)
-    entries = {(name, key.get("field"), key.get("const", 0)) for name, key in map_reads}
+    entries = sorted({(name, key.get("field"), key.get("const", 0)) for name, key in map_reads}, key=str)
     return Acting(hook, maps, fields, tuple(
         (memoryview(by_name[name].values), by_name[name].value_size, by_name[name].max_entries, field, const)
-        for name, field, const in sorted(entries, key=str)), reads)
+        for name, field, const in entries), reads, tuple(name for name, _, _ in entries))

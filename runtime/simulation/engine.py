@@ -268,8 +268,10 @@ class Engine:
                 self.sim.at(min(due) if self.opts.eager_ticks else max(self.sim.now + self._flush_every, nxt),
                             self._tick_clock)
 
-    def _ticks_before(self, island, hook, movement):
-        """Run the pending ticks whose program shares a map with what this event's handlers touch."""
+    def _ticks_before(self, island, hook, movement, entries=None):
+        """Run the pending ticks whose program shares a map with what this event's handlers touch;
+        where only ``entries`` ((map, index) each) are read, a source that can runs only the
+        ports that write them (`TickSource.preview`)."""
         key = (island, hook, movement)
         deps = self._tick_deps.get(key)
         if deps is None:
@@ -278,8 +280,8 @@ class Engine:
                 t for t in self.ticks
                 if not (t.island == island and hook == "tick") and touched & t.maps]
         now = self.sim.now
-        for t in deps:
-            if t.next_due <= now:       # else nothing the event could see is pending
+        for t in deps:      # (where none is due, nothing the event could see is pending)
+            if t.next_due <= now and not (entries and t.preview(entries, now)):
                 self._catch_up(deps, now)
                 return
 

@@ -50,7 +50,8 @@ class ShimHookSite(HookSite):
             self.handler_lines[p["island"], p["hook"]] = [(h.get("movement"), h.get("line")) for h in p["handlers"]]
         self.remembered = DecisionCache()
         self.fabric: Fabric | None = None     # the fabric that asks (`bind`)
-        self.before_event = None          # callable(island, hook, movement) run before an event's program
+        self.before_event = None          # callable(island, hook, movement[, entries]) run before an
+                                          # event's program, or only these (map, index) entries are read
         self._watched: dict[str, set] = {}     # moment -> islands with a program on one of its hooks
         for shim in shims.values():
             shim.on_detach = self.remembered.forget
@@ -269,9 +270,9 @@ class ShimHookSite(HookSite):
             if plan.static:
                 self._stand_static(plan, t, island, "enter", Standing(merged, each))
             elif plan.at_hop:       # ... at this hop, while the entries read hold
+                guard, entries = self._guard(island, hooks, t.movement_id, fields)
                 self.remembered.stand(t, island, "enter", AtHop(
-                    merged, each, hop=chunk.hop, guard=self._guard(island, hooks, t.movement_id, fields),
-                    watch=plan.watch))
+                    merged, each, hop=chunk.hop, guard=guard, watch=plan.watch, entries=entries))
         return merged
 
     def _enter_fields(self, chunk, plan: HookPlan) -> dict:
@@ -313,17 +314,19 @@ class ShimHookSite(HookSite):
         for shim, hook, stamp in standing.stamps:
             shim.keep(hook, stamp(int(now), chunk.index, chunk.bytes, queued, above, below), now)
 
-    def _guard(self, island, hooks, movement, fields) -> tuple:
+    def _guard(self, island, hooks, movement, fields) -> tuple[tuple, tuple]:
         """The array entries the hooks' decisions for these fields depend on, as (the map's
-        values, the entry's span, its bytes now); one out of range finds nothing, whatever the
-        map holds."""
-        guard = []
+        values, the entry's span, its bytes now), and as (map, index); one out of range finds
+        nothing, whatever the map holds."""
+        guard, entries = [], []
         for h in hooks:
-            for values, *entry in self.shims[island].acting(h, movement).entries:
-                span = entry_span(fields, *entry)
+            act = self.shims[island].acting(h, movement)
+            for name, (values, size, *entry) in zip(act.entry_maps, act.entries):
+                span = entry_span(fields, size, *entry)
                 if span is not None:
                     guard.append((values, span, bytes(values[span])))
-        return tuple(guard)
+                    entries.append((name, span.start // size))
+        return tuple(guard), tuple(entries)
 
     def _holds(self, standing, hop) -> bool:
         """Whether a standing that is `at_hop` holds for a chunk at ``hop``: the entries its
@@ -331,8 +334,8 @@ class ShimHookSite(HookSite):
         if hop != standing.hop:
             return False
         if self.before_event is not None:
-            for args in standing.watch:
-                self.before_event(*args)
+            for island, hook, movement in standing.watch:
+                self.before_event(island, hook, movement, standing.entries)
         return all(values[span] == then for values, span, then in standing.guard)
 
     @staticmethod

@@ -14,8 +14,10 @@ catch-up that runs one tick per period, the common case once ticks are elided, c
 in plain Python: numpy's cost per call would outweigh the work); where the compiler
 marked a period's handlers `last_wins` (each run overwrites everything the one before
 it wrote), only the last due tick of the period runs, the others are counted as
-passed over.  Islands whose tick programs share a map are caught up together, tick
-time by tick time (`catch_up_together`).  The outcome is the same as running each
+passed over; where they are also `per_port` (a port's run writes only that port's entries), a
+check that reads one port's entry runs only that port's pending tick (`TickSource.preview`).
+Islands whose tick programs share a map are caught up together, tick time by tick time
+(`catch_up_together`).  The outcome is the same as running each
 tick at its time (`tests/test_ticks.py` checks both against each other and against
 counters sampled one tick at a time), at a small fraction of the cost: a 10 us tick
 on 11 ports over a 2 s prefill is 2.4 million program runs.
@@ -153,24 +155,30 @@ class _Period:
         same arithmetic in the same order."""
         k1 = int(upto // self.period)
         t_run = float(k1 * self.period)         # floats, as the transmissions' times (see `due`)
-        lo = t_run - float(self.period)
         busy, sent = [], []
         for port, flat in enumerate(flats):
-            i = self.first[port] = _after(flat, self.first[port], lo, stop=True)
-            b = bytes_ = 0.0
-            for j in range(3 * i, len(flat), 3):
-                start = flat[j]
-                if start >= t_run:
-                    break
-                stop, size = flat[j + 1], flat[j + 2]
-                overlap = min(stop, t_run) - max(start, lo)
-                b += overlap
-                bytes_ += size * overlap / (stop - start) if stop > start else 0.0
+            b, bytes_ = self.window(flat, port, t_run)
             busy.append(b)
             sent.append(bytes_)
         self.next_k = k1 + 1
         queued = self._queued(flats, enqueues, t_run) if queue_read else [0.0] * len(flats)
         return k1 * self.period, busy, sent, queued
+
+    def window(self, flat, port: int, t_run: float) -> tuple[float, float]:
+        """A port's busy time and bytes sent in the window of its tick at ``t_run`` (a float),
+        from ``flat``, its transmissions; later windows start from where this one did."""
+        lo = t_run - float(self.period)
+        i = self.first[port] = _after(flat, self.first[port], lo, stop=True)
+        busy = sent = 0.0
+        for j in range(3 * i, len(flat), 3):
+            start = flat[j]
+            if start >= t_run:
+                break
+            stop, size = flat[j + 1], flat[j + 2]
+            overlap = min(stop, t_run) - max(start, lo)
+            busy += overlap
+            sent += size * overlap / (stop - start) if stop > start else 0.0
+        return busy, sent
 
     def _queued(self, flats: list, enqueues: list, t: float) -> list:
         """The bytes queued at each port just before t (its last tick), counted on from the one before."""
@@ -225,6 +233,13 @@ class TickSource:
         self.template = np.frombuffer(blank, dtype=self.dtype)[0]
         self.ports, self.peers = list(range(n)), list(peers)
         self.buf = self.raw = None
+        # one port's tick may run ahead of the others' (`preview`) where a port's run writes only
+        # its own entries and each port is counted alone: one period, no queue read
+        self.per_port = len(self.periods) == 1 and self.periods[0].last_wins and not self.queue_read \
+            and all(h.get("per_port") for h in handlers)
+        self.written = self.maps if self.per_port else frozenset()     # (what a port's run writes)
+        self.ahead: dict[int, int] = {}     # port -> the tick (number) it ran ahead at, since the last catch-up
+        self.runs_ahead = 0                 # runs ahead since the last catch-up
 
     @property
     def active(self) -> bool:
@@ -251,19 +266,54 @@ class TickSource:
                 return
             self.next_due = min(p.due for p in self.periods)
 
+    def preview(self, entries, t: float) -> bool:
+        """Bring the entries of ``entries`` ((map, index) each) that the tick program writes up
+        to date by t, by running the last tick due of the port each is the entry of (its index)
+        ahead of the other ports': True where that is all they need (the handlers are
+        `per_port`: a port's run writes only its own entries), else False, and the caller
+        catches everything up.  A port's run ahead stands for its tick: the catch-up that
+        reaches that tick leaves the port out (`_run`)."""
+        if not (self.per_port and self.elide and self.spans is None and self.active):
+            return False
+        p, t = self.periods[0], min(t, self.end)
+        if p.due > t:
+            return True
+        k = int(t // p.period)
+        for name, port in entries:
+            if self.ahead.get(port) != k and port < len(self.ports) and name in self.written \
+                    and not self._run_ahead(p, port, k):
+                break       # (it faulted, and is detached)
+        return True
+
+    def _run_ahead(self, p: _Period, port: int, k: int) -> bool:
+        """Run tick k for ``port`` alone; False if the program faulted."""
+        t_run = float(k * p.period)
+        busy, sent = p.window(self.servers[port].intervals.flat, port, t_run)
+        row = self._buffer(len(self.ports))[port:port + 1]      # (the row whose port field is this port)
+        row["now"], row["period"], row["util_pct"], row["bytes"] = t_run, p.period, p.util_pct(busy), sent
+        self.ahead[port] = k
+        self.runs_ahead += 1
+        return self.shim.deliver_batch("tick", self.raw[port:port + 1], lambda row: t_run) == 1
+
     def _run(self, upto: float) -> bool:
         """Build the contexts of the ticks up to ``upto`` and run them; False if the program faulted."""
         n = len(self.ports)
         due = [p for p in self.periods if p.due <= upto]
         counts = [p.runs(upto, self.elide) for p in due]
-        passed = sum(p.due_by(upto) for p in due) - sum(counts)
-        if passed:
-            self.shim.pass_over("tick", passed * n)
+        passed = (sum(p.due_by(upto) for p in due) - sum(counts)) * n - self.runs_ahead
         times = self._last_ticks(due, upto) if max(counts) == 1 else self._many_ticks(due, counts, upto)
+        rows = self.raw[:len(times) * n]
+        # each (tick, port) due ran ahead, runs now, or is passed over (a later run of its port overwrites it)
+        ahead = sorted(port for port, k in self.ahead.items() if k == due[0].next_k - 1)   # (one period)
+        passed += len(ahead)
+        if passed:
+            self.shim.pass_over("tick", passed)
+        if ahead:
+            rows = np.delete(rows, ahead, axis=0)
+        self.ahead, self.runs_ahead = {}, 0
         self._trim()
         if self.charge is not None:
             self.charge(len(times))
-        rows = self.raw[:len(times) * n]
         ran = self.shim.deliver_batch("tick", rows, lambda row: float(times[row // n]))
         if self.spans is not None:
             self.spans.extend((self.island, "tick", float(t), 0.0, None) for t in times[:-(-ran // n)])
