@@ -277,6 +277,9 @@ def test_the_context_tracer_sees_what_the_programs_are_given():
         <= sum(per_hook["sw0"].values())
     size = eng.shims["sw0"].codecs["forward"].size
     assert all(len(c) == size for c in forward) and len(set(forward)) > 1
+    # decisions one transfer's chunks share with the next's (`HookPlan.shared`) are not taken
+    # where a tracer records: each transfer's first chunk at the switch reaches its program
+    assert len(forward) >= sum("sw0" in t.path for t in eng.fabric.transfers)
     # each context names its movement's class, operator, ends and criticality: the hook site
     # keeps a transfer's fields as a tuple (`Transfer.ctx`) and names them by position
     ids, movements = man["ids"], {m["id"]: m for m in man["movements"]}
