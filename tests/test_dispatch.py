@@ -207,7 +207,7 @@ def test_decisions_shared_by_transfers_change_nothing_but_the_asking(monkeypatch
     shared no more)."""
     shared, eng = _detached_mid_run(True)
     assert any(plan.shared for plan in eng.site.remembered.plans.values())
-    monkeypatch.setattr(ShimHookSite, "_shared", staticmethod(lambda plan, t: None))
+    monkeypatch.setattr(ShimHookSite, "_shared", staticmethod(lambda plan, t, chunk: None))
     asked, _ = _detached_mid_run(True)
     assert _timeless(shared) == _timeless(asked)
 
@@ -417,8 +417,9 @@ def test_a_chunk_coalesced_from_a_whole_transfer_lands_as_its_parts_in_a_train(t
 def test_a_decision_read_from_a_map_entry_stands_at_its_hop_while_the_entry_holds(monkeypatch):
     """prefill_qos's KV write-back handler at the switch reads port_util[ev.out_port], which
     the switch's tick writes: its decision holds for a transfer's chunks at that hop while the
-    entry is unchanged, so the switch's program is asked once per transfer and per change of
-    the entry, not per chunk; a changed entry is asked about again, and its decision acts."""
+    entry is unchanged, and for the later transfers on the same path (`HookPlan.shared`), so
+    the switch's program is asked once per path and change of the entry, not per transfer or
+    chunk; a changed entry is asked about again, and its decision acts."""
     from fabric_ext.runtime.machine.jit import JitBackend
     from fabric_ext.runtime.simulation.servers import Chunk
     from fabric_ext.runtime.simulation.shims import Shim
@@ -430,7 +431,7 @@ def test_a_decision_read_from_a_map_entry_stands_at_its_hop_while_the_entry_hold
     kv = load_manifest(compiled("prefill_qos"))["ids"]["movements"]["kv_writeback"]
     transfers = [t for t in eng.fabric.transfers if t.movement_id == kv]
     chunks = sum(t.chunks_total for t in transfers)
-    assert len(transfers) <= asked["sw0", "forward", kv] < chunks
+    assert len({tuple(t.path) for t in transfers}) <= asked["sw0", "forward", kv] < len(transfers) < chunks
     t = next(t for t in transfers if ("sw0", "enter") in t.standing)
     out_port = eng.fabric.port_index("sw0", t.path[2])
     port_util = eng.shims["sw0"].maps["port_util"]
@@ -464,11 +465,21 @@ policy p {
 def test_a_decision_standing_at_a_hop_sees_the_ticks_before_it(tmp_path, monkeypatch):
     """Where the entry a standing decision read is written by ticks, the ticks due run before
     it is checked: a run whose decisions flip with the port's load is the same as one that
-    asks the program for every chunk."""
+    asks the program for every chunk.  The standing decisions serve the later transfers on
+    their path too (`HookPlan.shared`), while the entry holds."""
     from fabric_ext.runtime.machine.jit import JitBackend
+    from fabric_ext.runtime.simulation.decisions import AtHop
     folder = compile_text(tmp_path, HOT_PORT)
     small = dict(model="llama3-8b", prompt=8192, tp=8)
+    found, shared = Counter(), ShimHookSite._shared
+
+    def counted(plan, t, chunk):
+        standing = shared(plan, t, chunk)
+        found[type(standing)] += 1
+        return standing
+    monkeypatch.setattr(ShimHookSite, "_shared", staticmethod(counted))
     standing, _ = run_engine(folder, backend=JitBackend(), **small)
+    assert found[AtHop]
     monkeypatch.setattr(dispatch, "MEMO_LIMIT", 0)
     asked, _ = run_engine(folder, backend=JitBackend(), **small)
     assert _timeless(standing) == _timeless(asked)

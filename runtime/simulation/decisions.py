@@ -14,7 +14,8 @@ fields a program reads):
   decisions they repeat when the run's report is drawn (`settle`).  A static plan's decisions
   are a function of the transfer's own fields, so one `Standing` serves every transfer with
   the same values of those the hooks read (`HookPlan.shared`): a transfer's first chunk takes
-  it as its later ones do.
+  it as its later ones do; an `AtHop` serves every transfer on the same path with those
+  values, while its guard holds.
 
 A program detached after a fault takes its island's standing decisions with it (`forget`).
 The fabric reads none of this itself (a transfer only carries its standing decisions for the
@@ -38,12 +39,15 @@ class HookPlan:
     at_hop: bool = False        # not static, but each decides from those, the ports at the chunk's
                                 # hop and array entries at keys among them (`AtHop`)
     watch: tuple = ()           # (island, hook, movement) of each hook: `HookSite.before_event`'s args
-    key: tuple | None = None    # static: where the fields the hooks read lie in `Transfer.ctx`
-    shared: dict = field(default_factory=dict, compare=False)   # static: those fields' values -> Standing
+    key: tuple | None = None    # static or at_hop: where the transfer's fields the hooks read lie in `Transfer.ctx`
+    shared: dict = field(default_factory=dict, compare=False)   # `key_of` -> what stands there
 
-    def key_of(self, transfer) -> tuple:
-        """The values of the fields a static plan's hooks read, for ``transfer``."""
-        return tuple([transfer.ctx[i] for i in self.key])
+    def key_of(self, transfer, chunk) -> tuple:
+        """What the decisions of a static plan's hooks are a function of, for ``transfer``: the
+        values of its fields they read; of an at_hop plan's, those, the chunk's path and its
+        hop there (which give its ports), and the map entries its guard reads (`AtHop`)."""
+        values = tuple([transfer.ctx[i] for i in self.key])
+        return values if self.static else (values, chunk.hop, tuple(chunk.path))
 
 
 @dataclass(slots=True)
@@ -83,16 +87,15 @@ class DecisionCache:
     _holders: set = field(default_factory=set)         # the transfers with standing decisions
     _settled: dict[int, Standing] = field(default_factory=dict)    # by id: a shared one once
 
-    def stand(self, transfer, island: str, moment: str, standing: Standing, shared_by: HookPlan | None = None) -> None:
+    def stand(self, transfer, island: str, moment: str, standing: Standing, share: tuple | None = None) -> None:
         """``standing`` holds for the transfer's later chunks at ``island`` at ``moment``, and
-        where ``shared_by`` (a static plan) for the transfers after it with the same values of
-        the fields the plan's hooks read (`HookPlan.shared`)."""
+        where ``share`` is (a plan, a `HookPlan.key_of`) for the later transfers with that key."""
         self._holders.add(transfer)
         transfer.standing = {**transfer.standing, (island, moment): standing}
         if standing.repeats:        # (uses to count as hits)
             self._settled[id(standing)] = standing
-        if shared_by is not None and len(shared_by.shared) < MEMO_LIMIT:
-            shared_by.shared[shared_by.key_of(transfer)] = standing
+        if share is not None and (len(share[0].shared) < MEMO_LIMIT or share[1] in share[0].shared):
+            share[0].shared[share[1]] = standing
 
     @property
     def standing(self) -> dict[tuple, Standing]:

@@ -136,7 +136,7 @@ class ShimHookSite(HookSite):
         plan = self._one_hook_plan(island, "issue", t.movement_id)
         if not plan.hooks:
             return None
-        standing = self._shared(plan, t)
+        standing = self._shared(plan, t, chunk)
         if standing is not None:
             self.remembered.stand(t, island, moment, standing)
             self._take(standing, t, island, 1)
@@ -156,7 +156,8 @@ class ShimHookSite(HookSite):
             return None
         applied = self._issued(island, known.decisions, t.movement_id)
         if plan.static and not self.trace and known.kept:    # the same for every chunk of the transfer
-            self._stand_static(plan, t, island, moment, Standing(applied, [known], known.decisions.get("prefetch", 0)))
+            self._stand_shared(plan, t, chunk, island, moment,
+                               Standing(applied, [known], known.decisions.get("prefetch", 0)))
         return applied
 
     def finished(self, t):
@@ -183,17 +184,18 @@ class ShimHookSite(HookSite):
             self.set_prefetch(island, standing.prefetch, "issue", t.movement_id)
 
     @staticmethod
-    def _shared(plan: HookPlan, t) -> Standing | None:
-        """What stands for every transfer with ``t``'s values of the fields a static plan's
-        hooks read (`HookPlan.shared`), once one such transfer has asked; else None."""
-        return plan.shared.get(plan.key_of(t)) if plan.shared else None
+    def _shared(plan: HookPlan, t, chunk) -> Standing | None:
+        """What stands for every transfer with ``t``'s key (`HookPlan.key_of`), once one with it
+        has asked; else None."""
+        return plan.shared.get(plan.key_of(t, chunk)) if plan.shared else None
 
-    def _stand_static(self, plan: HookPlan, t, island, moment, standing: Standing) -> None:
+    def _stand_shared(self, plan: HookPlan, t, chunk, island, moment, standing: Standing) -> None:
         """``standing`` holds for the transfer's later chunks, and for the transfers after it
-        with the same values of the fields the plan's hooks read, while the programs that made
-        it stay attached (`DecisionCache.forget`); not where a context tracer must see each
-        transfer's first chunk reach the program."""
-        self.remembered.stand(t, island, moment, standing, plan if self.shims[island].tracer is None else None)
+        with the same key (`HookPlan.key_of`), while the programs that made it stay attached
+        (`DecisionCache.forget`); not where a context tracer must see each transfer's first
+        chunk reach the program."""
+        self.remembered.stand(t, island, moment, standing,
+                              (plan, plan.key_of(t, chunk)) if self.shims[island].tracer is None else None)
 
     def set_prefetch(self, gpu: str, depth: int, hook: str, movement: int | None) -> None:
         """A program's ``prefetch`` decision: the GPU's depth from now on (the latest word holds)."""
@@ -245,8 +247,8 @@ class ShimHookSite(HookSite):
         hooks = plan.hooks
         if not hooks:
             return None
-        standing = self._shared(plan, t) if path is t.path else None
-        if standing is not None:
+        standing = self._shared(plan, t, chunk) if path is t.path else None
+        if standing is not None and (standing.__class__ is Standing or self._holds(standing, chunk.hop)):
             self.remembered.stand(t, island, "enter", standing)
             standing.uses += 1
             return standing.decisions
@@ -268,10 +270,10 @@ class ShimHookSite(HookSite):
                 and all(k is not None and k.kept for k in each):
             # the same for every chunk of this transfer here (None: the program faulted) ...
             if plan.static:
-                self._stand_static(plan, t, island, "enter", Standing(merged, each))
+                self._stand_shared(plan, t, chunk, island, "enter", Standing(merged, each))
             elif plan.at_hop:       # ... at this hop, while the entries read hold
                 guard, entries = self._guard(island, hooks, t.movement_id, fields)
-                self.remembered.stand(t, island, "enter", AtHop(
+                self._stand_shared(plan, t, chunk, island, "enter", AtHop(
                     merged, each, hop=chunk.hop, guard=guard, watch=plan.watch, entries=entries))
         return merged
 
@@ -360,7 +362,8 @@ class ShimHookSite(HookSite):
                                     and all(e[3] is None or e[3] in HOP_FIELDS for e in a.entries) for _, a in acting)
         split = any(a.reads is None or not QUEUE_SPLIT.isdisjoint(a.reads) for _, a in acting)
         hooks = tuple(h for h, _ in acting)
-        key = tuple(sorted({TRANSFER_FIELDS.index(f) for _, a in acting for f in a.key_fields})) if static else None
+        key = tuple(sorted({TRANSFER_FIELDS.index(f) for _, a in acting for f in a.key_fields
+                            if f in TRANSFER_FIELDS})) if static or at_hop else None
         plan = self.remembered.plans[where] = HookPlan(hooks, static, split, at_hop,
                                                        tuple((island, h, movement) for h in hooks), key)
         return plan
