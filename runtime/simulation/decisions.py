@@ -39,13 +39,14 @@ class HookPlan:
     at_hop: bool = False        # not static, but each decides from those, the ports at the chunk's
                                 # hop and array entries at keys among them (`AtHop`)
     watch: tuple = ()           # (island, hook, movement) of each hook: `HookSite.before_event`'s args
-    key: tuple | None = None    # static or at_hop: where the transfer's fields the hooks read lie in `Transfer.ctx`
+    key: tuple | None = None    # static or at_hop: where the transfer's fields the hooks
+                                # read lie in `Transfer.ctx`
     shared: dict = field(default_factory=dict, compare=False)   # `key_of` -> what stands there
 
     def key_of(self, transfer, chunk) -> tuple:
-        """What the decisions of a static plan's hooks are a function of, for ``transfer``: the
-        values of its fields they read; of an at_hop plan's, those, the chunk's path and its
-        hop there (which give its ports), and the map entries its guard reads (`AtHop`)."""
+        """What a static plan's decisions are a function of, for ``transfer``: the values of
+        its fields the hooks read; an at_hop plan's, those, the chunk's path and its hop there
+        (which give its ports) and the map entries read, which its `AtHop`'s guard checks."""
         values = tuple([transfer.ctx[i] for i in self.key])
         return values if self.static else (values, chunk.hop, tuple(chunk.path))
 
@@ -94,8 +95,10 @@ class DecisionCache:
         transfer.standing = {**transfer.standing, (island, moment): standing}
         if standing.repeats:        # (uses to count as hits)
             self._settled[id(standing)] = standing
-        if share is not None and (len(share[0].shared) < MEMO_LIMIT or share[1] in share[0].shared):
-            share[0].shared[share[1]] = standing
+        if share is not None:
+            plan, key = share
+            if len(plan.shared) < MEMO_LIMIT or key in plan.shared:
+                plan.shared[key] = standing
 
     @property
     def standing(self) -> dict[tuple, Standing]:
