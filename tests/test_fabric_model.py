@@ -531,9 +531,9 @@ class Standing(HookSite):
         return (moment, island) == ("enter", "sw") or (moment == "issue" and island.startswith("gpu"))
 
     def standing(self, transfer, island, moment, role=""):
-        return Decided({"priority": self.priorities[transfer.name]})
+        return Decided({"priority": self.priorities[transfer.name]}, moment)
 
-    def stood(self, transfer, island, moment, role, times):
+    def took(self, standing, transfer, island, times):
         self.asked += times
 
     def on_issue(self, chunk, island, role):
@@ -548,8 +548,8 @@ class Standing(HookSite):
 class Decided:
     watched = False
 
-    def __init__(self, decisions):
-        self.decisions = decisions
+    def __init__(self, decisions, moment=""):
+        self.decisions, self.moment = decisions, moment
 
 
 def _pool(n_gpus=3, setup=0.0):
@@ -575,7 +575,7 @@ class _Streamed(NamedTuple):
     ends: list          # per transfer: end, landing, chunks done, queue waits
     links: dict         # per link: bytes, intervals, queued, enqueue records, free time and place, queues
     engines: dict       # per copy engine: chunks, bytes, streams, current transfers
-    asked: int          # what the hook site was asked (and told stood)
+    asked: int          # what the hook site was asked (and told was taken)
     run: tuple          # events, time and places taken when the run ended
     steps: int          # steps trains took
     site: object        # the hook site
@@ -667,9 +667,9 @@ class Words(Standing):
         super().__init__(priorities)
         self.words = {}
 
-    def stood(self, transfer, island, moment, role, times):
-        super().stood(transfer, island, moment, role, times)
-        if moment == "issue":
+    def took(self, standing, transfer, island, times):
+        super().took(standing, transfer, island, times)
+        if standing.moment == "issue":
             self.words[island] = transfer.name
 
     def on_issue(self, chunk, island, role):
@@ -702,7 +702,7 @@ class Reranking(Words):
     switch's island, where its rank changes back."""
 
     def standing(self, transfer, island, moment, role=""):
-        return Decided({"priority": self._rank(transfer, moment)})
+        return Decided({"priority": self._rank(transfer, moment)}, moment)
 
     def on_issue(self, chunk, island, role):
         super().on_issue(chunk, island, role)
@@ -782,7 +782,7 @@ class WatchingByClass(Watching):
     def standing(self, transfer, island, moment, role=""):
         if moment == "enter":
             return self.Shown()
-        return Decided({"priority": self.priorities[transfer.name] - 1})
+        return Decided({"priority": self.priorities[transfer.name] - 1}, moment)
 
     def on_issue(self, chunk, island, role):
         self.asked += 1

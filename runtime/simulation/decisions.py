@@ -22,7 +22,7 @@ The fabric reads none of this itself (a transfer only carries its standing decis
 hook site): it asks the hook site at each decision point, and its trains ask what stands
 (`HookSite.standing`), keep what they work out of it until what stands for the transfer
 changes (`HookSite.stands_for`: a transfer's `standing` dict is replaced at every change, never
-changed in place), and tell the hook site the uses (`HookSite.stood`).
+changed in place), and tell the hook site the uses (`HookSite.took`).
 """
 from __future__ import annotations
 

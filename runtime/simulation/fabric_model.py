@@ -77,9 +77,9 @@ class HookSite:
         none of it changes, so what is worked out from it may be kept that long."""
         return None
 
-    def stood(self, transfer: Transfer, island: str, moment: str, role: str, times: int) -> None:
-        """``times`` more chunks of ``transfer`` took what stands there, without asking
-        (`trains`): count them as asking would have."""
+    def took(self, standing, transfer: Transfer, island: str, times: int) -> None:
+        """``times`` more chunks of ``transfer`` took ``standing`` (what `standing` gave for
+        them at ``island``) without asking (`trains`): count them as asking would have."""
         return None
 
     def finished(self, transfer: Transfer) -> None:

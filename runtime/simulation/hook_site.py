@@ -131,7 +131,7 @@ class ShimHookSite(HookSite):
             if standing.__class__ is Watched:
                 self._show(standing, chunk)
             else:
-                self._take(standing, t, island, 1)
+                self.took(standing, t, island, 1)
             return standing.decisions
         plan = self._one_hook_plan(island, "issue", t.movement_id)
         if not plan.hooks:
@@ -139,7 +139,7 @@ class ShimHookSite(HookSite):
         standing = self._shared(plan, t, chunk)
         if standing is not None:
             self.remembered.stand(t, island, moment, standing)
-            self._take(standing, t, island, 1)
+            self.took(standing, t, island, 1)
             return standing.decisions
         fields = self._chunk_fields(chunk)
         path, queue = chunk.path, None
@@ -172,12 +172,7 @@ class ShimHookSite(HookSite):
         s = t.standing.get((island, ISSUE_MOMENT[role] if moment == "issue" else moment))
         return None if s.__class__ is AtHop else s     # one that holds at a hop is checked there
 
-    def stood(self, t, island, moment, role, times):
-        standing = self.standing(t, island, moment, role)
-        if standing is not None:
-            self._take(standing, t, island, times)
-
-    def _take(self, standing, t, island, times):
+    def took(self, standing, t, island, times):
         """What taking a standing answer ``times`` does: its uses, and an issue hook's prefetch."""
         standing.uses += times
         if standing.prefetch:

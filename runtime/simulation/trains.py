@@ -43,16 +43,17 @@ PRIORITY_ONLY = frozenset({"priority"})
 class _Flow:
     """A transfer whose chunks a train may step: what each step needs of it, worked out once
     (kept on the transfer while what stands for it holds: `HookSite.stands_for`), and how often a train
-    took what stands for it, told to the hook site when the train stops (`HookSite.stood`)."""
+    took what stands for it, told to the hook site when the train stops (`HookSite.took`)."""
     t: object
     server: object              # the first link of its path, shared (the pool's channel)
     link: object                # the link from the next device on, to the end of its path
     engine: object              # the copy engine its chunks are issued to (`Fabric._issue`)
     enter: str | None           # the island its chunks enter as its engine takes them (None: none)
-    enter_priority: int | None  # what stands there: the chunk's priority (None: none)
+    entering: object            # what stands there (`HookSite.standing`; None: the site asks nothing)
+    enter_priority: int | None  # ... the chunk's priority it gives (None: none)
     watched: bool               # ... nothing, but programs watch: each chunk is given to them there
     split: bool                 # ... and what it is given with reads the queue by class (`HookSite.standing`)
-    ends: list                  # (island, role) asked as a chunk is issued, where answers stand
+    ends: list                  # (island, what stands there) asked as a chunk is issued, where answers stand
     issue_priority: int | None  # ... the priority they give (None: none)
     shown: list                 # ... those where nothing stands but programs that watch (`HookSite.on_issue`)
     stream: int = 1             # its chunks' stream on that engine
@@ -65,11 +66,11 @@ class _Flow:
 
     def tell(self, hooks) -> None:
         """Tell the hook site what this train took of what stands, and start counting anew."""
-        if self.entered:
-            hooks.stood(self.t, self.enter, "enter", "", self.entered)
+        if self.entered and self.entering is not None:
+            hooks.took(self.entering, self.t, self.enter, self.entered)
         if self.issued:
-            for island, role in self.ends:
-                hooks.stood(self.t, island, "issue", role, self.issued)
+            for island, standing in self.ends:
+                hooks.took(standing, self.t, island, self.issued)
         self.entered = self.issued = 0
 
 
@@ -184,10 +185,11 @@ class Trains:
                 or _asks(link):
             return None
         entering, watched, split = {}, False, False   # where the site asks nothing of its chunks, nothing is decided
+        stands = None
         if island is not None and self.hooks.asks(island, "enter", t):
-            standing = self.hooks.standing(t, island, "enter")
-            entering, watched = self._answer(standing), standing is not None and standing.watched
-            split = watched and standing.split
+            stands = self.hooks.standing(t, island, "enter")
+            entering, watched = self._answer(stands), stands is not None and stands.watched
+            split = watched and stands.split
         if entering is None:
             return None
         ends, shown, issue_priority = [], [], None
@@ -200,12 +202,12 @@ class Trains:
                 if standing.watched:
                     shown.append(end)
                 else:       # the last end's word holds (`Fabric._issue`)
-                    ends.append(end)
+                    ends.append((end[0], standing))
                     issue_priority = answer.get("priority", issue_priority)
         if shown and issue_priority is not None:    # (a watcher after it would see its priority)
             return None
         stream = CLASS_STREAM.get(t.cls, 1)
-        return _Flow(t, fabric.servers[path[0], path[1]], link, t.engine(stream), island,
+        return _Flow(t, fabric.servers[path[0], path[1]], link, t.engine(stream), island, stands,
                      entering.get("priority"), watched, split, ends, issue_priority, shown, stream,
                      fabric.latency[path[0], path[1]], fabric.latency[path[1], path[2]])
 
@@ -258,7 +260,7 @@ class Trains:
 
     def _enter(self, flow, chunk) -> None:
         """The chunk enters the island its flow's chunks enter as its engine takes it: asking
-        there takes what stands (`HookSite.stood`), or shows it to the programs that watch."""
+        there takes what stands (`HookSite.took`), or shows it to the programs that watch."""
         chunk.island = flow.enter
         if flow.watched:
             self.hooks.on_enter(chunk, flow.enter)
