@@ -49,7 +49,7 @@ class _Flow:
     link: object                # the link from the next device on, to the end of its path
     engine: object              # the copy engine its chunks are issued to (`Fabric._issue`)
     enter: str | None           # the island its chunks enter as its engine takes them (None: none)
-    entering: object            # what stands there (`HookSite.standing`; None: the site asks nothing)
+    enter_standing: object      # what stands there (`HookSite.standing`; None: the site asks nothing)
     enter_priority: int | None  # ... the chunk's priority it gives (None: none)
     watched: bool               # ... nothing, but programs watch: each chunk is given to them there
     split: bool                 # ... and what it is given with reads the queue by class (`HookSite.standing`)
@@ -66,8 +66,8 @@ class _Flow:
 
     def tell(self, hooks) -> None:
         """Tell the hook site what this train took of what stands, and start counting anew."""
-        if self.entered and self.entering is not None:
-            hooks.took(self.entering, self.t, self.enter, self.entered)
+        if self.entered and self.enter_standing is not None:
+            hooks.took(self.enter_standing, self.t, self.enter, self.entered)
         if self.issued:
             for island, standing in self.ends:
                 hooks.took(standing, self.t, island, self.issued)
