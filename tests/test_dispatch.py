@@ -227,6 +227,24 @@ policy p { on w_in.forward at sw0 { priority = ev.layer % 4 } }""")
     assert sw0["invocations"] == len({t.layer for t in transfers}) < len(transfers)
 
 
+def test_decisions_shared_by_transfers_are_kept_for_a_bounded_number_of_keys(tmp_path, monkeypatch):
+    """What a plan shares is kept for at most MEMO_LIMIT keys (a key per value of the fields
+    read, and per path at a hop): past it, later keys ask as before, and the run is the same."""
+    from fabric_ext.runtime.simulation import decisions
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0 }
+movement w_in = weights : pool0 -> gpu*
+policy p { on w_in.forward at sw0 { priority = ev.layer % 4 } }""")
+    unbounded, eng = run_engine(out)
+    layers = len({t.layer for t in eng.fabric.transfers if t.name == "w_in"})
+    assert max(len(plan.shared) for plan in eng.site.remembered.plans.values()) == layers > 2
+    monkeypatch.setattr(decisions, "MEMO_LIMIT", 2)
+    bounded, eng = run_engine(out)
+    assert max(len(plan.shared) for plan in eng.site.remembered.plans.values()) == 2
+    assert _timeless(bounded) == _timeless(unbounded)
+
+
 def test_decisions_remembered_per_map_entry_follow_the_entry(tmp_path):
     """A handler that reads an array entry at a context field's key: its decisions are
     remembered per field value and entry value, so a changed entry runs the program again;
