@@ -138,19 +138,36 @@ class Shim:
                 return known
         codec = self.codecs[hook]
         ctx = codec.fill(fields)
+        if not self._run(hook, handle, ctx, now):
+            return None
+        outcome = codec.outcome(ctx)
+        self.outcomes[hook][outcome] += 1
+        known = act.remember(key, codec.changed_of(outcome)) if key is not None else None
+        return known or self._unremembered(hook, outcome)
+
+    def run(self, hook: str, fields: dict, now: float) -> bool:
+        """Run the program on ``hook`` on one event's context, for its effect on maps alone
+        (a tick's, run ahead of its batch: `TickSource.preview`); False if it faulted."""
+        handle = self.handles.get(hook)
+        if handle is None:
+            return False
+        ctx = self.codecs[hook].fill(fields)
+        if self.tracer is not None:
+            self.tracer(self.island, hook, bytes(ctx))
+        return self._run(hook, handle, ctx, now)
+
+    def _run(self, hook: str, handle, ctx, now: float) -> bool:
+        """One run, counted and timed; a fault is recorded and detaches the program."""
         t0 = time.perf_counter_ns()
         try:
             self.backend.run(handle, ctx)
         except VMFault as e:
             self.fault(hook, e, now)
-            return None
+            return False
         finally:
             self.ns[hook] += time.perf_counter_ns() - t0
             self.invocations[hook] += 1
-        outcome = codec.outcome(ctx)
-        self.outcomes[hook][outcome] += 1
-        known = act.remember(key, codec.changed_of(outcome)) if key is not None else None
-        return known or self._unremembered(hook, outcome)
+        return True
 
     def _unremembered(self, hook: str, outcome: tuple) -> Known:
         """A run's decisions where they are not remembered for its fields: read-only, so runs

@@ -289,11 +289,11 @@ class TickSource:
         """Run tick k for ``port`` alone; False if the program faulted."""
         t_run = float(k * p.period)
         busy, sent = p.window(self.servers[port].intervals.flat, port, t_run)
-        row = self._buffer(len(self.ports))[port:port + 1]      # (the row whose port field is this port)
-        row["now"], row["period"], row["util_pct"], row["bytes"] = t_run, p.period, p.util_pct(busy), sent
         self.ahead[port] = k
         self.runs_ahead += 1
-        return self.shim.deliver_batch("tick", self.raw[port:port + 1], lambda row: t_run) == 1
+        # the context a batch would give it (numbers cast to the fields' integers, as numpy does)
+        return self.shim.run("tick", {"now": int(t_run), "port": port, "peer": self.peers[port], "period": p.period,
+                                      "util_pct": int(p.util_pct(busy)), "bytes": int(sent)}, t_run)
 
     def _run(self, upto: float) -> bool:
         """Build the contexts of the ticks up to ``upto`` and run them; False if the program faulted."""
