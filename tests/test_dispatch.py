@@ -96,13 +96,19 @@ def test_issue_decisions_stand_for_the_transfer_and_still_act(monkeypatch):
     shim is asked once per movement, every later chunk of that transfer and of the movement's
     later transfers there takes the standing decisions, and those still act: every chunk
     counts as delivered to the hook, and prefetch 2 holds (weights two layers ahead).  KV
-    write-back's handler reads the chunk's bytes: asked for every chunk."""
+    write-back's handler only watches, reading the chunk's bytes: each chunk's context is kept
+    for its batch."""
     from fabric_ext.runtime.machine.jit import JitBackend
     from fabric_ext.runtime.simulation.shims import Shim
     asked = Counter()
-    decide = Shim.decide
+    decide, keep = Shim.decide, Shim.keep
     monkeypatch.setattr(Shim, "decide", lambda self, hook, fields, now=0.0:
                         asked.update([(hook, fields["movement"])]) or decide(self, hook, fields, now))
+
+    def kept(self, hook, ctx, now):
+        asked[hook, int(np.frombuffer(bytes(ctx), dtype=self.codecs[hook].dtype())["movement"][0])] += 1
+        keep(self, hook, ctx, now)
+    monkeypatch.setattr(Shim, "keep", kept)
     report, eng = run_engine(compiled("prefill_qos"), backend=JitBackend())
     ids = load_manifest(compiled("prefill_qos"))["ids"]["movements"]
     by_name = Counter()

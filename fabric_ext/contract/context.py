@@ -169,13 +169,16 @@ class ContextCodec:
         plan = self._fill_plan(names)
         if plan is None:
             raise ValueError(f"{self.hook.name}: a decision among the fields {names}")
-        st, getter, masks, order = plan
-        values = list(getter({**fixed, **dict.fromkeys(varying, 0)}) + self._dec_defaults)
-        at = [(i, order.index(v)) for i, v in enumerate(varying) if v in order]
+        st, _, masks, order = plan
+        # the struct's values are picked from the fixed ones (each field's, then the decisions'
+        # defaults) followed by the given ones: one C call per context
+        base = tuple(fixed.get(n, 0) for n in order) + self._dec_defaults
+        at = [len(base) + varying.index(n) if n in varying else i for i, n in enumerate(order)]
+        at += range(len(order), len(base))
+        pick = operator.itemgetter(*at) if len(at) > 1 else (lambda v: tuple(v[i] for i in at))
 
         def make(*given) -> bytes:
-            for i, k in at:
-                values[k] = given[i]
+            values = pick(base + given)
             try:
                 return st.pack(*values)
             except struct.error:       # as `_pack_into`

@@ -38,10 +38,13 @@ class HookPlan:
     queue_split: bool = False   # one reads what is queued ahead by priority (ev.queued_ahead_hi/_lo)
     at_hop: bool = False        # not static, but each decides from those, the ports at the chunk's
                                 # hop and array entries at keys among them (`AtHop`)
-    watch: tuple = ()           # (island, hook, movement) of each hook: `HookSite.before_event`'s args
+    watch: tuple = ()           # (island, hook, movement) of each hook: the ticks that write what its
+                                # handlers read run first (`HookSite.before_reading`)
     key: tuple | None = None    # static or at_hop: where the transfer's fields the hooks
                                 # read lie in `Transfer.ctx`
+    observed: bool = False      # every hook's program only watches the movement's events (`Watched`)
     shared: dict = field(default_factory=dict, compare=False)   # `key_of` -> what stands there
+    watchers: dict = field(default_factory=dict, compare=False)     # (moment, hop, path) -> its `Watched`
 
     def key_of(self, transfer, chunk) -> tuple:
         """What a static plan's decisions are a function of, for ``transfer``: the values of
@@ -66,19 +69,21 @@ class AtHop(Standing):
     map entries they read are unchanged."""
     hop: int = 0
     guard: tuple = ()           # (the map's values, the entry's span, its bytes then) each
-    watch: tuple = ()           # what `HookSite.before_event` runs before they are read: the ticks
-    entries: tuple = ()         # (map, index) of each entry of the guard, which it is told of
+    refresh: object = None      # called with the time before they are read: the ticks that write
+                                # them run (`HookSite.before_reading`); None: none does
 
 
 @dataclass(slots=True)
 class Watched(Standing):
     """Nothing decided, for every chunk: the hooks' programs only watch (`observers.mark_observers`).
     Each chunk that takes it at its hop is still given to them (`ShimHookSite.on_issue`,
-    `on_enter`), which keep its context for their batch."""
+    `on_enter`), which keep its context for their batch.  One serves every transfer on a path
+    (`HookPlan.watchers`): a context's fields are those of the hop, its transfer's and its own."""
     hop: int = 0
     split: bool = False         # a handler reads what is queued ahead by priority
     queue: object = None        # where the chunks queue on from the hop (`servers.Server`; None: nowhere)
-    stamps: tuple = ()          # (shim, hook, the hook's contexts at the hop: `ContextCodec.stamp`) each
+    stamps: tuple = ()          # (shim, hook, the hook's contexts at the hop: `ContextCodec.stamp` of
+                                # the transfer's fields, then the chunk's) each
     watched = True
 
 
@@ -112,6 +117,7 @@ class DecisionCache:
         for where, plan in self.plans.items():
             if where[0] == island:
                 plan.shared.clear()
+                plan.watchers.clear()
 
     def settle(self) -> None:
         """Count each standing decision's uses as hits of the decisions it repeats (once)."""

@@ -234,7 +234,7 @@ class Engine:
         if self.ticks:
             self._flush_every = BLOCK * min(t.shortest for t in self.ticks)
             self.sim.at(0, self._tick_clock)
-            self.site.before_event = self._ticks_before
+            self.site.before_event, self.site.before_reading = self._ticks_before, self._ticks_before_reading
 
     def _group_ticks(self) -> dict[TickSource, list[TickSource]]:
         """Each tick source's group: the sources whose programs share a map with it, directly
@@ -268,10 +268,33 @@ class Engine:
                 self.sim.at(min(due) if self.opts.eager_ticks else max(self.sim.now + self._flush_every, nxt),
                             self._tick_clock)
 
-    def _ticks_before(self, island, hook, movement, entries=None):
-        """Run the pending ticks whose program shares a map with what this event's handlers touch;
-        where only ``entries`` ((map, index) each) are read, a source that can runs only the
-        ports that write them (`TickSource.preview`)."""
+    def _ticks_before(self, island, hook, movement):
+        """Run the pending ticks whose program shares a map with what this event's handlers touch."""
+        now = self.sim.now
+        deps = self._tick_deps_of(island, hook, movement)
+        if any(t.next_due <= now for t in deps):    # (where none is due, nothing the event could see is pending)
+            self._catch_up(deps, now)
+
+    def _ticks_before_reading(self, watch: tuple, entries: tuple):
+        """What brings the map entries ``entries`` ((map, index) each) that the handlers of
+        ``watch`` ((island, hook, movement) each) read up to date, before a time it is given: a
+        tick source that can runs only the ports that write them (`TickSource.preview`), the
+        others catch up.  None where no tick shares a map with them."""
+        deps = list(dict.fromkeys(t for island, hook, movement in watch
+                                  for t in self._tick_deps_of(island, hook, movement)))
+        if not deps:
+            return None
+
+        def refresh(now: float) -> None:
+            for t in deps:
+                if t.next_due <= now and not t.preview(entries, now):
+                    self._catch_up(deps, now)
+                    return
+        return refresh
+
+    def _tick_deps_of(self, island, hook, movement) -> list[TickSource]:
+        """The tick sources whose program shares a map with what the hook's handlers touch for
+        events of ``movement`` (kept)."""
         key = (island, hook, movement)
         deps = self._tick_deps.get(key)
         if deps is None:
@@ -279,11 +302,7 @@ class Engine:
             deps = self._tick_deps[key] = [
                 t for t in self.ticks
                 if not (t.island == island and hook == "tick") and touched & t.maps]
-        now = self.sim.now
-        for t in deps:      # (where none is due, nothing the event could see is pending)
-            if t.next_due <= now and not (entries and t.preview(entries, now)):
-                self._catch_up(deps, now)
-                return
+        return deps
 
     # -- the run ----------------------------------------------------------------------------------
     def run(self) -> dict:

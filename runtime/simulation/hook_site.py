@@ -50,8 +50,9 @@ class ShimHookSite(HookSite):
             self.handler_lines[p["island"], p["hook"]] = [(h.get("movement"), h.get("line")) for h in p["handlers"]]
         self.remembered = DecisionCache()
         self.fabric: Fabric | None = None     # the fabric that asks (`bind`)
-        self.before_event = None          # callable(island, hook, movement[, entries]) run before an
-                                          # event's program, or only these (map, index) entries are read
+        self.before_event = None          # callable(island, hook, movement) run before an event's program
+        self.before_reading = None        # callable((island, hook, movement) each, (map, index) each):
+                                          # what to run, given the time, before only those entries are read
         self._watched: dict[str, set] = {}     # moment -> islands with a program on one of its hooks
         for shim in shims.values():
             shim.on_detach = self.remembered.forget
@@ -136,6 +137,9 @@ class ShimHookSite(HookSite):
         plan = self._one_hook_plan(island, "issue", t.movement_id)
         if not plan.hooks:
             return None
+        if plan.observed and not self.trace:        # programs watch each chunk; nothing is decided
+            self._show(self._watcher(plan, chunk, island, moment), chunk)
+            return None
         standing = self._shared(plan, t, chunk)
         if standing is not None:
             self.remembered.stand(t, island, moment, standing)
@@ -148,11 +152,7 @@ class ShimHookSite(HookSite):
             queue = self.fabric.server(path[0], path[1])
             self._queue_fields(fields, queue, chunk.priority, plan.queue_split)
         known = self.decide(island, "issue", fields)
-        if known is None:
-            return None
-        if known is OBSERVED:       # nothing decided, for any chunk; programs watch each one
-            if not self.trace:
-                self.remembered.stand(t, island, moment, self._watched_standing(island, plan, 0, queue, fields))
+        if known is None or known is OBSERVED:
             return None
         applied = self._issued(island, known.decisions, t.movement_id)
         if plan.static and not self.trace and known.kept:    # the same for every chunk of the transfer
@@ -242,6 +242,9 @@ class ShimHookSite(HookSite):
         hooks = plan.hooks
         if not hooks:
             return None
+        if plan.observed and path is t.path and not self.trace:
+            self._show(self._watcher(plan, chunk, island, "enter"), chunk)
+            return {}
         standing = self._shared(plan, t, chunk) if path is t.path else None
         if standing is not None and (standing.__class__ is Standing or self._holds(standing, chunk.hop)):
             self.remembered.stand(t, island, "enter", standing)
@@ -257,19 +260,16 @@ class ShimHookSite(HookSite):
                 if known is not None:
                     merged.update(known.decisions)
         merged = self._devices(merged)
-        if path is t.path and not self.trace and each[0] is OBSERVED and all(k is OBSERVED for k in each):
-            # nothing decided for any chunk of this transfer here; programs watch each one
-            self.remembered.stand(t, island, "enter", self._watched_standing(
-                island, plan, chunk.hop, self._egress(chunk), fields))
-        elif path is t.path and not self.trace and each[0] is not None and each[0].kept \
+        if path is t.path and not self.trace and each[0] is not None and each[0].kept \
                 and all(k is not None and k.kept for k in each):
             # the same for every chunk of this transfer here (None: the program faulted) ...
             if plan.static:
                 self._stand_shared(plan, t, chunk, island, "enter", Standing(merged, each))
             elif plan.at_hop:       # ... at this hop, while the entries read hold
                 guard, entries = self._guard(island, hooks, t.movement_id, fields)
+                refresh = self.before_reading(plan.watch, entries) if self.before_reading is not None else None
                 self._stand_shared(plan, t, chunk, island, "enter", AtHop(
-                    merged, each, hop=chunk.hop, guard=guard, watch=plan.watch, entries=entries))
+                    merged, each, hop=chunk.hop, guard=guard, refresh=refresh))
         return merged
 
     def _enter_fields(self, chunk, plan: HookPlan) -> dict:
@@ -292,14 +292,30 @@ class ShimHookSite(HookSite):
             return self.fabric.server(path[hop], path[hop + 1])
         return self.fabric.wires.get(path[hop])
 
-    def _watched_standing(self, island, plan: HookPlan, hop: int, queue, fields: dict) -> Watched:
-        """What stands for a transfer whose chunks only programs that watch act on (at its
-        ``hop``, where they are ``queue``d on): the contexts of its chunks there, made from these
-        fields less those of each chunk."""
-        shim = self.shims[island]
-        fixed = {k: v for k, v in fields.items() if k not in PER_CHUNK}
-        return Watched({}, [], hop=hop, split=plan.queue_split, queue=queue,
-                       stamps=tuple((shim, h, shim.codecs[h].stamp(fixed, PER_CHUNK)) for h in plan.hooks))
+    def _watcher(self, plan: HookPlan, chunk, island, moment) -> Watched:
+        """What stands for a transfer whose chunks at ``island`` only programs that watch act on
+        (`HookPlan.observed`), from its first chunk on: the one every transfer on the chunk's
+        path and hop shares (made at the first one's first chunk), whose stamps make the
+        contexts `on_issue` or `_enter_fields` would from the fields of the hop, of the chunk's
+        transfer and of the chunk."""
+        t, path, hop = chunk.transfer, chunk.path, chunk.hop
+        key = (moment, hop, tuple(path))
+        watched = plan.watchers.get(key)
+        if watched is None:
+            if moment == "enter":
+                fields, queue = self._enter_fields(chunk, plan), self._egress(chunk)
+            else:
+                fields, queue = self._chunk_fields(chunk), None
+                self._end_fields(fields, path, island)
+                if moment == ISSUE_MOMENT["src"] and len(path) > 1:
+                    queue = self.fabric.server(path[0], path[1])
+            fixed = {k: v for k, v in fields.items() if k not in PER_CHUNK and k not in TRANSFER_FIELDS}
+            shim = self.shims[island]
+            watched = plan.watchers[key] = Watched(
+                {}, [], hop=hop, split=plan.queue_split, queue=queue,
+                stamps=tuple((shim, h, shim.codecs[h].stamp(fixed, TRANSFER_FIELDS + PER_CHUNK)) for h in plan.hooks))
+        self.remembered.stand(t, island, moment, watched)
+        return watched
 
     def _show(self, standing: Watched, chunk) -> None:
         """Give a chunk to the programs that watch it (`Watched`): its context as `on_issue` or
@@ -308,8 +324,9 @@ class ShimHookSite(HookSite):
         queued = queue.queued_bytes if queue is not None else 0
         above = queue.queued_above(chunk.priority) if standing.split and queue is not None else 0
         below = queued - above if standing.split else 0
+        ctx = chunk.transfer.ctx
         for shim, hook, stamp in standing.stamps:
-            shim.keep(hook, stamp(int(now), chunk.index, chunk.bytes, queued, above, below), now)
+            shim.keep(hook, stamp(*ctx, int(now), chunk.index, chunk.bytes, queued, above, below), now)
 
     def _guard(self, island, hooks, movement, fields) -> tuple[tuple, tuple]:
         """The array entries the hooks' decisions for these fields depend on, as (the map's
@@ -330,9 +347,8 @@ class ShimHookSite(HookSite):
         decisions read, once the ticks that write them have run, are as they were."""
         if hop != standing.hop:
             return False
-        if self.before_event is not None:
-            for island, hook, movement in standing.watch:
-                self.before_event(island, hook, movement, standing.entries)
+        if standing.refresh is not None:
+            standing.refresh(self.sim.now)
         return all(values[span] == then for values, span, then in standing.guard)
 
     @staticmethod
@@ -359,8 +375,9 @@ class ShimHookSite(HookSite):
         hooks = tuple(h for h, _ in acting)
         key = tuple(sorted({TRANSFER_FIELDS.index(f) for _, a in acting for f in a.key_fields
                             if f in TRANSFER_FIELDS})) if static or at_hop else None
+        observed = bool(acting) and all(a.watched for _, a in acting)
         plan = self.remembered.plans[where] = HookPlan(hooks, static, split, at_hop,
-                                                       tuple((island, h, movement) for h in hooks), key)
+                                                       tuple((island, h, movement) for h in hooks), key, observed)
         return plan
 
     def _enter_plan(self, island, path, movement) -> HookPlan:
