@@ -94,6 +94,32 @@ def test_a_watched_chunk_is_seen_as_it_is_at_its_event(tmp_path):
     assert not any(s.watched for t in eng.fabric.transfers for s in t.standing.values())
 
 
+# watchers of what a chunk's transfer and path say as it is issued: the KV's layer and GPU, and
+# the all-reduce's ports (a GPU's transfers of it leave and arrive by different links)
+ISSUE_WATCHER = PRELUDE + """
+movement all_reduce = activations(collective) : gpu* <-> gpu*
+map layers : hash<u32, size>[64]
+map gpus   : hash<device, size>[16]
+map ports  : hash<u32, count>[64]
+policy p {
+  on kv_out.issue at gpu* { layers[ev.layer] += ev.bytes  gpus[ev.src] += ev.bytes }
+  on all_reduce.issue at gpu* { ports[ev.out_port * 8 + ev.in_port] += 1 }
+}
+"""
+
+
+def test_the_transfers_on_a_path_share_what_stands_for_their_watchers(tmp_path):
+    """What stands for watched chunks is made once per path and hop (`HookPlan.watchers`), not
+    per transfer: each chunk's context is stamped with its transfer's fields and its own, so
+    the layers, GPUs and ports read are those of a run with every chunk an event."""
+    (batched, eng), (each, _) = _batched_and_each(compile_text(tmp_path, ISSUE_WATCHER))
+    _same_runs(batched, each)
+    maps = batched["maps"]
+    assert len(maps["layers"]) == 32 and len(maps["gpus"]) == 8 and len(maps["ports"]) > 8
+    watchers = sum(len(p.watchers) for p in eng.site.remembered.plans.values())
+    assert 0 < watchers < len(eng.fabric.transfers) / 4
+
+
 @pytest.fixture
 def flushed(monkeypatch):
     """The number of events each batch's flush runs, in order."""
