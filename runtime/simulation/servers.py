@@ -47,7 +47,8 @@ class Transfer:
     queue_waits: list = field(default_factory=list)
     ctx: tuple = ()           # the hook site's context fields, the same for every chunk (`TRANSFER_FIELDS`)
     standing: dict = field(default_factory=dict)   # the hook site's decisions that hold for every chunk
-    train: tuple | None = None    # (what stood, its `trains._Flow` or None) as trains last worked it out
+    train: tuple | None = None    # (what stood, its `trains._Flow` or None) as trains last worked it out;
+                                  # (`trains._NEVER`, None) where no train can take it
     issued: int = 0               # chunks issued so far (`Fabric._issue` makes each as it goes)
     driver: list | None = None    # the copy engines that issue its chunks (None: issued at once)
     pace: float = 0.0             # B/s a collective's chunks cross each link at (0: the link's bandwidth)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from .servers import CLASS_STREAM, DEFAULT_PRIORITY
 
 PRIORITY_ONLY = frozenset({"priority"})
+_NEVER = object()       # what `Transfer.train` is kept under where no train can take it (`Trains._never`)
 
 
 @dataclass(slots=True, eq=False)
@@ -163,8 +164,8 @@ class Trains:
         none), nothing asked at the end; what its chunks are asked as they are issued and as
         they enter stands, a priority at most."""
         token, kept = self.hooks.stands_for(t), t.train
-        if kept is None or kept[0] is not token:
-            kept = t.train = (token, self._fits(t))
+        if kept is None or kept[0] is not token and kept[0] is not _NEVER:
+            kept = t.train = (_NEVER, None) if self._never(t) else (token, self._fits(t))
         return kept[1]
 
     def _kept(self, t) -> _Flow | None:
@@ -172,17 +173,21 @@ class Trains:
         kept = t.train
         return kept[1] if kept is not None and kept[0] is self.hooks.stands_for(t) else None
 
+    def _never(self, t) -> bool:
+        """Whether ``t``'s path is no flow's, whatever stands for it: its chunks are not issued by
+        copy engines, or it does not cross two links from a first two devices in one island."""
+        fabric, path = self.fabric, t.path
+        # (a source's memory or receive wire comes before its first link: no step goes past it;
+        # its island is its own, so only a manifest without islands would get this far)
+        return t.driver is None or not t.fixed_cost or len(path) != 3 or path[0] in fabric.sources \
+            or fabric.device_island.get(path[0]) != fabric.device_island.get(path[1])
+
     def _fits(self, t) -> _Flow | None:
         fabric = self.fabric
         path = t.path
-        # (a source's memory or receive wire comes before its first link: no step goes past it;
-        # its island is its own, so only a manifest without islands would get this far)
-        if t.driver is None or not t.fixed_cost or len(path) != 3 or path[0] in fabric.sources:
-            return None
         island = fabric.device_island.get(path[0])
         link = fabric.servers[path[1], path[2]]
-        if island != fabric.device_island.get(path[1]) or not fabric._nothing_asked(t, path[2], island) \
-                or _asks(link):
+        if not fabric._nothing_asked(t, path[2], island) or _asks(link):
             return None
         entering, watched, split = {}, False, False   # where the site asks nothing of its chunks, nothing is decided
         stands = None
