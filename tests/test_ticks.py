@@ -158,7 +158,7 @@ def test_a_port_run_ahead_sees_its_own_counters_and_the_catch_up_leaves_it_out(c
     sim, servers, src, every, samples = _three_ports(shim, [period], chunks)
     events = sorted([(t, i, port) for i, (t, port) in enumerate(ahead_at)] + [(t, -1, None) for t in catch_up_at])
     for t, _, port in events:
-        sim.at(t, *((src.catch_up, t) if port is None else (src.preview, [("m", port)], t)))
+        sim.at(t, *((src.catch_up, t) if port is None else (src.preview, src.ports_of([("m", port)]), t)))
     sim.run(until=END)
     src.catch_up(END)
     row = {(w[0], w[1]): w[:5] + (0,) + w[6:] for w in sampled(every, samples, servers)}

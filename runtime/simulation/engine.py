@@ -284,10 +284,11 @@ class Engine:
                                   for t in self._tick_deps_of(island, hook, movement)))
         if not deps:
             return None
+        ports = [(t, t.ports_of(entries)) for t in deps]
 
         def refresh(now: float) -> None:
-            for t in deps:
-                if t.next_due <= now and not t.preview(entries, now):
+            for t, written in ports:
+                if t.next_due <= now and not t.preview(written, now):
                     self._catch_up(deps, now)
                     return
         return refresh

@@ -349,7 +349,10 @@ class ShimHookSite(HookSite):
             return False
         if standing.refresh is not None:
             standing.refresh(self.sim.now)
-        return all(values[span] == then for values, span, then in standing.guard)
+        for values, span, then in standing.guard:
+            if values[span] != then:
+                return False
+        return True
 
     @staticmethod
     def _queue_fields(fields: dict, server, priority: int, split: bool) -> None:

@@ -266,22 +266,26 @@ class TickSource:
                 return
             self.next_due = min(p.due for p in self.periods)
 
-    def preview(self, entries, t: float) -> bool:
-        """Bring the entries of ``entries`` ((map, index) each) that the tick program writes up
-        to date by t, by running the last tick due of the port each is the entry of (its index)
-        ahead of the other ports': True where that is all they need (the handlers are
-        `per_port`: a port's run writes only its own entries), else False, and the caller
-        catches everything up.  A port's run ahead stands for its tick: the catch-up that
-        reaches that tick leaves the port out (`_run`)."""
+    def ports_of(self, entries) -> tuple[int, ...]:
+        """The ports whose runs write the entries of ``entries`` ((map, index) each; an entry's
+        index is its port) where the handlers are `per_port`: what `preview` is given."""
+        return tuple(port for name, port in entries if name in self.written and port < len(self.ports))
+
+    def preview(self, ports: tuple[int, ...], t: float) -> bool:
+        """Bring the entries that the tick program writes for ``ports`` (`ports_of`) up to date
+        by t, by running the last tick due of each port ahead of the other ports': True where
+        that is all they need (the handlers are `per_port`: a port's run writes only its own
+        entries), else False, and the caller catches everything up.  A port's run ahead stands
+        for its tick: the catch-up that reaches that tick leaves the port out (`_run`)."""
         if not (self.per_port and self.elide and self.spans is None and self.active):
             return False
-        p, t = self.periods[0], min(t, self.end)
-        if p.due > t:
+        t = min(t, self.end)
+        if self.next_due > t:       # (one period: its next tick)
             return True
+        p, ahead = self.periods[0], self.ahead
         k = int(t // p.period)
-        for name, port in entries:
-            if self.ahead.get(port) != k and port < len(self.ports) and name in self.written \
-                    and not self._run_ahead(p, port, k):
+        for port in ports:
+            if ahead.get(port) != k and not self._run_ahead(p, port, k):
                 break       # (it faulted, and is detached)
         return True
 
