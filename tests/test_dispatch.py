@@ -621,3 +621,25 @@ def test_decision_counts_are_what_each_run_decided_however_many_outcomes_are_sha
     assert counted == decided and sum(decided.values()) > 1000
     in_report = sorted(n for i in report["islands"] for by_value in i["decisions"].values() for n in by_value.values())
     assert in_report == sorted(decided.values())      # (labelled with units: compared as counts)
+
+
+def test_what_transfers_left_standing_stands_for_the_next_from_its_start(monkeypatch):
+    """prefill_qos: once a transfer has made its decisions at a point of its path (its issue at
+    a GPU, its entry to the switch or the DPU) and they are shared (`HookPlan.shared`,
+    `HookPlan.watchers`), a later transfer with the same key starts with them standing
+    (`ShimHookSite.starting`), in one change of what stands for it, where each point's first
+    chunk would have made one: the same report as when each first chunk takes them there."""
+    from fabric_ext.runtime.machine.jit import JitBackend
+    from fabric_ext.runtime.simulation.decisions import DecisionCache
+    changes = Counter()
+    stand, stand_all = DecisionCache.stand, DecisionCache.stand_all
+    monkeypatch.setattr(DecisionCache, "stand", lambda self, t, *a, **kw: changes.update([t]) or stand(self, t, *a, **kw))
+    monkeypatch.setattr(DecisionCache, "stand_all", lambda self, t, found: changes.update([t]) or stand_all(self, t, found))
+    started, eng = run_engine(compiled("prefill_qos"), backend=JitBackend(), prompt=8192, tp=8)
+    at_start = sum(changes.values())
+    changes.clear()
+    monkeypatch.setattr(ShimHookSite, "starting", lambda self, t: None)
+    each, _ = run_engine(compiled("prefill_qos"), backend=JitBackend(), prompt=8192, tp=8)
+    assert _timeless(started) == _timeless(each)
+    transfers = len(eng.fabric.transfers)
+    assert at_start < transfers < sum(changes.values())

@@ -46,12 +46,12 @@ class HookPlan:
     shared: dict = field(default_factory=dict, compare=False)   # `key_of` -> what stands there
     watchers: dict = field(default_factory=dict, compare=False)     # (moment, hop, path) -> its `Watched`
 
-    def key_of(self, transfer, chunk) -> tuple:
+    def key_of(self, transfer, hop: int, path: tuple) -> tuple:
         """What a static plan's decisions are a function of, for ``transfer``: the values of
-        its fields the hooks read; an at_hop plan's, those, the chunk's path and its hop there
-        (which give its ports) and the map entries read, which its `AtHop`'s guard checks."""
+        its fields the hooks read; an at_hop plan's, those, the path of its chunk and its hop
+        there (which give its ports) and the map entries read, which its `AtHop`'s guard checks."""
         values = tuple([transfer.ctx[i] for i in self.key])
-        return values if self.static else (values, chunk.hop, tuple(chunk.path))
+        return values if self.static else (values, hop, path)
 
 
 @dataclass(slots=True)
@@ -104,6 +104,12 @@ class DecisionCache:
             plan, key = share
             if len(plan.shared) < MEMO_LIMIT or key in plan.shared:
                 plan.shared[key] = standing
+
+    def stand_all(self, transfer, found: dict) -> None:
+        """What is shared by other transfers (`HookPlan.shared`, `HookPlan.watchers`) holds for
+        ``transfer``'s chunks too: ``found`` by (island, moment)."""
+        self._holders.add(transfer)
+        transfer.standing = {**transfer.standing, **found}
 
     @property
     def standing(self) -> dict[tuple, Standing]:

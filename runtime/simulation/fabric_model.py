@@ -72,6 +72,11 @@ class HookSite:
         asked."""
         return None
 
+    def starting(self, transfer: Transfer) -> None:
+        """``transfer`` is about to issue its first chunk, on its path: what the site already
+        knows to stand for its chunks may stand from now on (`standing`)."""
+        return None
+
     def stands_for(self, transfer: Transfer) -> object:
         """A token of what stands for ``transfer`` (`standing`): the same object for as long as
         none of it changes, so what is worked out from it may be kept that long."""
@@ -272,6 +277,7 @@ class Fabric:
         t.chunks_total = max(1, -(-t.bytes // t.chunk_bytes))
         self.transfers.append(t)
         t.driver = self._driver(t)
+        self.hooks.starting(t)
         self._issue(t)
 
     def _driver(self, t: Transfer) -> list | None:

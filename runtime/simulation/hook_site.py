@@ -54,6 +54,7 @@ class ShimHookSite(HookSite):
         self.before_reading = None        # callable((island, hook, movement) each, (map, index) each):
                                           # what to run, given the time, before only those entries are read
         self._watched: dict[str, set] = {}     # moment -> islands with a program on one of its hooks
+        self._points: dict[tuple, list] = {}   # (movement, path) -> where what stands may be shared (`starting`)
         for shim in shims.values():
             shim.on_detach = self.remembered.forget
 
@@ -160,6 +161,40 @@ class ShimHookSite(HookSite):
                                Standing(applied, [known], known.decisions.get("prefetch", 0)))
         return applied
 
+    def starting(self, t):
+        """What transfers before ``t`` left standing at the points of its path (its ends' issue
+        hooks, the islands it enters) stands for its chunks from the first on, in one change of
+        what stands for it (`stands_for`), where each point's first chunk would take it there."""
+        path = tuple(t.path)
+        points = self._points.get((t.movement_id, path))
+        if points is None:
+            points = self._points[t.movement_id, path] = self._points_of(t)
+        found = {}
+        for island, moment, hop, plan in points:
+            if plan.observed:
+                standing = plan.watchers.get((moment, hop, path))
+            else:
+                standing = plan.shared.get(plan.key_of(t, hop, path)) if plan.shared else None
+            if standing is not None:
+                found[island, moment] = standing
+        if found:
+            self.remembered.stand_all(t, found)
+
+    def _points_of(self, t) -> list[tuple]:
+        """(island, moment, hop, plan) of each point of ``t``'s path where what stands may be
+        shared: the issue hooks at its ends (hop 0), and each island its chunks enter, at the
+        hop they enter it by (`Fabric._arrive`)."""
+        points = [(island, ISSUE_MOMENT[role], 0, self._one_hook_plan(island, "issue", t.movement_id))
+                  for island, role in self.fabric._ends(t, "issue")]
+        entered = None
+        for hop, device in enumerate(t.path):
+            island = self.device_island.get(device)
+            if island is not None and island != entered:
+                entered = island
+                if island in self._watching("enter"):
+                    points.append((island, "enter", hop, self._enter_plan(island, t.path, t.movement_id)))
+        return [p for p in points if p[3].hooks and (p[3].static or p[3].at_hop or p[3].observed)]
+
     def finished(self, t):
         """What watchers stood for is let go (the contexts' stamps); counted decisions stay."""
         if any(s.watched for s in t.standing.values()):
@@ -182,7 +217,7 @@ class ShimHookSite(HookSite):
     def _shared(plan: HookPlan, t, chunk) -> Standing | None:
         """What stands for every transfer with ``t``'s key (`HookPlan.key_of`), once one with it
         has asked; else None."""
-        return plan.shared.get(plan.key_of(t, chunk)) if plan.shared else None
+        return plan.shared.get(plan.key_of(t, chunk.hop, tuple(chunk.path))) if plan.shared else None
 
     def _stand_shared(self, plan: HookPlan, t, chunk, island, moment, standing: Standing) -> None:
         """``standing`` holds for the transfer's later chunks, and for the transfers after it
@@ -190,7 +225,7 @@ class ShimHookSite(HookSite):
         (`DecisionCache.forget`); not where a context tracer must see each transfer's first
         chunk reach the program."""
         self.remembered.stand(t, island, moment, standing,
-                              (plan, plan.key_of(t, chunk)) if self.shims[island].tracer is None else None)
+                              (plan, plan.key_of(t, chunk.hop, tuple(chunk.path))) if self.shims[island].tracer is None else None)
 
     def set_prefetch(self, gpu: str, depth: int, hook: str, movement: int | None) -> None:
         """A program's ``prefetch`` decision: the GPU's depth from now on (the latest word holds)."""
