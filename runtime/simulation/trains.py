@@ -31,12 +31,14 @@ the tests compare the two.
 from __future__ import annotations
 
 import heapq
+import operator
 from collections import deque
 from dataclasses import dataclass
 
 from .servers import CLASS_STREAM, DEFAULT_PRIORITY
 
 PRIORITY_ONLY = frozenset({"priority"})
+_LAST_ISSUE = operator.attrgetter("last_issue")
 _NEVER = object()       # what `Transfer.train` is kept under where no train can take it (`Trains._never`)
 
 
@@ -63,7 +65,7 @@ class _Flow:
     next: object = None         # in a ring (`Trains._ring`): the chunk its engine takes next, or None
     entered: int = 0            # chunks entered in this train
     issued: int = 0             # chunks issued in this train
-    last_issue: int = -1        # when this train last issued one (prefetch words go in that order)
+    last_issue: float = -1.0    # when a train last issued one (this train's prefetch words go in that order)
 
     def tell(self, hooks) -> None:
         """Tell the hook site what this train took of what stands, and start counting anew."""
@@ -88,7 +90,6 @@ class Trains:
         self.steps = 0          # steps taken ahead, over the run (the tests see it engage)
         self.ringed = 0         # ... of them, those taken in rings (`_ring`)
         self._told: dict = {}   # the flows this train stepped, to tell their counts (`_Flow.tell`)
-        self._issues = 0        # issues taken ahead, numbered (`_Flow.last_issue`)
 
     def finish(self, server, chunk, done) -> bool:
         """`Server._finish` asks first: True where this took the chunk's end of transmission,
@@ -129,7 +130,7 @@ class Trains:
             sim.at_place(t, place, server._finish, c, d)
         for t, place, c, _ in arriving:
             sim.at_place(t, place, self.fabric._arrive, c)
-        for flow in sorted(self._told, key=lambda f: f.last_issue):     # the latest prefetch word holds
+        for flow in sorted(self._told, key=_LAST_ISSUE):     # the latest prefetch word holds
             flow.tell(self.hooks)
         self._told.clear()
         return True
@@ -245,7 +246,7 @@ class Trains:
         server._queue(taken, self.sent, self.handed_on)
         # and the transfer's next chunk is issued (`Fabric._issue`, `CopyEngine.submit`)
         if t.issued < t.chunks_total:
-            engine.submit(self._issue(flow), flow.stream)     # (`flow.engine`: `_takes`)
+            engine.submit(self._issue(flow, now), flow.stream)     # (`flow.engine`: `_takes`)
         # the chunk leaves for the next device (`Fabric._sent`)
         arrival = fabric._leave(chunk, now)
         if fabric._lands_quietly(chunk, chunk.hop):
@@ -274,15 +275,15 @@ class Trains:
         if flow.enter_priority is not None:
             chunk.priority = flow.enter_priority
 
-    def _issue(self, flow):
-        """The flow's transfer's next chunk, issued (`Fabric._issue`): what stands at its ends
-        taken, in the order of issues (`_Flow.last_issue`), shown to the programs that watch
-        there, and its priority given."""
+    def _issue(self, flow, now: float):
+        """The flow's transfer's next chunk, issued at ``now`` (`Fabric._issue`): what stands at
+        its ends taken, in the order of issues (`_Flow.last_issue`: a train's steps are the ends of
+        transmission of one server, each later than the one before), shown to the programs that
+        watch there, and its priority given."""
         chunk = flow.t.next_chunk()
         if flow.ends:
             flow.issued += 1
-            flow.last_issue = self._issues
-            self._issues += 1
+            flow.last_issue = now
         for island, role in flow.shown:
             self.hooks.on_issue(chunk, island, role)
         if flow.issue_priority is not None:
@@ -348,7 +349,7 @@ class Trains:
                 enqueues.extend((T, lane, nb))
             ring.append((cur, (y, *entry)))
             if t.issued < t.chunks_total:
-                z = cur.next = self._issue(cur)
+                z = cur.next = self._issue(cur, T)
                 z.enqueued = T
             else:
                 cur.next = None
