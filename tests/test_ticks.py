@@ -257,6 +257,20 @@ policy p {
     assert report["maps"]["ticks"]["0"] > 0 and report["maps"]["ticks"]["1"] > 0
 
 
+def test_an_overwriting_tick_nothing_reads_runs_once_per_port_at_the_end(tmp_path):
+    """A `last_wins` tick that keeps no log (it reads no queue) is not caught up on a clock
+    (`TickSource.grows`): nothing reads what it writes during the run, so each port's program
+    runs once, at the end, and the map holds what ticks run at their time leave."""
+    out = compile_text(tmp_path, """
+import "fabrics/dgx_cxl.fx"
+workload prefill { model: "llama3-8b"; prompt: 8192; batch: 1; tp: 8; weights: pool0; kv: pool0 }
+map port_util : array<u32, percent>[16]
+policy p { on sw0.tick(10us) { port_util[ev.port] = ev.util_pct } }""")
+    report, eng = _same_run(out, prompt=8192, tp=8)
+    sw0 = next(i for i in report["islands"] if i["name"] == "sw0")
+    assert eng.shims["sw0"].invocations["tick"] == len(eng.fabric.ports("sw0")) < sw0["per_hook"]["tick"]
+
+
 def test_telemetry_ticks_nobody_reads_run_once_at_the_end():
     report, _ = _same_run(compiled("telemetry"))
     assert sum(report["maps"]["util_hist"].values()) > 0

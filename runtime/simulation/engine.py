@@ -231,9 +231,13 @@ class Engine:
         self._tick_groups = self._group_ticks()
         for src, group in self._tick_groups.items():
             src.elide = len(group) == 1      # another island's tick may read what a passed-over one wrote
-        if self.ticks:
-            self._flush_every = BLOCK * min(t.shortest for t in self.ticks)
+        # the sources caught up on a clock, though nothing reads what they write: at every tick
+        # time with ``eager_ticks``; else those whose catch-up grows with the stretch it covers
+        self._clocked = [t for t in self.ticks if self.opts.eager_ticks or t.grows]
+        if self._clocked:
+            self._flush_every = BLOCK * min(t.shortest for t in self._clocked)
             self.sim.at(0, self._tick_clock)
+        if self.ticks:
             self.site.before_event, self.site.before_reading = self._ticks_before, self._ticks_before_reading
 
     def _group_ticks(self) -> dict[TickSource, list[TickSource]]:
@@ -255,13 +259,13 @@ class Engine:
             catch_up_together(group, t)
 
     def _tick_clock(self):
-        """Catch every tick source up now: at every tick time with ``eager_ticks``, else every
-        BLOCK periods though nothing reads what they write yet (running a tick early is
-        always allowed), so the servers' records stay short."""
+        """Catch the clocked tick sources up now: at every tick time with ``eager_ticks``, else
+        every BLOCK periods though nothing reads what they write yet (running a tick early is
+        always allowed), so a catch-up's work stays bounded (`TickSource.grows`)."""
         if self.prefill.finished is None:
-            self._catch_up(self.ticks, self.sim.now)
+            self._catch_up(self._clocked, self.sim.now)
             nxt = self.sim.next_time()
-            due = [t.next_due for t in self.ticks if t.active]
+            due = [t.next_due for t in self._clocked if t.active]
             if due and nxt is not None:     # (with no other event the run is over)
                 # BLOCK periods on, or at the next event if that is later: the records grow only
                 # in events, so a quiet stretch (a long kernel) needs no flush, however long

@@ -246,6 +246,13 @@ class TickSource:
         return self.shim.has("tick")
 
     @property
+    def grows(self) -> bool:
+        """Whether a catch-up's work grows with the stretch of time it covers: the enqueues it
+        counts are logged, or every tick due runs; else it runs each port's last tick whatever
+        the stretch (its counters are read from the links' records, which the report keeps)."""
+        return self.queue_read or not (self.elide and all(p.last_wins for p in self.periods))
+
+    @property
     def maps(self) -> frozenset:
         """The maps the tick program may touch."""
         return self.shim.maps_for("tick", None) or frozenset()
