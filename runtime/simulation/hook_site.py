@@ -215,8 +215,8 @@ class ShimHookSite(HookSite):
 
     @staticmethod
     def _shared(plan: HookPlan, t, chunk) -> Standing | None:
-        """What stands for every transfer with ``t``'s key (`HookPlan.key_of`), once one with it
-        has asked; else None."""
+        """What stands for every transfer with ``t``'s key (`HookPlan.key_of`) at the chunk's hop
+        of its path, once one with it has asked; else None."""
         return plan.shared.get(plan.key_of(t, chunk.hop, tuple(chunk.path))) if plan.shared else None
 
     def _stand_shared(self, plan: HookPlan, t, chunk, island, moment, standing: Standing) -> None:
@@ -224,8 +224,9 @@ class ShimHookSite(HookSite):
         with the same key (`HookPlan.key_of`), while the programs that made it stay attached
         (`DecisionCache.forget`); not where a context tracer must see each transfer's first
         chunk reach the program."""
+        shared = self.shims[island].tracer is None
         self.remembered.stand(t, island, moment, standing,
-                              (plan, plan.key_of(t, chunk.hop, tuple(chunk.path))) if self.shims[island].tracer is None else None)
+                              (plan, plan.key_of(t, chunk.hop, tuple(chunk.path))) if shared else None)
 
     def set_prefetch(self, gpu: str, depth: int, hook: str, movement: int | None) -> None:
         """A program's ``prefetch`` decision: the GPU's depth from now on (the latest word holds)."""
