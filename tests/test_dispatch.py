@@ -643,3 +643,24 @@ def test_what_transfers_left_standing_stands_for_the_next_from_its_start(monkeyp
     assert _timeless(started) == _timeless(each)
     transfers = len(eng.fabric.transfers)
     assert at_start < transfers < sum(changes.values())
+
+
+def test_the_context_tracer_sees_every_tick_run_ahead_of_its_batch(monkeypatch):
+    """A port's tick run ahead of the others' (`TickSource.preview`, through `Shim.run`) is an
+    event a program acts on, as a catch-up's rows are: the tracer records every run."""
+    from fabric_ext.runtime.machine.jit import JitBackend
+    from fabric_ext.runtime.simulation.engine import Engine, RunOptions
+    from fabric_ext.runtime.simulation.ticks import TickSource
+    ahead = []
+    run_ahead = TickSource._run_ahead
+    monkeypatch.setattr(TickSource, "_run_ahead", lambda self, *a: ahead.append(a) or run_ahead(self, *a))
+    folder = compiled("prefill_qos")
+    man = load_manifest(folder)
+    ticks = []
+
+    def tracer(island, hook, ctx):
+        if (island, hook) == ("sw0", "tick"):
+            ticks.append(ctx)
+    eng = Engine(folder, man, create_maps(man), JitBackend(), RunOptions(prompt=8192, tp=8, context_tracer=tracer))
+    eng.run()
+    assert ahead and len(ticks) == eng.shims["sw0"].invocations["tick"]
