@@ -117,13 +117,14 @@ class DecisionCache:
         return {(t, island, moment): s for t in self._holders for (island, moment), s in t.standing.items()}
 
     def forget(self, island: str) -> None:
-        """A program of ``island`` was detached: what it decided no longer holds."""
+        """A program of ``island`` was detached: what it decided no longer holds.  What stands
+        for watchers may (`HookPlan.watchers`): a detached program's shim keeps nothing it is
+        shown (`Shim.keep`)."""
         for t in self._holders:
             t.standing = {k: s for k, s in t.standing.items() if k[0] != island}
         for where, plan in self.plans.items():
             if where[0] == island:
                 plan.shared.clear()
-                plan.watchers.clear()
 
     def settle(self) -> None:
         """Count each standing decision's uses as hits of the decisions it repeats (once)."""

@@ -139,18 +139,15 @@ class ShimHookSite(HookSite):
         if not plan.hooks:
             return None
         if plan.observed and not self.trace:        # programs watch each chunk; nothing is decided
-            self._show(self._watcher(plan, chunk, island, moment), chunk)
+            self._show(self._watcher(plan, chunk, island, role), chunk)
             return None
         standing = self._shared(plan, t, chunk)
         if standing is not None:
             self.remembered.stand(t, island, moment, standing)
             self.took(standing, t, island, 1)
             return standing.decisions
-        fields = self._chunk_fields(chunk)
-        path, queue = chunk.path, None
-        self._end_fields(fields, path, island)
-        if role == "src" and len(path) > 1:
-            queue = self.fabric.server(path[0], path[1])
+        fields, queue = self._issue_fields(chunk, island, role)
+        if queue is not None:
             self._queue_fields(fields, queue, chunk.priority, plan.queue_split)
         known = self.decide(island, "issue", fields)
         if known is None or known is OBSERVED:
@@ -279,7 +276,7 @@ class ShimHookSite(HookSite):
         if not hooks:
             return None
         if plan.observed and path is t.path and not self.trace:
-            self._show(self._watcher(plan, chunk, island, "enter"), chunk)
+            self._show(self._watcher(plan, chunk, island, ""), chunk)
             return {}
         standing = self._shared(plan, t, chunk) if path is t.path else None
         if standing is not None and (standing.__class__ is Standing or self._holds(standing, chunk.hop)):
@@ -308,6 +305,13 @@ class ShimHookSite(HookSite):
                     merged, each, hop=chunk.hop, guard=guard, refresh=refresh))
         return merged
 
+    def _issue_fields(self, chunk, island, role) -> tuple[dict, object]:
+        """The context fields of a chunk issued at ``island`` in ``role``, but what is queued, and
+        where it queues (the first link of its path, from its source; None at its destination)."""
+        fields, path = self._chunk_fields(chunk), chunk.path
+        self._end_fields(fields, path, island)
+        return fields, self.fabric.server(path[0], path[1]) if role == "src" and len(path) > 1 else None
+
     def _enter_fields(self, chunk, plan: HookPlan) -> dict:
         """The context fields of a chunk entering the island at its hop, for the plan's hooks."""
         fields = self._chunk_fields(chunk)
@@ -328,23 +332,22 @@ class ShimHookSite(HookSite):
             return self.fabric.server(path[hop], path[hop + 1])
         return self.fabric.wires.get(path[hop])
 
-    def _watcher(self, plan: HookPlan, chunk, island, moment) -> Watched:
-        """What stands for a transfer whose chunks at ``island`` only programs that watch act on
-        (`HookPlan.observed`), from its first chunk on: the one every transfer on the chunk's
-        path and hop shares (made at the first one's first chunk), whose stamps make the
-        contexts `on_issue` or `_enter_fields` would from the fields of the hop, of the chunk's
+    def _watcher(self, plan: HookPlan, chunk, island, role: str) -> Watched:
+        """What stands for a transfer whose chunks only programs that watch act on
+        (`HookPlan.observed`) as they are issued at ``island`` in ``role`` ("": as they enter
+        it), from its first chunk on: the one every transfer on the chunk's path and hop
+        shares (made at the first one's first chunk), whose stamps make the contexts
+        `on_issue` or `_enter_fields` would from the fields of the hop, of the chunk's
         transfer and of the chunk."""
         t, path, hop = chunk.transfer, chunk.path, chunk.hop
+        moment = ISSUE_MOMENT[role] if role else "enter"
         key = (moment, hop, tuple(path))
         watched = plan.watchers.get(key)
         if watched is None:
-            if moment == "enter":
-                fields, queue = self._enter_fields(chunk, plan), self._egress(chunk)
+            if role:
+                fields, queue = self._issue_fields(chunk, island, role)
             else:
-                fields, queue = self._chunk_fields(chunk), None
-                self._end_fields(fields, path, island)
-                if moment == ISSUE_MOMENT["src"] and len(path) > 1:
-                    queue = self.fabric.server(path[0], path[1])
+                fields, queue = self._enter_fields(chunk, plan), self._egress(chunk)
             fixed = {k: v for k, v in fields.items() if k not in PER_CHUNK and k not in TRANSFER_FIELDS}
             shim = self.shims[island]
             watched = plan.watchers[key] = Watched(
