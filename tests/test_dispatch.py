@@ -146,7 +146,25 @@ policy p { on attn.issue at gpu* { prefetch = 1 } on ffn.issue at gpu* { prefetc
     assert (dict(eng.site.prefetch), dict(eng.site.prefetch_by)) == last
 
 
-def test_remembered_decisions_follow_the_fields_the_handler_reads(tmp_path):
+def test_a_prefetch_word_comes_after_the_words_trains_took_before_it():
+    """Trains tell the hook site what they took when it asks (`Trains.tell`, `HookSite.untold`):
+    a prefetch decision the site applies comes after the words of the chunks trains issued
+    before it, and reading the depth sees those."""
+    _, eng = run_engine(compiled("prefill_qos"))
+    site, gpu = eng.site, eng.gpus[0]
+    untold = [(3, "issue", 7)]          # a word a train took and has not told
+
+    def tell():
+        while untold:
+            site.set_prefetch(gpu, *untold.pop())
+    site.untold = tell
+    site.set_prefetch(gpu, 1, "issue", 5)
+    assert site.prefetch_of(gpu) == (1, ("issue", 5))
+    untold.append((4, "complete", 8))
+    assert site.prefetch_of(gpu) == (4, ("complete", 8))
+
+
+
     out = compile_text(tmp_path, """
 import "fabrics/dgx_cxl.fx"
 workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0; chunk: 3MiB }

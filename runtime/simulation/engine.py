@@ -364,7 +364,7 @@ class Engine:
 
     def record(self) -> RunRecord:
         """What the run hands its report and trace (`stats.RunRecord`)."""
-        self.site.remembered.settle()      # the chunks standing decisions served
+        self.site.settle()                 # the chunks standing decisions served
         self._run_observers()               # (a run stopped early, or simulated by hand)
         servers = list(dict.fromkeys([*self.fabric.servers.values(), *self.fabric.wires.values(),
                                       *self.fabric.sources.values()]))

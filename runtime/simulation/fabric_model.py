@@ -82,9 +82,14 @@ class HookSite:
         none of it changes, so what is worked out from it may be kept that long."""
         return None
 
+    #: what trains took and have not told yet (`trains.Trains.tell`, set by them): the site calls
+    #: it before it sets or reads anything `took` changes, which then is as if told at once
+    untold = None
+
     def took(self, standing, transfer: Transfer, island: str, times: int) -> None:
         """``times`` more chunks of ``transfer`` took ``standing`` (what `standing` gave for
-        them at ``island``) without asking (`trains`): count them as asking would have."""
+        them at ``island``) without asking (`trains`): count them as asking would have.  Trains
+        tell it when the site asks (`untold`), later than their steps."""
         return None
 
     def finished(self, transfer: Transfer) -> None:

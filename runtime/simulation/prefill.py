@@ -108,7 +108,7 @@ class Prefill:
         (unless in HBM) and, for attention in a later pass of a chunked prefill, the KV of
         the earlier passes from where it lives (unless in HBM)."""
         w = self.workload
-        depth = max(1, self.site.prefetch[g])
+        depth = max(1, self.site.prefetch_of(g)[0])
         while self.issued[g] < len(self.units) and self.issued[g] < current + 2 * depth:
             u = self.issued[g]
             self.issued[g] += 1
@@ -129,7 +129,7 @@ class Prefill:
                 t = self.site.transfer(cls, operator, src, g, nbytes, layer,
                                        lambda t, g=g, u=u: self._input_arrived(g, u, t))
                 if self.stalls is not None and self.sim.now > 0:
-                    self.issued_with[t] = (depth, self.site.prefetch_by.get(g))
+                    self.issued_with[t] = (depth, self.site.prefetch_of(g)[1])
 
     def _kv_lies(self, g, layer, nbytes: int) -> list[tuple[str, int]]:
         """Where ``nbytes`` of the KV GPU g wrote back for ``layer`` lie: in the workload's kv

@@ -15,7 +15,7 @@ before every event in the loop's queue.  Each step is the
 loop's, with the calls between its parts left out: taken at its time and in its order, it
 counts as an event (`Sim.take`), what it schedules takes its place in the order of events
 (`Sim.place`), and it changes the same state (the server's queues, the copy engine's
-streams, the hook site's counts) in the same way.  The first step that does not fit (a
+streams, the hook site's counts, told before the site reads them: `Trains.tell`) in the same way.  The first step that does not fit (a
 program to ask, a busy link, a chunk that completes its transfer, an event due first) and
 those after it go to the loop as ordinary events.
 
@@ -45,8 +45,8 @@ _NEVER = object()       # what `Transfer.train` is kept under where no train can
 @dataclass(slots=True, eq=False)
 class _Flow:
     """A transfer whose chunks a train may step: what each step needs of it, worked out once
-    (kept on the transfer while what stands for it holds: `HookSite.stands_for`), and how often a train
-    took what stands for it, told to the hook site when the train stops (`HookSite.took`)."""
+    (kept on the transfer while what stands for it holds: `HookSite.stands_for`), and how often trains
+    took what stands for it, told to the hook site when it asks (`Trains.tell`, `HookSite.took`)."""
     t: object
     server: object              # the first link of its path, shared (the pool's channel)
     link: object                # the link from the next device on, to the end of its path
@@ -65,7 +65,7 @@ class _Flow:
     next: object = None         # in a ring (`Trains._ring`): the chunk its engine takes next, or None
     entered: int = 0            # chunks entered in this train
     issued: int = 0             # chunks issued in this train
-    last_issue: float = -1.0    # when a train last issued one (this train's prefetch words go in that order)
+    last_issue: float = -1.0    # when a train last issued one (the flows' prefetch words are told in that order)
 
     def tell(self, hooks) -> None:
         """Tell the hook site what this train took of what stands, and start counting anew."""
@@ -89,7 +89,8 @@ class Trains:
         self.sent, self.handed_on = fabric._sent, fabric._handed_on
         self.steps = 0          # steps taken ahead, over the run (the tests see it engage)
         self.ringed = 0         # ... of them, those taken in rings (`_ring`)
-        self._told: dict = {}   # the flows this train stepped, to tell their counts (`_Flow.tell`)
+        self._told: dict = {}   # the flows trains stepped since they last told their counts (`tell`)
+        fabric.hooks.untold = self.tell
 
     def finish(self, server, chunk, done) -> bool:
         """`Server._finish` asks first: True where this took the chunk's end of transmission,
@@ -130,10 +131,17 @@ class Trains:
             sim.at_place(t, place, server._finish, c, d)
         for t, place, c, _ in arriving:
             sim.at_place(t, place, self.fabric._arrive, c)
-        for flow in sorted(self._told, key=_LAST_ISSUE):     # the latest prefetch word holds
-            flow.tell(self.hooks)
-        self._told.clear()
         return True
+
+    def tell(self) -> None:
+        """Tell the hook site what trains took of what stands since they last told (`_Flow.tell`),
+        flow by flow in the order of their last issues, so that the latest word holds (a prefetch
+        depth): the site calls this (`HookSite.untold`) before it sets or reads what telling
+        changes, so a train's stop, far more frequent, need not."""
+        if self._told:
+            told, self._told = self._told, {}
+            for flow in sorted(told, key=_LAST_ISSUE):
+                flow.tell(self.hooks)
 
     # -- what fits -------------------------------------------------------------------------------
     def _takes(self, server, chunk) -> bool:
@@ -448,8 +456,8 @@ class Trains:
         """Write back what `_ring` kept in locals: the class's queue in round-robin order, and
         each flow's engine: the chunk its engine takes next heads its stream, in place of the
         one there when the ring began (the same where the flow did not step).  The flows are
-        told to the hook site with the train's (`_Flow.tell`: one that did not step has nothing
-        to tell).  ``cur``: the flow whose chunk the server sends.  Each engine took its last
+        told to the hook site with the train's (`tell`: one that did not step has nothing to
+        tell).  ``cur``: the flow whose chunk the server sends.  Each engine took its last
         chunk from the stream it now takes from, and took it for the same transfer
         (`_ring_flow`), so `CopyEngine.current` stays as it was."""
         q.clear()
