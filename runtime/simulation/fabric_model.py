@@ -32,6 +32,8 @@ from .trains import Trains
 
 #: the decisions the fabric acts on (`Fabric._apply`, and at issue `stream` and `coalesce`)
 APPLIED = frozenset({"priority", "defer", "rate", "route", "tier", "queue", "stream", "coalesce"})
+#: ... those of a pace (`Fabric._pace`), which `_apply` takes without looking up the others
+PACING = frozenset({"priority", "rate"})
 
 
 class WireSpec(NamedTuple):
@@ -355,20 +357,17 @@ class Fabric:
             chunk.priority = d["priority"]
             if len(d) == 1:         # the usual decision: nothing else to look up
                 return now
+        if PACING.issuperset(d):     # the next most usual: a pace, and a rank at most
+            rate = d.get("rate")
+            return self._pace(chunk, island, rate, now, moment) if rate else now
         deferred = release = now + d.get("defer", 0)
+        if chunk.trail is not None and deferred > now:
+            chunk.trail.append(("defer", now, deferred, island, moment))
         if "queue" in d:
             chunk.queue = ("queue", d["queue"]) if d["queue"] else None
         rate = d.get("rate", 0)
-        if rate:        # per flow, or per transmit queue where a NIC program chose one
-            key = (island, chunk.queue or chunk.transfer.flow)
-            start = max(release, self.buckets.get(key, 0.0))
-            self.buckets[key] = start + chunk.bytes / rate * 1e9
-            release = start
-        if chunk.trail is not None and release > now:
-            if deferred > now:
-                chunk.trail.append(("defer", now, deferred, island, moment))
-            if release > deferred:
-                chunk.trail.append(("rate", deferred, release, island, moment))
+        if rate:
+            release = self._pace(chunk, island, rate, deferred, moment)
         nxt = d.get("route", 0)
         if nxt and chunk.hop + 1 < len(chunk.path):
             self._reroute(chunk, nxt)
@@ -376,6 +375,20 @@ class Fabric:
         if tier and tier != chunk.path[-1]:
             self._retarget(chunk, tier)
         return release
+
+    def _pace(self, chunk: Chunk, island: str, rate: int, now: float, moment: str) -> float:
+        """When a chunk paced at ``rate`` B/s from ``now`` on may move on: its flow's (or, where a
+        NIC program chose one, its transmit queue's) bucket at the island passes each chunk
+        after the one before it has had its bytes' time at the rate."""
+        key = (island, chunk.queue or chunk.transfer.flow)
+        buckets = self.buckets
+        start = buckets.get(key, 0.0)
+        if start < now:
+            start = now
+        buckets[key] = start + chunk.bytes / rate * 1e9
+        if chunk.trail is not None and start > now:
+            chunk.trail.append(("rate", now, start, island, moment))
+        return start
 
     def _reroute(self, chunk, next_dev):
         here = chunk.path[chunk.hop]

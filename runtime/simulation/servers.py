@@ -58,9 +58,10 @@ class Transfer:
     kept: bool = False            # its bytes stay in the memory it ends at (KV written back): a `tier` may move them
     elsewhere: dict | None = None  # ... bytes of it a tier sent to other memories, by memory (None: none)
 
-    @property
-    def flow(self) -> tuple:
-        return (self.name, self.src, self.dst)
+    flow: tuple = field(init=False)    # what its chunks queue as at a link and are paced as: (name, src, dst)
+
+    def __post_init__(self):
+        self.flow = (self.name, self.src, self.dst)
 
     def next_chunk(self) -> Chunk:
         """Make the transfer's next chunk: each is made as it is issued, none wait in memory."""
