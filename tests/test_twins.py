@@ -65,3 +65,27 @@ def test_llvm_text_is_each_islands_own():
     """--emit llvm writes each island's optimised IR, so every island compiles."""
     res = driver.build(REFERENCE, emit=("llvm",))
     assert b"@gpu3_issue" in res.files["gpu3.ll"] and b"gpu0" not in res.files["gpu3.ll"]
+
+
+def test_the_eight_gpus_programs_are_verified_once_when_loaded(monkeypatch):
+    """Loading a bundle, a twin's program (the same instructions, hook and maps) takes the proof
+    the verifier gave the first one's: 4 runs of the verifier for 11 programs, and each proof
+    is what verifying the program on its own gives."""
+    from fabric_ext.contract import bundle
+    from fabric_ext.runtime.machine.verifier import verify
+    from policy_helpers import compiled
+    out = compiled("prefill_qos")
+    man = bundle.load_manifest(out)
+    runs = []
+    monkeypatch.setattr(bundle, "verify", lambda prog: runs.append(prog.name) or verify(prog))
+    maps, verified = bundle.create_maps(man), {}
+    loaded = [p for island in ("gpu0", "gpu1", "gpu7", "sw0", "nic0")
+              for p in bundle.island_programs(bundle.Folder(out), man, maps, island, verified)]
+    assert runs == ["gpu0_issue", "sw0_forward", "sw0_tick", "nic0_tx"] and len(loaded) == 6
+    for p in loaded:
+        proof = (p.program.proof, p.program.mem_extent, p.program.call_maps)
+        verify(p.program)
+        assert proof == (p.program.proof, p.program.mem_extent, p.program.call_maps) and proof[0]
+    # the same program on other maps is verified again (the key holds the maps themselves)
+    bundle.island_programs(bundle.Folder(out), man, bundle.create_maps(man), "gpu2", verified)
+    assert runs[-1] == "gpu2_issue" and len(runs) == 5

@@ -142,9 +142,13 @@ class LoadedProgram:
     handlers: list[dict]
 
 
-def island_programs(artifacts, manifest: dict, maps: dict[str, Map], island: str) -> list[LoadedProgram]:
+def island_programs(artifacts, manifest: dict, maps: dict[str, Map], island: str,
+                    verified: dict | None = None) -> list[LoadedProgram]:
     """Every program of ``island`` (one with programs) from its runtime artifact (``artifacts``: a `Folder` or an
-    in-memory `api.Bundle`), its maps bound to ``maps`` (`create_maps`), each verified."""
+    in-memory `api.Bundle`), its maps bound to ``maps`` (`create_maps`), each verified.  ``verified``, where
+    given, keeps what verifying found for the islands loaded before with the same ``maps``: a twin's
+    program (the same instructions for the same hook on the same maps, as every GPU's of a policy
+    for ``gpu*`` mostly is) takes it instead of being verified again."""
     kind = next(i["kind"] for i in manifest["fabric"]["islands"] if i["name"] == island)
     name = artifact_name(island, kind)
     path = Path(artifacts.name) / name
@@ -167,12 +171,26 @@ def island_programs(artifacts, manifest: dict, maps: dict[str, Map], island: str
         lines = {e["insn"]: SourceLine(e["file"], e["line"], e["col"])
                  for e in manifest.get("line_map", {}).get(entry["symbol"], [])}
         prog = Program(entry["symbol"], insns[entry["symbol"]], bound, HOOKS[kind, entry["hook"]], line_info=lines)
-        try:
-            verify(prog)
-        except VerifierError as e:
-            raise BundleError(f"{path}: {e}") from None
+        _verify(prog, path, verified)
         out.append(LoadedProgram(entry["hook"], prog, entry.get("handlers", [])))
     return out
+
+
+def _verify(prog: Program, path: Path, verified: dict | None) -> None:
+    """Verify ``prog``, or give it the proof of a program verified before that the verifier
+    could not tell from it: everything it reads is in the key (the maps by identity: the
+    caller's, alive while it keeps ``verified``)."""
+    key = (prog.code, prog.hook, prog.ctx_size, tuple(id(m) for m in prog.maps))
+    found = verified.get(key) if verified is not None else None
+    if found is not None:
+        prog.proof, prog.mem_extent, prog.call_maps = found
+        return
+    try:
+        verify(prog)
+    except VerifierError as e:
+        raise BundleError(f"{path}: {e}") from None
+    if verified is not None:
+        verified[key] = (prog.proof, prog.mem_extent, prog.call_maps)
 
 
 @dataclass

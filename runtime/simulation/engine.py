@@ -74,11 +74,12 @@ class Engine:
         self.sim = Sim(opts.max_events)
         self.shims = {}
         if opts.attach:
+            verified = {}       # what the verifier found, for a twin island's program
             for name, isl in self.islands.items():
                 shim = SHIMS[isl["runtime"]](name, isl["kind"], backend)
                 shim.tracer = opts.context_tracer
                 if any(p["island"] == name for p in manifest["programs"]):
-                    shim.load(artifacts, manifest, maps)
+                    shim.load(artifacts, manifest, maps, verified)
                 self.shims[name] = shim
             if opts.lazy_observers:
                 mark_observers(self.shims)

@@ -52,10 +52,11 @@ class Shim:
         self.watching: dict[str, object] = {}   # hook -> what it watches and where it keeps it (`observers.Watch`)
 
     # -- loading ------------------------------------------------------------------------
-    def load(self, artifacts, manifest: dict, maps: dict) -> None:
+    def load(self, artifacts, manifest: dict, maps: dict, verified: dict | None = None) -> None:
         """Load this island's programs from its runtime artifact (``artifacts``: a `Folder` or
-        an in-memory `api.Bundle`), bound to the shared maps, and attach them."""
-        for loaded in island_programs(artifacts, manifest, maps, self.island):
+        an in-memory `api.Bundle`), bound to the shared maps, and attach them (``verified``:
+        as `island_programs` takes it)."""
+        for loaded in island_programs(artifacts, manifest, maps, self.island, verified):
             self.maps.update((m.name, m) for m in loaded.program.maps)
             self.attach(loaded.hook, loaded.program, loaded.handlers)
 
