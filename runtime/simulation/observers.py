@@ -8,7 +8,6 @@ it decides is checked after the batch (nothing, or the bundle does not hold toge
 from __future__ import annotations
 
 import time
-from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass
 
@@ -43,43 +42,42 @@ class Batch:
     """The events of a group of observers that share maps with each other and with no other
     program (one observer, mostly), kept in the order they happened (`Shim.keep` adds them)
     and run in that order, at the latest once `shims.PENDING_ROWS` wait."""
-    __slots__ = ("rows", "times", "segments", "owner")
+    __slots__ = ("rows", "times", "owners", "kins", "kin")
 
     def __init__(self):
         self.rows = bytearray()         # the events' contexts, one after another
         self.times: list[float] = []    # when each happened
-        self.segments: list[tuple] = []     # (its first event, `Watch`) of each run of one program's events
-        self.owner = None               # the last segment's
+        self.owners: list[Watch] = []   # whose each is
+        self.kins: list[tuple] = []     # (its first event, the kin) of each run of events of one kin
+        self.kin = None                 # the last run's
 
     def flush(self) -> None:
-        """Run every event kept, in order: the events of consecutive segments of kin programs
-        in one call (a program that faults runs none of its later ones)."""
-        rows, times, segments = self.rows, self.times, self.segments
-        self.rows, self.times, self.segments, self.owner = bytearray(), [], [], None
+        """Run every event kept, in order: each run of events of kin programs in one call (a
+        program that faults runs none of its later ones)."""
+        rows, times, owners, kins = self.rows, self.times, self.owners, self.kins
+        self.rows, self.times, self.owners, self.kins, self.kin = bytearray(), [], [], [], None
         data = np.frombuffer(rows, dtype=np.uint8)
-        i, offset = 0, 0
-        while i < len(segments):
-            kin, j = segments[i][1].kin, i + 1
-            while j < len(segments) and segments[j][1].kin is kin:
-                j += 1
-            first, last = segments[i][0], segments[j][0] if j < len(segments) else len(times)
-            size = segments[i][1].shim.codecs[segments[i][1].hook].size
+        offset = 0
+        for (first, _), (last, _) in zip(kins, [*kins[1:], (len(times), None)]):
+            size = owners[first].shim.codecs[owners[first].hook].size
             ctxs = data[offset:offset + (last - first) * size].reshape(last - first, size)
-            _run_kin(ctxs, times[first:last], [(f - first, o) for f, o in segments[i:j]])
+            _run_kin(ctxs, times[first:last], owners[first:last])
             offset += (last - first) * size
-            i = j
 
 
-def _run_kin(ctxs: np.ndarray, times: list[float], segments: list[tuple]) -> None:
-    """Run kin programs' events (``segments``: each program's first event among them) in one
-    call, and where one faults, the others' after it in another; each program counts its own
-    runs and its share of the time."""
-    while segments:
-        if not all(o.shim.has(o.hook) for o in {o for _, o in segments}):    # one faulted: its events go
-            ctxs, times, segments = _attached(ctxs, times, segments)
-            if not segments:
+def _run_kin(ctxs: np.ndarray, times: list[float], owners: list[Watch]) -> None:
+    """Run kin programs' events (``owners``: each event's program) in one call, and where one
+    faults, the others' after it in another; each program counts its own runs and its share of
+    the time."""
+    while owners:
+        if not all(o.shim.has(o.hook) for o in set(owners)):      # one faulted: its events go
+            attached = [o.shim.has(o.hook) for o in owners]
+            ctxs = ctxs[np.array(attached, dtype=bool)]
+            times = [t for t, a in zip(times, attached) if a]
+            owners = [o for o, a in zip(owners, attached) if a]
+            if not owners:
                 return
-        shim, hook = segments[0][1].shim, segments[0][1].hook
+        shim, hook = owners[0].shim, owners[0].hook
         t0 = time.perf_counter_ns()
         try:
             shim.backend.run_batch(shim.handles[hook], ctxs)
@@ -88,48 +86,20 @@ def _run_kin(ctxs: np.ndarray, times: list[float], segments: list[tuple]) -> Non
             ran, fault = e.row, e
         ns = time.perf_counter_ns() - t0
         runs = ran + (fault is not None)        # the faulting run counts as an invocation
-        counts = Counter()
-        for (first, owner), end in zip(segments, _ends(segments, len(times))):
-            if first < runs:
-                counts[owner] += min(end, runs) - first
-        for owner, n in counts.items():
+        for owner, n in Counter(owners[:runs]).items():
             owner.shim.count(owner.hook, n, ns * n // runs)
         codec = shim.codecs[hook]
         row = codec.first_decided(ctxs[:ran])
         if row is not None:
-            owner = _owner_at(segments, row)
+            owner = owners[row]
             raise InputError(
                 f"{owner.shim.island}.{owner.hook}: its program decided {codec.changed(ctxs[row])} for the "
                 f"event at {times[row]:.0f} ns, where the manifest's handler list says it decides nothing; "
                 "the bundle does not hold together: compile it again with fabricc")
         if fault is None:
             return
-        owner = _owner_at(segments, ran)
-        owner.shim.fault(owner.hook, fault, times[ran])
-        rest = ran + 1
-        segments = [(max(first - rest, 0), o) for (first, o), end in zip(segments, _ends(segments, len(times)))
-                    if end > rest]
-        ctxs, times = ctxs[rest:], times[rest:]
-
-
-def _ends(segments: list[tuple], n: int) -> list[int]:
-    return [first for first, _ in segments[1:]] + [n]
-
-
-def _owner_at(segments: list[tuple], event: int) -> Watch:
-    return segments[bisect_right([first for first, _ in segments], event) - 1][1]
-
-
-def _attached(ctxs: np.ndarray, times: list[float], segments: list[tuple]):
-    """The events of the segments whose program is still attached."""
-    keep = np.zeros(len(times), dtype=bool)
-    kept, n = [], 0
-    for (first, owner), end in zip(segments, _ends(segments, len(times))):
-        if owner.shim.has(owner.hook):
-            keep[first:end] = True
-            kept.append((n, owner))
-            n += end - first
-    return ctxs[keep], [t for t, k in zip(times, keep) if k], kept
+        owners[ran].shim.fault(owners[ran].hook, fault, times[ran])
+        ctxs, times, owners = ctxs[ran + 1:], times[ran + 1:], owners[ran + 1:]
 
 
 @dataclass(frozen=True)

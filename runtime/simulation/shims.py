@@ -188,11 +188,12 @@ class Shim:
         if self.tracer is not None:
             self.tracer(self.island, hook, bytes(ctx))
         batch = w.batch                 # (the batch's bookkeeping, here: once a watched event)
-        if batch.owner is not w:
-            batch.owner = w
-            batch.segments.append((len(batch.times), w))
+        if batch.kin is not w.kin:
+            batch.kin = w.kin
+            batch.kins.append((len(batch.times), w.kin))
         batch.rows += ctx
         batch.times.append(now)
+        batch.owners.append(w)
         if len(batch.times) >= PENDING_ROWS:
             batch.flush()
 
