@@ -164,7 +164,7 @@ def test_a_prefetch_word_comes_after_the_words_trains_took_before_it():
     assert site.prefetch_of(gpu) == (4, ("complete", 8))
 
 
-
+def test_remembered_decisions_follow_the_fields_the_handler_reads(tmp_path):
     out = compile_text(tmp_path, """
 import "fabrics/dgx_cxl.fx"
 workload w { model: "llama3-8b"; prompt: 512; tp: 2; weights: pool0; kv: pool0; chunk: 3MiB }
