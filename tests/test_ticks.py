@@ -206,12 +206,16 @@ def test_a_port_whose_entry_a_standing_decision_reads_runs_its_tick_ahead_alone(
     """prefill_qos: what stands for a KV transfer at the switch holds while the tick-written
     utilisation of its port does; checking it runs that port's pending tick alone
     (`TickSource.preview`: the handler is `per_port`), and the catch-up that reaches the tick
-    leaves the port out.  The run is the one with each tick run at its time (`_same_run`)."""
-    ahead = []
-    run_ahead = TickSource._run_ahead
+    leaves the port out.  The run is the one with each tick run at its time (`_same_run`).
+    A check before the port's next tick asks nothing of the tick source (`Refresher`): each
+    check that asks runs the port ahead."""
+    ahead, previews = [], []
+    run_ahead, preview = TickSource._run_ahead, TickSource.preview
     monkeypatch.setattr(TickSource, "_run_ahead", lambda self, *a: ahead.append(a[1:]) or run_ahead(self, *a))
-    _same_run(compiled("prefill_qos"), prompt=4096)
-    assert ahead
+    monkeypatch.setattr(TickSource, "preview", lambda self, *a: previews.append(a[1]) or preview(self, *a))
+    report, _ = _same_run(compiled("prefill_qos"), prompt=4096)
+    kv_at_sw0 = next(i for i in report["islands"] if i["name"] == "sw0")["per_hook"]["forward"]
+    assert 0 < len(previews) == len(ahead) < kv_at_sw0 / 4
 
 
 def test_a_tick_that_writes_another_ports_entry_is_caught_up_whole(tmp_path):

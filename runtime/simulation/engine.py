@@ -26,7 +26,7 @@ from .prefill import Prefill, Progress  # noqa: F401  (Progress: what RunOptions
 from .shims import SHIMS
 from .sim import DEFAULT_MAX_EVENTS, Sim
 from .stats import REPORT_ENTRIES, RunRecord
-from .ticks import BLOCK, TickSource, catch_up_together
+from .ticks import BLOCK, Refresher, TickSource, catch_up_together
 from .timing import Timing, profile_of
 from .workload import DEFAULT_PROMPT, Workload, WorkloadError, load_model, tp_problem
 
@@ -96,6 +96,7 @@ class Engine:
         self.prefill = None               # the schedule, while `run` runs it
         self.ticks: list[TickSource] = []
         self._tick_deps: dict[tuple, list[TickSource]] = {}
+        self._refreshers: dict[tuple, Refresher | None] = {}    # (`_ticks_before_reading`)
 
     # -- setup ---------------------------------------------------------------------------
     def _workload(self) -> Workload:
@@ -280,23 +281,17 @@ class Engine:
         if any(t.next_due <= now for t in deps):    # (where none is due, nothing the event could see is pending)
             self._catch_up(deps, now)
 
-    def _ticks_before_reading(self, watch: tuple, entries: tuple):
+    def _ticks_before_reading(self, watch: tuple, entries: tuple) -> Refresher | None:
         """What brings the map entries ``entries`` ((map, index) each) that the handlers of
-        ``watch`` ((island, hook, movement) each) read up to date, before a time it is given: a
-        tick source that can runs only the ports that write them (`TickSource.preview`), the
-        others catch up.  None where no tick shares a map with them."""
-        deps = list(dict.fromkeys(t for island, hook, movement in watch
-                                  for t in self._tick_deps_of(island, hook, movement)))
-        if not deps:
-            return None
-        ports = [(t, t.ports_of(entries)) for t in deps]
-
-        def refresh(now: float) -> None:
-            for t, written in ports:
-                if t.next_due <= now and not t.preview(written, now):
-                    self._catch_up(deps, now)
-                    return
-        return refresh
+        ``watch`` ((island, hook, movement) each) read up to date, before a time it is given
+        (`ticks.Refresher`): one for every decision that reads them.  None where no tick shares
+        a map with them."""
+        key = (watch, entries)
+        if key not in self._refreshers:
+            deps = list(dict.fromkeys(t for island, hook, movement in watch
+                                      for t in self._tick_deps_of(island, hook, movement)))
+            self._refreshers[key] = Refresher(deps, entries, self._catch_up) if deps else None
+        return self._refreshers[key]
 
     def _tick_deps_of(self, island, hook, movement) -> list[TickSource]:
         """The tick sources whose program shares a map with what the hook's handlers touch for

@@ -195,6 +195,30 @@ class _Period:
         return [before[n + j] - before[j] for j in range(n)]
 
 
+class Refresher:
+    """What brings some map entries up to date before they are read at a time (`__call__`):
+    a tick source that can runs only the ports that write them (`TickSource.preview`), the
+    others catch up.  Then no tick writes them again before the next tick time of any of the
+    sources (``fresh_until``): a read before it needs nothing run, whichever decision reads."""
+    __slots__ = ("deps", "ports", "catch_up", "fresh_until")
+
+    def __init__(self, deps: list, entries: tuple, catch_up):
+        """``deps``: the tick sources that share a map with the entries ((map, index) each);
+        ``catch_up(sources, t)`` runs theirs due by t."""
+        self.deps, self.catch_up = deps, catch_up
+        self.ports = [(t, t.ports_of(entries)) for t in deps]
+        self.fresh_until = -1.0
+
+    def __call__(self, now: float) -> None:
+        if now < self.fresh_until:
+            return
+        for t, written in self.ports:
+            if t.next_due <= now and not t.preview(written, now):
+                self.catch_up(self.deps, now)
+                break
+        self.fresh_until = min(t.next_tick_after(now) for t in self.deps)
+
+
 def _rows(flats: list, spans: list) -> np.ndarray:
     """The ports' transmissions [i, j) of each (i, j) in ``spans``, one port after another, as
     an (n, 3) array: start, stop, bytes."""
@@ -272,6 +296,13 @@ class TickSource:
             if not self._run(upto):
                 return
             self.next_due = min(p.due for p in self.periods)
+
+    def next_tick_after(self, t: float) -> float:
+        """When this source's first tick after t is (inf: none comes, past its end or detached)."""
+        if not self.active:
+            return float("inf")
+        nxt = float(min((int(t // p.period) + 1) * p.period for p in self.periods))
+        return nxt if nxt <= self.end else float("inf")
 
     def ports_of(self, entries) -> tuple[int, ...]:
         """The ports whose runs write the entries of ``entries`` ((map, index) each; an entry's
