@@ -170,20 +170,27 @@ class ContextCodec:
         if plan is None:
             raise ValueError(f"{self.hook.name}: a decision among the fields {names}")
         st, _, masks, order = plan
-        # the struct's values are picked from the fixed ones (each field's, then the decisions'
-        # defaults) followed by the given ones: one C call per context
-        base = tuple(fixed.get(n, 0) for n in order) + self._dec_defaults
-        at = [len(base) + varying.index(n) if n in varying else i for i, n in enumerate(order)]
-        at += range(len(order), len(base))
-        pick = operator.itemgetter(*at) if len(at) > 1 else (lambda v: tuple(v[i] for i in at))
+        # the struct's values in its order: each field's, given or fixed, then the decisions'
+        # defaults.  The function is made from source, as dataclasses and namedtuple make theirs,
+        # with the fixed values in place: picking them out of a tuple at each call cost twice
+        # the pack (a watcher's context is made for every chunk it is shown)
+        given = [f"v{i}" for i in range(len(varying))]
+        consts: dict[str, object] = {}
 
-        def make(*given) -> bytes:
-            values = pick(base + given)
-            try:
-                return st.pack(*values)
-            except struct.error:       # as `_pack_into`
-                return st.pack(*[int(v) & m for v, m in zip(values, masks)])
-        return make
+        def const(value) -> str:        # an int as itself, anything else by name
+            if type(value) is int:
+                return repr(value)
+            consts[f"c{len(consts)}"] = value
+            return f"c{len(consts) - 1}"
+        values = ", ".join([given[varying.index(n)] if n in varying else const(fixed.get(n, 0)) for n in order]
+                           + [const(d) for d in self._dec_defaults])
+        source = (f"def make({', '.join(given)}):\n"
+                  f"    try:\n        return pack({values})\n"
+                  f"    except error:\n        return masked([{values}])\n")    # as `_pack_into`
+        scope = {"pack": st.pack, "error": struct.error, **consts,
+                 "masked": lambda vs: st.pack(*[int(v) & m for v, m in zip(vs, masks)])}
+        exec(source, scope)     # noqa: S102 - names and int literals made here, nothing from input
+        return scope["make"]
 
     def first_decided(self, rows: np.ndarray) -> int | None:
         """The first row of a batch whose decisions are not all at their defaults (None: none)."""
