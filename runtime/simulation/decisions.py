@@ -26,6 +26,7 @@ changed in place), and tell the hook site the uses (`HookSite.took`).
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 from .dispatch import MEMO_LIMIT, Known
@@ -45,12 +46,18 @@ class HookPlan:
     observed: bool = False      # every hook's program only watches the movement's events (`Watched`)
     shared: dict = field(default_factory=dict, compare=False)   # `key_of` -> what stands there
     watchers: dict = field(default_factory=dict, compare=False)     # (moment, hop, path) -> its `Watched`
+    _pick: object = field(default=None, init=False, repr=False, compare=False)   # ctx -> the key's values
+
+    def __post_init__(self):
+        if self.key is not None:        # (`key_of`: one C call at every transfer's start)
+            pick = operator.itemgetter(*self.key) if self.key else (lambda ctx: ())
+            object.__setattr__(self, "_pick", pick if len(self.key) != 1 else (lambda ctx: (pick(ctx),)))
 
     def key_of(self, transfer, hop: int, path: tuple) -> tuple:
         """What a static plan's decisions are a function of, for ``transfer``: the values of
         its fields the hooks read; an at_hop plan's, those, the path of its chunk and its hop
         there (which give its ports) and the map entries read, which its `AtHop`'s guard checks."""
-        values = tuple([transfer.ctx[i] for i in self.key])
+        values = self._pick(transfer.ctx)
         return values if self.static else (values, hop, path)
 
 
@@ -109,7 +116,7 @@ class DecisionCache:
         """What is shared by other transfers (`HookPlan.shared`, `HookPlan.watchers`) holds for
         ``transfer``'s chunks too: ``found`` by (island, moment)."""
         self._holders.add(transfer)
-        transfer.standing = {**transfer.standing, **found}
+        transfer.standing = {**transfer.standing, **found} if transfer.standing else found
 
     @property
     def standing(self) -> dict[tuple, Standing]:
