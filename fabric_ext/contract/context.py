@@ -22,6 +22,30 @@ def _pack_into(st: struct.Struct, buf, offset: int, values, masks) -> None:
         st.pack_into(buf, offset, *[int(v) & m for v, m in zip(values, masks)])
 
 
+_STAMP_FACTORIES: dict[str, object] = {}     # source -> a compiled `_stamp_factory`
+
+
+def _stamp_factory(n_consts: int, given: str, values: str):
+    """A function of (pack, its error, a masking pack, the fixed values ``c0``..) that returns
+    a function of the ``given`` names packing ``values`` (names of both, in the struct's order):
+    compiled once per arrangement of fields, the fixed values bound as the closure's (a
+    compile costs as much as a few hundred packs)."""
+    consts = "".join(f", c{i}" for i in range(n_consts))
+    source = (f"def factory(pack, error, masked{consts}):\n"
+              f"    def make({given}):\n"
+              f"        try:\n            return pack({values})\n"
+              f"        except error:\n            return masked([{values}])\n"     # as `_pack_into`
+              f"    return make\n")
+    factory = _STAMP_FACTORIES.get(source)
+    if factory is None:
+        scope: dict = {}
+        exec(source, scope)     # noqa: S102 - names made here, nothing from input
+        factory = scope["factory"]
+        if len(_STAMP_FACTORIES) < SHARED_LIMIT:
+            _STAMP_FACTORIES[source] = factory
+    return factory
+
+
 class ContextCodec:
     """Fills a hook's context struct and reads its decisions back, by field name.
 
@@ -172,25 +196,14 @@ class ContextCodec:
         st, _, masks, order = plan
         # the struct's values in its order: each field's, given or fixed, then the decisions'
         # defaults.  The function is made from source, as dataclasses and namedtuple make theirs,
-        # with the fixed values in place: picking them out of a tuple at each call cost twice
-        # the pack (a watcher's context is made for every chunk it is shown)
+        # with the fixed values bound: picking them out of a tuple at each call cost twice the
+        # pack (a watcher's context is made for every chunk it is shown)
         given = [f"v{i}" for i in range(len(varying))]
-        consts: dict[str, object] = {}
-
-        def const(value) -> str:        # an int as itself, anything else by name
-            if type(value) is int:
-                return repr(value)
-            consts[f"c{len(consts)}"] = value
-            return f"c{len(consts) - 1}"
-        values = ", ".join([given[varying.index(n)] if n in varying else const(fixed.get(n, 0)) for n in order]
-                           + [const(d) for d in self._dec_defaults])
-        source = (f"def make({', '.join(given)}):\n"
-                  f"    try:\n        return pack({values})\n"
-                  f"    except error:\n        return masked([{values}])\n")    # as `_pack_into`
-        scope = {"pack": st.pack, "error": struct.error, **consts,
-                 "masked": lambda vs: st.pack(*[int(v) & m for v, m in zip(vs, masks)])}
-        exec(source, scope)     # noqa: S102 - names and int literals made here, nothing from input
-        return scope["make"]
+        consts = [fixed.get(n, 0) for n in order if n not in varying] + list(self._dec_defaults)
+        names = iter(f"c{i}" for i in range(len(consts)))
+        values = ", ".join([given[varying.index(n)] if n in varying else next(names) for n in order] + list(names))
+        return _stamp_factory(len(consts), ", ".join(given), values)(
+            st.pack, struct.error, lambda vs: st.pack(*[int(v) & m for v, m in zip(vs, masks)]), *consts)
 
     def first_decided(self, rows: np.ndarray) -> int | None:
         """The first row of a batch whose decisions are not all at their defaults (None: none)."""
