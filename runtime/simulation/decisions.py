@@ -76,8 +76,9 @@ class AtHop(Standing):
     map entries they read are unchanged."""
     hop: int = 0
     guard: tuple = ()           # (the map's values, the entry's span, its bytes then) each
-    refresh: object = None      # called with the time before they are read: the ticks that write
-                                # them run (`HookSite.before_reading`); None: none does
+    refresh: object = None      # a `ticks.Refresher`, called with the time before they are read
+                                # from its ``fresh_until`` on: the ticks that write them run
+                                # (`HookSite.before_reading`); None: none does
 
 
 @dataclass(slots=True)

@@ -402,8 +402,9 @@ class ShimHookSite(HookSite):
         decisions read, once the ticks that write them have run, are as they were."""
         if hop != standing.hop:
             return False
-        if standing.refresh is not None:
-            standing.refresh(self.sim.now)
+        refresh, now = standing.refresh, self.sim.now
+        if refresh is not None and now >= refresh.fresh_until:     # (a tick may have written them)
+            refresh(now)
         for values, span, then in standing.guard:
             if values[span] != then:
                 return False

@@ -210,8 +210,7 @@ class Refresher:
         self.fresh_until = -1.0
 
     def __call__(self, now: float) -> None:
-        if now < self.fresh_until:
-            return
+        """Bring them up to date at ``now`` (at or after ``fresh_until``: the caller looks)."""
         for t, written in self.ports:
             if t.next_due <= now and not t.preview(written, now):
                 self.catch_up(self.deps, now)
