@@ -50,13 +50,13 @@ class HookPlan:
 
     def __post_init__(self):
         if self.key is not None:        # (`key_of`: one C call at every transfer's start)
-            pick = operator.itemgetter(*self.key) if self.key else (lambda ctx: ())
-            object.__setattr__(self, "_pick", pick if len(self.key) != 1 else (lambda ctx: (pick(ctx),)))
+            object.__setattr__(self, "_pick", operator.itemgetter(*self.key) if self.key else (lambda ctx: ()))
 
-    def key_of(self, transfer, hop: int, path: tuple) -> tuple:
+    def key_of(self, transfer, hop: int, path: tuple):
         """What a static plan's decisions are a function of, for ``transfer``: the values of
-        its fields the hooks read; an at_hop plan's, those, the path of its chunk and its hop
-        there (which give its ports) and the map entries read, which its `AtHop`'s guard checks."""
+        its fields the hooks read (the one value, where one); an at_hop plan's, those, the
+        path of its chunk and its hop there (which give its ports) and the map entries read,
+        which its `AtHop`'s guard checks."""
         values = self._pick(transfer.ctx)
         return values if self.static else (values, hop, path)
 
