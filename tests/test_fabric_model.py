@@ -616,8 +616,7 @@ def _streamed(flows, trains, site=None, engines=1, max_events=None, channel=True
                         {k: t.name for k, t in e.current.items()}) for es in f.engines.values() for e in es}
     ends = [(t.end, t.landing, t.chunks_done, t.queue_waits) for t in transfers]
     trains = f.trains or SimpleNamespace(steps=0, ringed=0)
-    if hooks.untold is not None:        # (what the site counts, as it would read it)
-        hooks.untold()
+    hooks.untold()      # (what the site counts, as it would read it)
     run = (sim.events, sim.now, sim.place())     # (the places taken: the order of events at one time)
     return _Streamed(ends, links, engines, hooks.asked, run, trains.steps, hooks, trains.ringed)
 
@@ -675,8 +674,7 @@ class Words(Standing):
             self.words[island] = transfer.name
 
     def on_issue(self, chunk, island, role):
-        if self.untold is not None:     # (the words trains took come first)
-            self.untold()
+        self.untold()       # (the words trains took come first)
         self.words[island] = chunk.transfer.name
         return super().on_issue(chunk, island, role)
 

@@ -84,9 +84,11 @@ class HookSite:
         none of it changes, so what is worked out from it may be kept that long."""
         return None
 
-    #: what trains took and have not told yet (`trains.Trains.tell`, set by them): the site calls
-    #: it before it sets or reads anything `took` changes, which then is as if told at once
-    untold = None
+    def untold(self) -> None:
+        """Have what trains took and have not told yet told now (`trains.Trains.tell`, which they
+        put in its place): the site calls it before it sets or reads anything `took` changes,
+        which then is as if told at once."""
+        return None
 
     def took(self, standing, transfer: Transfer, island: str, times: int) -> None:
         """``times`` more chunks of ``transfer`` took ``standing`` (what `standing` gave for

@@ -200,14 +200,12 @@ class ShimHookSite(HookSite):
     def prefetch_of(self, gpu: str) -> tuple[int, tuple | None]:
         """The GPU's prefetch depth now, and the (hook, movement) of the decision that set it
         (None: the workload's)."""
-        if self.untold is not None:
-            self.untold()
+        self.untold()
         return self.prefetch[gpu], self.prefetch_by.get(gpu)
 
     def settle(self) -> None:
         """Count the uses of what stood as hits of the decisions they repeat (`DecisionCache.settle`)."""
-        if self.untold is not None:
-            self.untold()
+        self.untold()
         self.remembered.settle()
 
     def stands_for(self, t):
@@ -241,8 +239,7 @@ class ShimHookSite(HookSite):
     def set_prefetch(self, gpu: str, depth: int, hook: str, movement: int | None) -> None:
         """A program's ``prefetch`` decision: the GPU's depth from now on (the latest word holds:
         the words trains took come first)."""
-        if self.untold is not None:
-            self.untold()
+        self.untold()
         self.prefetch[gpu] = depth
         self.prefetch_by[gpu] = (hook, movement)
 

@@ -15,9 +15,10 @@ before every event in the loop's queue.  Each step is the
 loop's, with the calls between its parts left out: taken at its time and in its order, it
 counts as an event (`Sim.take`), what it schedules takes its place in the order of events
 (`Sim.place`), and it changes the same state (the server's queues, the copy engine's
-streams, the hook site's counts, told before the site reads them: `Trains.tell`) in the same way.  The first step that does not fit (a
-program to ask, a busy link, a chunk that completes its transfer, an event due first) and
-those after it go to the loop as ordinary events.
+streams, the hook site's counts, told before the site reads them: `Trains.tell`) in the
+same way.  The first step that does not fit (a program to ask, a busy link, a chunk that
+completes its transfer, an event due first) and those after it go to the loop as ordinary
+events.
 
 Where the class the server sends is a ring (each of its flows has one chunk queued and its
 copy engine one issued, and nothing is asked of them on the way but to show them to programs
@@ -63,12 +64,12 @@ class _Flow:
     lat1: float = 0.0           # ns from the server to the next device
     lat2: float = 0.0           # ns from there to the end of its path
     next: object = None         # in a ring (`Trains._ring`): the chunk its engine takes next, or None
-    entered: int = 0            # chunks entered in this train
-    issued: int = 0             # chunks issued in this train
+    entered: int = 0            # chunks trains entered since the flow was last told (`tell`)
+    issued: int = 0             # ... and issued
     last_issue: float = -1.0    # when a train last issued one (the flows' prefetch words are told in that order)
 
     def tell(self, hooks) -> None:
-        """Tell the hook site what this train took of what stands, and start counting anew."""
+        """Tell the hook site what trains took of what stands, and start counting anew."""
         if self.entered and self.enter_standing is not None:
             hooks.took(self.enter_standing, self.t, self.enter, self.entered)
         if self.issued:
@@ -456,8 +457,8 @@ class Trains:
         """Write back what `_ring` kept in locals: the class's queue in round-robin order, and
         each flow's engine: the chunk its engine takes next heads its stream, in place of the
         one there when the ring began (the same where the flow did not step).  The flows are
-        told to the hook site with the train's (`tell`: one that did not step has nothing to
-        tell).  ``cur``: the flow whose chunk the server sends.  Each engine took its last
+        counted with the train's, to be told when the site asks (`tell`: one that did not step
+        has nothing to tell).  ``cur``: the flow whose chunk the server sends.  Each engine took its last
         chunk from the stream it now takes from, and took it for the same transfer
         (`_ring_flow`), so `CopyEngine.current` stays as it was."""
         q.clear()
