@@ -164,6 +164,24 @@ def test_a_prefetch_word_comes_after_the_words_trains_took_before_it():
     assert site.prefetch_of(gpu) == (4, ("complete", 8))
 
 
+def test_the_report_counts_what_trains_took_and_had_not_told(monkeypatch):
+    """What trains took of what stands and had not told the hook site yet (`Trains.tell`) is
+    counted in the report all the same: settling asks them first."""
+    from fabric_ext.runtime.simulation.trains import Trains
+    flows, fits = [], Trains._fits
+    monkeypatch.setattr(Trains, "_fits", lambda self, t: flows.append(fits(self, t)) or flows[-1])
+    _, eng = run_engine(compiled("prefill_qos"))
+    flow = next(f for f in flows if f is not None and f.ends)
+    island = flow.ends[0][0]
+
+    def issued(report):
+        return next(i for i in report["islands"] if i["name"] == island)["per_hook"]["issue"]
+    before = issued(eng.report())
+    flow.issued = 5                     # five more chunks a train issued, not told yet
+    eng.fabric.trains._told[flow] = None
+    assert issued(eng.report()) == before + 5
+
+
 def test_remembered_decisions_follow_the_fields_the_handler_reads(tmp_path):
     out = compile_text(tmp_path, """
 import "fabrics/dgx_cxl.fx"
