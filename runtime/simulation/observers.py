@@ -42,23 +42,23 @@ class Batch:
     """The events of a group of observers that share maps with each other and with no other
     program (one observer, mostly), kept in the order they happened (`Shim.keep` adds them)
     and run in that order, at the latest once `shims.PENDING_ROWS` wait."""
-    __slots__ = ("rows", "times", "owners", "kins", "kin")
+    __slots__ = ("rows", "times", "owners", "starts", "kin")
 
     def __init__(self):
         self.rows = bytearray()         # the events' contexts, one after another
         self.times: list[float] = []    # when each happened
         self.owners: list[Watch] = []   # whose each is
-        self.kins: list[tuple] = []     # (its first event, the kin) of each run of events of one kin
-        self.kin = None                 # the last run's
+        self.starts: list[int] = []     # the first event of each run of events of one kin
+        self.kin = None                 # the last run's kin
 
     def flush(self) -> None:
         """Run every event kept, in order: each run of events of kin programs in one call (a
         program that faults runs none of its later ones)."""
-        rows, times, owners, kins = self.rows, self.times, self.owners, self.kins
-        self.rows, self.times, self.owners, self.kins, self.kin = bytearray(), [], [], [], None
+        rows, times, owners, starts = self.rows, self.times, self.owners, self.starts
+        self.rows, self.times, self.owners, self.starts, self.kin = bytearray(), [], [], [], None
         data = np.frombuffer(rows, dtype=np.uint8)
         offset = 0
-        for (first, _), (last, _) in zip(kins, [*kins[1:], (len(times), None)]):
+        for first, last in zip(starts, [*starts[1:], len(times)]):
             size = owners[first].shim.codecs[owners[first].hook].size
             ctxs = data[offset:offset + (last - first) * size].reshape(last - first, size)
             _run_kin(ctxs, times[first:last], owners[first:last])

@@ -190,7 +190,7 @@ class Shim:
         batch = w.batch                 # (the batch's bookkeeping, here: once a watched event)
         if batch.kin is not w.kin:
             batch.kin = w.kin
-            batch.kins.append((len(batch.times), w.kin))
+            batch.starts.append(len(batch.times))
         batch.rows += ctx
         batch.times.append(now)
         batch.owners.append(w)
